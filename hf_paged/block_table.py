@@ -1,0 +1,146 @@
+"""Logical-to-physical block tables of a batch of sequences. Plain Python, no torch.
+
+Row `r` of the batch owns `tables[r]` (physical block ids, logical order) and holds
+`lengths[r]` real tokens: token `t` lives in block `tables[r][t // block_size]` at
+offset `t % block_size`. Rows may share blocks (beam search, parallel sampling);
+the first write into a shared, partly filled block copies it first (copy-on-write).
+Every change to the tables is returned as a plan the cache mirrors on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from .block_pool import BlockPool
+from .errors import KVCacheExhaustedError
+
+
+@dataclass
+class AppendPlan:
+    """What one `append` changed.
+
+    entries: (row, logical index, physical block) to write into the device block table.
+    copies:  (src, dst) block pairs to copy (all layers, K and V) before the step writes.
+    """
+
+    entries: list[tuple[int, int, int]] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+
+
+class BlockTables:
+    """Block tables of `num_rows` sequences drawing blocks from one `BlockPool`."""
+
+    def __init__(self, pool: BlockPool, num_rows: int = 0):
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.tables: list[list[int]] = [[] for _ in range(num_rows)]
+        self.lengths: list[int] = [0] * num_rows
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.tables)
+
+    def max_blocks(self) -> int:
+        return max((len(t) for t in self.tables), default=0)
+
+    def _needs_copy(self, row: int) -> bool:
+        """True when the next write to `row` lands in a shared, partly filled block."""
+        n = self.lengths[row]
+        return n % self.block_size != 0 and self.pool.refcount(self.tables[row][-1]) > 1
+
+    def blocks_needed(self, counts: Sequence[int]) -> int:
+        """Free blocks an `append(counts)` would take (new blocks plus copies).
+
+        Of `w` rows writing into a shared partial block with refcount `r`, the first
+        `min(w, r - 1)` copy it; the last holder writes in place.
+        """
+        bs = self.block_size
+        needed = 0
+        writers: dict[int, int] = {}
+        for row, c in enumerate(counts):
+            if c <= 0:
+                continue
+            n = self.lengths[row]
+            needed += -(-(n + c) // bs) - len(self.tables[row])
+            if n % bs:
+                last = self.tables[row][-1]
+                writers[last] = writers.get(last, 0) + 1
+        for block, w in writers.items():
+            needed += min(w, self.pool.refcount(block) - 1)
+        return needed
+
+    def append(self, counts: Sequence[int]) -> AppendPlan:
+        """Makes room for `counts[r]` more tokens in each row. All or nothing."""
+        if len(counts) != self.num_rows:
+            raise ValueError(f"append got {len(counts)} counts for {self.num_rows} rows.")
+        needed = self.blocks_needed(counts)
+        if needed > self.pool.num_free:
+            raise KVCacheExhaustedError(
+                needed, self.pool.num_free, self.pool.num_blocks, self.block_size
+            )
+        fresh = self.pool.allocate(needed)
+        plan = AppendPlan()
+        bs = self.block_size
+        for row, c in enumerate(counts):
+            if c <= 0:
+                continue
+            table = self.tables[row]
+            if self._needs_copy(row):
+                src, dst = table[-1], fresh.pop()
+                plan.copies.append((src, dst))
+                table[-1] = dst
+                plan.entries.append((row, len(table) - 1, dst))
+                self.pool.decref([src])
+            for _ in range(-(-(self.lengths[row] + c) // bs) - len(table)):
+                b = fresh.pop()
+                plan.entries.append((row, len(table), b))
+                table.append(b)
+            self.lengths[row] += c
+        assert not fresh
+        return plan
+
+    def fork_rows(self, src_rows: Sequence[int]) -> None:
+        """New row `i` becomes a copy of old row `src_rows[i]`, sharing its blocks.
+
+        Old rows nobody copies release their blocks. The row count may change.
+        """
+        old_tables, old_lengths = self.tables, self.lengths
+        for r in src_rows:
+            if not 0 <= r < len(old_tables):
+                raise IndexError(f"fork_rows source row {r} out of range [0, {len(old_tables)}).")
+        self.tables = [list(old_tables[r]) for r in src_rows]
+        self.lengths = [old_lengths[r] for r in src_rows]
+        for t in self.tables:  # take the new references before dropping the old ones
+            self.pool.incref(t)
+        for t in old_tables:
+            self.pool.decref(t)
+
+    def truncate(self, new_lengths: Sequence[int]) -> None:
+        """Keeps the first `new_lengths[r]` tokens of each row, releasing blocks past them."""
+        if len(new_lengths) != self.num_rows:
+            raise ValueError(f"truncate got {len(new_lengths)} lengths for {self.num_rows} rows.")
+        for row, n in enumerate(new_lengths):
+            if not 0 <= n <= self.lengths[row]:
+                raise ValueError(
+                    f"truncate: row {row} holds {self.lengths[row]} tokens, cannot keep {n}."
+                )
+        bs = self.block_size
+        for row, n in enumerate(new_lengths):
+            keep = -(-n // bs)
+            table = self.tables[row]
+            self.pool.decref(table[keep:])
+            del table[keep:]
+            self.lengths[row] = n
+
+    def release(self) -> None:
+        """Frees every row's blocks and forgets the rows."""
+        for t in self.tables:
+            self.pool.decref(t)
+        self.tables, self.lengths = [], []
+
+    def resize(self, num_rows: int) -> None:
+        """Starts over with `num_rows` empty rows."""
+        self.release()
+        self.tables = [[] for _ in range(num_rows)]
+        self.lengths = [0] * num_rows

@@ -1,0 +1,323 @@
+"""`PagedCache`: a `transformers.Cache` whose keys and values live in a shared block pool."""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache
+
+from .block_table import BlockTables
+from .config import PagedCacheConfig
+from .errors import HFPagedError
+from .kernels import reference
+from .kv_pool import KVPool
+from .metadata import DeviceBlockTable, ForwardMetadata, build_metadata
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """KV memory of a `PagedCache` at one moment.
+
+    tokens_stored:       distinct tokens held in blocks (a shared token counts once)
+    logical_tokens:      tokens summed over rows (a shared token counts per row)
+    blocks_in_use:       blocks with at least one holder
+    peak_blocks_in_use:  most blocks in use at once since the cache was created or reset
+    num_blocks:          blocks the pool has room for
+    shared_blocks:       blocks held by more than one row
+    bytes_per_token:     K+V bytes of one token over all layers
+    pool_bytes:          bytes allocated for the pool
+    unshared_kv_bytes:   bytes the same rows would need in blocks of their own
+    utilization:         tokens_stored / (blocks_in_use * block_size)
+    """
+
+    tokens_stored: int
+    logical_tokens: int
+    blocks_in_use: int
+    peak_blocks_in_use: int
+    num_blocks: int
+    block_size: int
+    shared_blocks: int
+    bytes_per_token: int
+    pool_bytes: int
+    unshared_kv_bytes: int
+    utilization: float
+
+    @property
+    def kv_bytes_in_use(self) -> int:
+        return self.blocks_in_use * self.block_size * self.bytes_per_token
+
+    @property
+    def peak_kv_bytes(self) -> int:
+        return self.peak_blocks_in_use * self.block_size * self.bytes_per_token
+
+
+def kv_layout(config) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads, head_dim) of a decoder config."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, kv_heads, head_dim
+
+
+class PagedCache(Cache):
+    """KV cache in fixed-size blocks drawn on demand from a `KVPool`.
+
+    Each batch row has a block table; only real tokens are stored (left padding is
+    skipped), rows forked by beam search share blocks copy-on-write. `update` returns
+    the layer's pool views `[NB, bs, Hkv, D]`, which the "paged" attention reads through
+    `self.meta`, the metadata built once per forward.
+
+    `get_seq_length` reports padded columns seen, as Transformers' caches do, so that
+    generate slices its inputs the usual way.
+    """
+
+    def __init__(
+        self,
+        config,
+        cache_config: PagedCacheConfig | dict | None = None,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        pool: KVPool | None = None,
+        max_cache_len: int | None = None,
+    ):
+        super().__init__(layers=[])
+        text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        self.cache_config = PagedCacheConfig.from_any(cache_config)
+        self.num_layers, self.num_kv_heads, self.head_dim = kv_layout(text_config)
+        self.sliding_window = getattr(text_config, "sliding_window", None)
+        if pool is None:
+            pool = KVPool.for_config(self.cache_config, self.num_layers, self.num_kv_heads,
+                                     self.head_dim, dtype, device)
+        if pool.block_size != self.cache_config.block_size:
+            raise ValueError(
+                f"PagedCache: pool block_size {pool.block_size} != cache_config block_size "
+                f"{self.cache_config.block_size}."
+            )
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.max_cache_len = max_cache_len
+        self.tables = BlockTables(pool.blocks)
+        self.device_table: DeviceBlockTable | None = None
+        self.meta: ForwardMetadata | None = None
+        self._seen = 0  # padded columns processed, what generate calls the sequence length
+        self._peak_blocks = 0
+        self._pending_mask: torch.Tensor | None = None
+        self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._views_version = -1
+        self._detached = False
+        pool.attach(self)
+
+    # -- generate's view of the cache -----------------------------------------------------
+    def __len__(self) -> int:
+        return self.num_layers
+
+    def __repr__(self) -> str:
+        return (f"PagedCache(rows={self.tables.num_rows}, seen={self._seen}, "
+                f"block_size={self.block_size}, blocks_in_use={self.pool.blocks.num_used})")
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._seen
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self._seen + query_length, 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self._seen
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    @property
+    def batch_size(self) -> int:
+        return self.tables.num_rows
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.device_table is not None
+
+    @property
+    def is_croppable(self) -> bool:
+        return True
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [self.sliding_window is not None] * self.num_layers
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return [False] * self.num_layers
+
+    @property
+    def is_dummy(self) -> list[bool]:
+        return [False] * self.num_layers
+
+    def activate_past_recording(self):
+        """Nothing to record: cropping only shortens block tables."""
+
+    def is_recording_past(self, layer_idx: int = 0) -> bool:
+        return True
+
+    # -- writing ------------------------------------------------------------------------------
+    def expect_forward(self, attention_mask: torch.Tensor | None) -> None:
+        """Tells the next forward which of its new columns are padding.
+
+        attention_mask: [R, seen + q] 2D mask (1 = real token) or None for no padding.
+        """
+        self._pending_mask = attention_mask
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        """Stores the new tokens of one layer; returns that layer's pool views.
+
+        key_states, value_states: [R, Hkv, q, D] -> (k_cache, v_cache) [NB, bs, Hkv, D]
+        """
+        if layer_idx == 0:
+            mask, self._pending_mask = self._pending_mask, None
+            self._begin_forward(mask, key_states.shape[0], key_states.shape[2])
+        meta = self.meta
+        if meta is None:
+            raise HFPagedError("PagedCache.update: layer 0 must be updated first in each forward.")
+        k_cache, v_cache = self._views[layer_idx]
+        key = key_states.transpose(1, 2).reshape(-1, self.num_kv_heads, self.head_dim)
+        value = value_states.transpose(1, 2).reshape(-1, self.num_kv_heads, self.head_dim)
+        if meta.token_index is not None:
+            key = key.index_select(0, meta.token_index)
+            value = value.index_select(0, meta.token_index)
+        reference.write_kv(k_cache, v_cache, key.to(k_cache.dtype), value.to(v_cache.dtype),
+                           meta.slot_mapping)
+        return k_cache, v_cache
+
+    def _begin_forward(self, attention_mask: torch.Tensor | None, rows: int, q_len: int) -> None:
+        if self._detached:
+            raise HFPagedError(
+                "This PagedCache's pool was handed to a newer cache of the same model; "
+                "create a new cache (or call generate again) instead of reusing this one."
+            )
+        if self.device_table is None:
+            self.tables.resize(rows)
+            cols = -(-(self.max_cache_len or 1) // self.block_size) + 1
+            self.device_table = DeviceBlockTable(rows, cols, self.pool.device)
+        elif rows != self.tables.num_rows:
+            raise ValueError(
+                f"PagedCache holds {self.tables.num_rows} sequence(s) but the forward has {rows} "
+                "rows; call reset() before reusing the cache for another batch."
+            )
+        if attention_mask is None or q_len == 1:
+            counts = [q_len] * rows
+        else:
+            if attention_mask.dim() != 2 or attention_mask.shape[0] != rows:
+                raise ValueError(
+                    f"PagedCache expects a 2D attention mask of shape [{rows}, seen + q]; got "
+                    f"{tuple(attention_mask.shape)}."
+                )
+            counts = attention_mask[:, -q_len:].sum(-1).tolist()
+        self.pool.ensure_free(self.tables.blocks_needed(counts), limit=self._block_limit(rows))
+        context = self.device_table.lengths
+        plan = self.tables.append(counts)
+        self.pool.copy_blocks(plan.copies)
+        self.device_table.apply(plan.entries)
+        self.meta = build_metadata(self.device_table, context, counts, q_len,
+                                   max(self.tables.lengths), self.block_size)
+        self.device_table.lengths = self.meta.seq_lens
+        self._seen += q_len
+        self._peak_blocks = max(self._peak_blocks, self.pool.blocks.num_used)
+        if self._views_version != self.pool.version:
+            self._refresh_views()
+
+    def _block_limit(self, rows: int) -> int | None:
+        """Most blocks this cache can need: caps an unsized pool's growth headroom."""
+        if self.max_cache_len is None:
+            return None
+        return rows * -(-(self.max_cache_len + 1) // self.block_size)
+
+    def _refresh_views(self) -> None:
+        owner = weakref.ref(self)
+        self._views = []
+        for layer in range(self.num_layers):
+            k, v = self.pool.kv[layer, 0], self.pool.kv[layer, 1]
+            k._hf_paged_cache = owner  # lets the attention function find its metadata
+            self._views.append((k, v))
+        self._views_version = self.pool.version
+
+    # -- reading ---------------------------------------------------------------------------------
+    def attend(self, query: torch.Tensor, layer_idx: int, scale: float,
+               sliding_window: int | None = None) -> torch.Tensor:
+        """Attention of this forward's queries [R, Hq, q, D] over layer `layer_idx` -> [R, q, Hq, D]."""
+        meta = self.meta
+        k_cache, v_cache = self._views[layer_idx]
+        mask = meta.attention_mask(sliding_window)
+        return reference.paged_attention(query, k_cache, v_cache, meta.block_tables, mask, scale)
+
+    # -- structure changes from generate -----------------------------------------------------------
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Row i continues old row beam_idx[i]: tables are shared, nothing is copied."""
+        if self.device_table is None:
+            return
+        self.tables.fork_rows(beam_idx.tolist())
+        self.device_table.fork(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.reorder_cache(torch.as_tensor(indices, dtype=torch.long))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        rows = torch.arange(self.tables.num_rows).repeat_interleave(repeats)
+        self.reorder_cache(rows)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drops the last `-tokens_to_remove` columns (a positive value is the length to keep)."""
+        keep = self._seen + tokens_to_remove if tokens_to_remove <= 0 else tokens_to_remove
+        if keep >= self._seen:
+            return
+        if keep < 0:
+            raise ValueError(f"crop({tokens_to_remove}) removes more than the {self._seen} cached columns.")
+        removed = self._seen - keep
+        if self.device_table is not None:
+            lengths = [max(n - removed, 0) for n in self.tables.lengths]
+            self.tables.truncate(lengths)
+            self.device_table.lengths = torch.tensor(lengths, dtype=torch.int64,
+                                                     device=self.device_table.device)
+        self._seen = keep
+
+    def reset(self) -> None:
+        """Frees every block; the pool stays allocated for reuse."""
+        self.tables.release()
+        self.device_table = None
+        self.meta = None
+        self._seen = 0
+        self._pending_mask = None
+        self._peak_blocks = self.pool.blocks.num_used
+
+    def _detach(self) -> None:
+        self.reset()
+        self._detached = True
+
+    # -- accounting -----------------------------------------------------------------------------------
+    def memory_stats(self) -> MemoryStats:
+        bs = self.block_size
+        fill: dict[int, int] = {}
+        for table, n in zip(self.tables.tables, self.tables.lengths):
+            for i, block in enumerate(table):
+                fill[block] = max(fill.get(block, 0), min(bs, n - i * bs))
+        tokens = sum(fill.values())
+        in_use = len(fill)
+        shared = sum(1 for b in fill if self.pool.blocks.refcount(b) > 1)
+        bpt = self.pool.bytes_per_token
+        return MemoryStats(
+            tokens_stored=tokens,
+            logical_tokens=sum(self.tables.lengths),
+            blocks_in_use=in_use,
+            peak_blocks_in_use=max(self._peak_blocks, in_use),
+            num_blocks=self.pool.blocks.num_blocks,
+            block_size=bs,
+            shared_blocks=shared,
+            bytes_per_token=bpt,
+            pool_bytes=self.pool.nbytes,
+            unshared_kv_bytes=sum(len(t) for t in self.tables.tables) * bs * bpt,
+            utilization=tokens / (in_use * bs) if in_use else 0.0,
+        )

@@ -1,0 +1,31 @@
+"""Named errors raised by hf-paged for caller mistakes and resource limits."""
+
+from __future__ import annotations
+
+
+class HFPagedError(Exception):
+    """Base class of every error hf-paged raises on purpose."""
+
+
+class KVCacheExhaustedError(HFPagedError, RuntimeError):
+    """The block pool has fewer free blocks than a step needs.
+
+    Raised before anything is modified, so the cache stays consistent: it can be
+    `reset()` and reused, or the call retried with a larger pool.
+    """
+
+    def __init__(self, needed: int, free: int, num_blocks: int, block_size: int):
+        self.needed = needed
+        self.free = free
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        super().__init__(
+            f"KV cache exhausted: this step needs {needed} free block(s) of {block_size} tokens "
+            f"but only {free} of the pool's {num_blocks} block(s) are free. Raise "
+            "cache_config['num_blocks'] or cache_config['max_kv_bytes'] (or leave both unset "
+            "to let the pool grow on demand), or lower the batch size / max_new_tokens."
+        )
+
+
+class UnsupportedModelError(HFPagedError, ValueError):
+    """A paged cache was asked of a model architecture hf-paged does not patch."""

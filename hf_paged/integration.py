@@ -1,0 +1,198 @@
+"""Everything hf-paged changes in Transformers (5.23), in one place.
+
+`enable()` (run by `import hf_paged`) registers the "paged" attention and mask functions
+and wraps four `GenerationMixin` methods:
+
+- `generate`: takes `cache_implementation="paged"` out of the keywords before Transformers
+  reroutes it to continuous batching, and restores attention implementations afterwards;
+- `_prepare_generation_config`: puts "paged" back into the call's generation config;
+- `_prepare_cache_for_generation`: builds (or reuses) a `PagedCache` for supported models
+  and switches them to the "paged" attention for the call;
+- `prepare_inputs_for_generation`: hands each forward's 2D padding mask to the cache.
+
+`disable()` undoes all of it.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import warnings
+
+from transformers import GenerationMixin
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+from transformers.models.llama.modeling_llama import LlamaForCausalLM
+from transformers.models.mistral.modeling_mistral import MistralForCausalLM
+
+from .attention import ATTENTION_NAME, paged_attention_forward, paged_mask
+from .cache import PagedCache, kv_layout
+from .config import PagedCacheConfig
+from .errors import UnsupportedModelError
+from .kv_pool import KVPool
+
+CACHE_IMPLEMENTATION = "paged"
+SUPPORTED_MODELS = (LlamaForCausalLM, MistralForCausalLM)
+SUPPORTED_ARCHITECTURES = tuple(cls.__name__ for cls in SUPPORTED_MODELS)
+
+# Set while a generate() call that got cache_implementation="paged" as a keyword runs.
+_paged_keyword = contextvars.ContextVar("hf_paged_keyword", default=False)
+# (config, attention implementation) pairs to restore when the current generate() returns.
+_swapped = contextvars.ContextVar("hf_paged_swapped", default=None)
+
+_originals: dict[str, object] = {}
+
+
+def is_supported(model) -> bool:
+    return isinstance(model, SUPPORTED_MODELS)
+
+
+def _warn_unsupported(model) -> None:
+    warnings.warn(
+        f"hf-paged: cache_implementation='paged' is not supported for "
+        f"{type(model).__name__}; it runs with Transformers' default cache instead. "
+        f"Supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}.",
+        UserWarning,
+        stacklevel=4,
+    )
+
+
+def _use_paged_attention(model) -> None:
+    config = model.config
+    if config._attn_implementation != ATTENTION_NAME:
+        swapped = _swapped.get()
+        if swapped is not None:
+            swapped.append((config, config._attn_implementation_internal))
+        config._attn_implementation_internal = ATTENTION_NAME
+
+
+def build_cache(model, generation_config, max_cache_length: int | None) -> PagedCache:
+    """A `PagedCache` for `model`; a sized pool is kept on the model and reused."""
+    cache_config = PagedCacheConfig.from_any(generation_config.cache_config)
+    text_config = model.config.get_text_config(decoder=True)
+    dtype, device = model.dtype, model.device
+    pool = None
+    if cache_config.is_sized:
+        pools = model.__dict__.setdefault("_hf_paged_pools", {})
+        key = (cache_config.block_size, cache_config.num_blocks, cache_config.max_kv_bytes,
+               dtype, str(device))
+        pool = pools.get(key)
+        if pool is None:
+            pool = KVPool.for_config(cache_config, *kv_layout(text_config), dtype, device)
+            pools[key] = pool
+    return PagedCache(text_config, cache_config, dtype=dtype, device=device, pool=pool,
+                      max_cache_len=max_cache_length)
+
+
+# -- wrappers -------------------------------------------------------------------------------
+def _generate(original):
+    @functools.wraps(original)
+    def generate(self, *args, **kwargs):
+        keyword = kwargs.get("cache_implementation") == CACHE_IMPLEMENTATION
+        if keyword:
+            kwargs = {k: v for k, v in kwargs.items() if k != "cache_implementation"}
+        swapped: list = []
+        keyword_token, swapped_token = _paged_keyword.set(keyword), _swapped.set(swapped)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _paged_keyword.reset(keyword_token)
+            _swapped.reset(swapped_token)
+            for config, implementation in reversed(swapped):
+                config._attn_implementation_internal = implementation
+
+    return generate
+
+
+def _prepare_generation_config(original):
+    @functools.wraps(original)
+    def prepare(self, *args, **kwargs):
+        generation_config, model_kwargs = original(self, *args, **kwargs)
+        if _paged_keyword.get():
+            generation_config.cache_implementation = CACHE_IMPLEMENTATION
+            _paged_keyword.set(False)  # applies to this call's config only
+        return generation_config, model_kwargs
+
+    return prepare
+
+
+def _prepare_cache_for_generation(original):
+    @functools.wraps(original)
+    def prepare(self, generation_config, model_kwargs, generation_mode, batch_size,
+                max_cache_length, *args, **kwargs):
+        cache = model_kwargs.get("past_key_values")
+        paged = isinstance(cache, PagedCache)
+        if generation_config.cache_implementation != CACHE_IMPLEMENTATION and not paged:
+            return original(self, generation_config, model_kwargs, generation_mode, batch_size,
+                            max_cache_length, *args, **kwargs)
+        if not is_supported(self):
+            if paged:
+                raise UnsupportedModelError(
+                    f"A PagedCache was passed to {type(self).__name__}.generate(); supported "
+                    f"architectures: {', '.join(SUPPORTED_ARCHITECTURES)}."
+                )
+            _warn_unsupported(self)
+            generation_config.cache_implementation = None
+            return original(self, generation_config, model_kwargs, generation_mode, batch_size,
+                            max_cache_length, *args, **kwargs)
+        if cache is not None and not paged:
+            # A user cache together with cache_implementation: Transformers' own error.
+            return original(self, generation_config, model_kwargs, generation_mode, batch_size,
+                            max_cache_length, *args, **kwargs)
+        if generation_config.use_cache is False:
+            return None
+        if paged:
+            cache._is_user_defined = True
+        else:
+            model_kwargs["past_key_values"] = build_cache(self, generation_config, max_cache_length)
+        _use_paged_attention(self)
+        return None
+
+    return prepare
+
+
+def _prepare_inputs_for_generation(original):
+    @functools.wraps(original)
+    def prepare(self, *args, **kwargs):
+        model_inputs = original(self, *args, **kwargs)
+        cache = model_inputs.get("past_key_values")
+        if isinstance(cache, PagedCache):
+            cache.expect_forward(model_inputs.get("attention_mask"))
+        return model_inputs
+
+    return prepare
+
+
+_WRAPPERS = {
+    "generate": _generate,
+    "_prepare_generation_config": _prepare_generation_config,
+    "_prepare_cache_for_generation": _prepare_cache_for_generation,
+    "prepare_inputs_for_generation": _prepare_inputs_for_generation,
+}
+
+
+def enable() -> None:
+    """Registers the paged attention and wraps generate (idempotent)."""
+    if _originals:
+        return
+    AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, paged_mask)
+    for name, wrap in _WRAPPERS.items():
+        original = GenerationMixin.__dict__[name]
+        _originals[name] = original
+        setattr(GenerationMixin, name, wrap(original))
+
+
+def disable() -> None:
+    """Restores stock Transformers: unwraps generate and unregisters "paged"."""
+    if not _originals:
+        return
+    for name, original in _originals.items():
+        setattr(GenerationMixin, name, original)
+    _originals.clear()
+    ALL_ATTENTION_FUNCTIONS._global_mapping.pop(ATTENTION_NAME, None)
+    ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.pop(ATTENTION_NAME, None)
+
+
+def is_enabled() -> bool:
+    return bool(_originals)

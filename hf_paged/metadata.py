@@ -1,0 +1,135 @@
+"""Per-forward paging metadata, built once per model forward and shared by all layers.
+
+The device copy of the block tables is kept in step with `BlockTables` incrementally:
+new entries are scattered in, beam reorders gather rows; nothing is rebuilt from
+Python lists on a decode step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from .kernels.reference import key_mask
+
+
+class DeviceBlockTable:
+    """Device mirror of `BlockTables`: block ids [R, cols] int32 and real lengths [R] int64."""
+
+    def __init__(self, num_rows: int, num_cols: int, device: torch.device):
+        self.device = device
+        self.table = torch.zeros(num_rows, max(num_cols, 1), dtype=torch.int32, device=device)
+        self.lengths = torch.zeros(num_rows, dtype=torch.int64, device=device)
+
+    def ensure_cols(self, num_cols: int) -> None:
+        if num_cols > self.table.shape[1]:
+            grown = torch.zeros(
+                self.table.shape[0], max(num_cols, 2 * self.table.shape[1]),
+                dtype=torch.int32, device=self.device,
+            )
+            grown[:, : self.table.shape[1]] = self.table
+            self.table = grown
+
+    def apply(self, entries: Sequence[tuple[int, int, int]]) -> None:
+        """Writes (row, col, block) entries recorded by `BlockTables.append`."""
+        if not entries:
+            return
+        self.ensure_cols(max(e[1] for e in entries) + 1)
+        rows, cols, blocks = torch.tensor(entries, dtype=torch.int64).T.to(self.device)
+        self.table[rows, cols] = blocks.to(torch.int32)
+
+    def fork(self, src_rows: torch.Tensor) -> None:
+        """Row i becomes old row src_rows[i] (device-side mirror of `BlockTables.fork_rows`)."""
+        src_rows = src_rows.to(self.device)
+        self.table = self.table.index_select(0, src_rows)
+        self.lengths = self.lengths.index_select(0, src_rows)
+
+
+@dataclass
+class ForwardMetadata:
+    """Where one forward's new tokens go and what each query may read.
+
+    block_tables: [R, nb] int64   block tables cut to the columns in use
+    context_lens: [R] int64       real tokens cached before this forward
+    seq_lens:     [R] int64       real tokens cached after it
+    query_pos:    [R, q] int64    sequence position of each query column (pads: below context)
+    is_query:     [R, q] bool     False on left-padding columns; None when there is none
+    slot_mapping: [N] int64       flat pool slot of each real new token
+    token_index:  [N] int64       row of the flattened [R * q] inputs holding each real token,
+                                  None when every input token is real
+    max_seq_len:  longest row after this forward (host int)
+    """
+
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    seq_lens: torch.Tensor
+    query_pos: torch.Tensor
+    is_query: torch.Tensor | None
+    slot_mapping: torch.Tensor
+    token_index: torch.Tensor | None
+    max_seq_len: int
+    block_size: int
+    _masks: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def num_keys(self) -> int:
+        return self.block_tables.shape[1] * self.block_size
+
+    def attention_mask(self, sliding_window: int | None) -> torch.Tensor:
+        """[R, 1, q, T] visibility mask for the reference path, built once per forward."""
+        mask = self._masks.get(sliding_window)
+        if mask is None:
+            mask = key_mask(self.query_pos, self.is_query, self.num_keys, sliding_window)
+            self._masks[sliding_window] = mask
+        return mask
+
+
+def build_metadata(
+    table: DeviceBlockTable,
+    context_lens: torch.Tensor,
+    counts: Sequence[int],
+    q_len: int,
+    max_seq_len: int,
+    block_size: int,
+) -> ForwardMetadata:
+    """Metadata for a forward adding `counts[r]` real tokens (right-aligned in `q_len` columns)."""
+    device = table.device
+    rows = len(counts)
+    num_cols = max(-(-max_seq_len // block_size), 1)
+    block_tables = table.table[:, :num_cols].long()
+    if q_len == 1 and all(c == 1 for c in counts):  # decode: one real token per row, no host sync
+        pos = context_lens
+        query_pos = pos.unsqueeze(1)
+        is_query = token_index = None
+        blk = block_tables.gather(1, (pos // block_size).unsqueeze(1)).squeeze(1)
+        slot_mapping = blk * block_size + pos % block_size
+        seq_lens = context_lens + 1
+    else:
+        counts_t = torch.tensor(counts, dtype=torch.int64, device=device)
+        col = torch.arange(q_len, device=device)
+        pad = (q_len - counts_t).unsqueeze(1)
+        query_pos = context_lens.unsqueeze(1) + col - pad  # [R, q]
+        if all(c == q_len for c in counts):
+            is_query = token_index = None
+            row = torch.arange(rows, device=device).repeat_interleave(q_len)
+            pos = query_pos.reshape(-1)
+        else:
+            is_query = col >= pad
+            token_index = is_query.reshape(-1).nonzero().squeeze(1)
+            row = token_index // q_len
+            pos = query_pos.reshape(-1)[token_index]
+        slot_mapping = block_tables[row, pos // block_size] * block_size + pos % block_size
+        seq_lens = context_lens + counts_t
+    return ForwardMetadata(
+        block_tables=block_tables,
+        context_lens=context_lens,
+        seq_lens=seq_lens,
+        query_pos=query_pos,
+        is_query=is_query,
+        slot_mapping=slot_mapping,
+        token_index=token_index,
+        max_seq_len=max_seq_len,
+        block_size=block_size,
+    )
