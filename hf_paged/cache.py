@@ -99,16 +99,17 @@ class PagedCache(Cache):
         self.pool = pool
         self.block_size = pool.block_size
         self.max_cache_len = max_cache_len
+        pool.attach(self)
         self.tables = BlockTables(pool.blocks)
         self.device_table: DeviceBlockTable | None = None
         self.meta: ForwardMetadata | None = None
         self._seen = 0  # padded columns processed, what generate calls the sequence length
         self._peak_blocks = 0
         self._pending_mask: torch.Tensor | None = None
+        self._pending_packed: tuple[list[int], int] | None = None
         self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._views_version = -1
         self._detached = False
-        pool.attach(self)
 
     # -- generate's view of the cache -----------------------------------------------------
     def __len__(self) -> int:
@@ -172,33 +173,62 @@ class PagedCache(Cache):
         """
         self._pending_mask = attention_mask
 
+    def expect_packed(self, counts: list[int], width: int) -> None:
+        """Announces a packed forward: one input row holding `counts[r]` real tokens of each
+        sequence back to back, standing for a left-padded batch `width` columns wide."""
+        self._pending_packed = (list(counts), width)
+
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """Stores the new tokens of one layer; returns that layer's pool views.
 
         key_states, value_states: [R, Hkv, q, D] -> (k_cache, v_cache) [NB, bs, Hkv, D]
+        (a packed forward passes [1, Hkv, N, D], N real tokens of all rows).
         """
         if layer_idx == 0:
-            mask, self._pending_mask = self._pending_mask, None
-            self._begin_forward(mask, key_states.shape[0], key_states.shape[2])
+            self._begin_forward(key_states.shape[0], key_states.shape[2])
         meta = self.meta
         if meta is None:
             raise HFPagedError("PagedCache.update: layer 0 must be updated first in each forward.")
         k_cache, v_cache = self._views[layer_idx]
         key = key_states.transpose(1, 2).reshape(-1, self.num_kv_heads, self.head_dim)
         value = value_states.transpose(1, 2).reshape(-1, self.num_kv_heads, self.head_dim)
-        if meta.token_index is not None:
+        if meta.token_index is not None and not meta.packed:
             key = key.index_select(0, meta.token_index)
             value = value.index_select(0, meta.token_index)
         reference.write_kv(k_cache, v_cache, key.to(k_cache.dtype), value.to(v_cache.dtype),
                            meta.slot_mapping)
         return k_cache, v_cache
 
-    def _begin_forward(self, attention_mask: torch.Tensor | None, rows: int, q_len: int) -> None:
+    def _new_token_counts(self, rows: int, q_len: int) -> tuple[list[int], int, int, bool]:
+        """(real tokens per row, query columns, padded columns advanced, packed) of this forward."""
+        mask, self._pending_mask = self._pending_mask, None
+        packed, self._pending_packed = self._pending_packed, None
+        if packed is not None:
+            counts, width = packed
+            if sum(counts) != q_len or rows != 1:
+                raise ValueError(
+                    f"PagedCache: a packed forward of {sum(counts)} tokens was announced but the "
+                    f"model ran on input of shape [{rows}, {q_len}]."
+                )
+            return counts, max(counts), width, True
+        if mask is None or q_len == 1:
+            return [q_len] * rows, q_len, q_len, False
+        if mask.dim() != 2 or mask.shape[0] != rows:
+            raise ValueError(
+                f"PagedCache expects a 2D attention mask of shape [{rows}, seen + q]; got "
+                f"{tuple(mask.shape)}."
+            )
+        return mask[:, -q_len:].sum(-1).tolist(), q_len, q_len, False
+
+    def _begin_forward(self, rows: int, q_len: int) -> None:
+        """Allocates this forward's slots and builds the metadata all layers share."""
         if self._detached:
             raise HFPagedError(
                 "This PagedCache's pool was handed to a newer cache of the same model; "
                 "create a new cache (or call generate again) instead of reusing this one."
             )
+        counts, q_cols, advance, packed = self._new_token_counts(rows, q_len)
+        rows = len(counts)
         if self.device_table is None:
             self.tables.resize(rows)
             cols = -(-(self.max_cache_len or 1) // self.block_size) + 1
@@ -208,24 +238,15 @@ class PagedCache(Cache):
                 f"PagedCache holds {self.tables.num_rows} sequence(s) but the forward has {rows} "
                 "rows; call reset() before reusing the cache for another batch."
             )
-        if attention_mask is None or q_len == 1:
-            counts = [q_len] * rows
-        else:
-            if attention_mask.dim() != 2 or attention_mask.shape[0] != rows:
-                raise ValueError(
-                    f"PagedCache expects a 2D attention mask of shape [{rows}, seen + q]; got "
-                    f"{tuple(attention_mask.shape)}."
-                )
-            counts = attention_mask[:, -q_len:].sum(-1).tolist()
         self.pool.ensure_free(self.tables.blocks_needed(counts), limit=self._block_limit(rows))
         context = self.device_table.lengths
         plan = self.tables.append(counts)
         self.pool.copy_blocks(plan.copies)
         self.device_table.apply(plan.entries)
-        self.meta = build_metadata(self.device_table, context, counts, q_len,
-                                   max(self.tables.lengths), self.block_size)
+        self.meta = build_metadata(self.device_table, context, counts, q_cols,
+                                   max(self.tables.lengths), self.block_size, packed=packed)
         self.device_table.lengths = self.meta.seq_lens
-        self._seen += q_len
+        self._seen += advance
         self._peak_blocks = max(self._peak_blocks, self.pool.blocks.num_used)
         if self._views_version != self.pool.version:
             self._refresh_views()
@@ -248,11 +269,27 @@ class PagedCache(Cache):
     # -- reading ---------------------------------------------------------------------------------
     def attend(self, query: torch.Tensor, layer_idx: int, scale: float,
                sliding_window: int | None = None) -> torch.Tensor:
-        """Attention of this forward's queries [R, Hq, q, D] over layer `layer_idx` -> [R, q, Hq, D]."""
+        """Attention of this forward's queries over layer `layer_idx`.
+
+        query [R, Hq, q, D] -> [R, q, Hq, D]; packed: [1, Hq, N, D] -> [1, N, Hq, D].
+        """
         meta = self.meta
         k_cache, v_cache = self._views[layer_idx]
         mask = meta.attention_mask(sliding_window)
-        return reference.paged_attention(query, k_cache, v_cache, meta.block_tables, mask, scale)
+        if not meta.packed:
+            return reference.paged_attention(query, k_cache, v_cache, meta.block_tables, mask, scale)
+        rows, q_cols = meta.query_pos.shape
+        heads, dim = query.shape[1], query.shape[3]
+        tokens = query[0].transpose(0, 1)  # [N, Hq, D]
+        if meta.token_index is not None:  # spread into the padded [R * q] layout
+            padded = tokens.new_zeros(rows * q_cols, heads, dim)
+            tokens = padded.index_copy_(0, meta.token_index, tokens)
+        padded_query = tokens.view(rows, q_cols, heads, dim).transpose(1, 2)
+        out = reference.paged_attention(padded_query, k_cache, v_cache, meta.block_tables, mask, scale)
+        out = out.reshape(rows * q_cols, heads, dim)
+        if meta.token_index is not None:
+            out = out.index_select(0, meta.token_index)
+        return out.unsqueeze(0)
 
     # -- structure changes from generate -----------------------------------------------------------
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -290,10 +327,11 @@ class PagedCache(Cache):
         self.device_table = None
         self.meta = None
         self._seen = 0
-        self._pending_mask = None
+        self._pending_mask = self._pending_packed = None
         self._peak_blocks = self.pool.blocks.num_used
 
     def _detach(self) -> None:
+        self.tables = BlockTables(self.pool.blocks)  # the pool's blocks now belong to another cache
         self.reset()
         self._detached = True
 

@@ -8,7 +8,8 @@ and wraps four `GenerationMixin` methods:
 - `_prepare_generation_config`: puts "paged" back into the call's generation config;
 - `_prepare_cache_for_generation`: builds (or reuses) a `PagedCache` for supported models
   and switches them to the "paged" attention for the call;
-- `prepare_inputs_for_generation`: hands each forward's 2D padding mask to the cache.
+- `prepare_inputs_for_generation`: hands each forward's 2D padding mask to the cache;
+- `_prefill`: runs a left-padded prompt batch packed, without its pad tokens.
 
 `disable()` undoes all of it.
 """
@@ -30,6 +31,7 @@ from .cache import PagedCache, kv_layout
 from .config import PagedCacheConfig
 from .errors import UnsupportedModelError
 from .kv_pool import KVPool
+from .prefill import can_pack, packed_prefill
 
 CACHE_IMPLEMENTATION = "paged"
 SUPPORTED_MODELS = (LlamaForCausalLM, MistralForCausalLM)
@@ -163,11 +165,24 @@ def _prepare_inputs_for_generation(original):
     return prepare
 
 
+def _prefill(original):
+    @functools.wraps(original)
+    def prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs):
+        if is_supported(self) and can_pack(input_ids, generation_config, model_kwargs):
+            outputs = packed_prefill(self, input_ids, model_kwargs)
+            if outputs is not None:
+                return outputs
+        return original(self, input_ids, generation_config, model_kwargs, *args, **kwargs)
+
+    return prefill
+
+
 _WRAPPERS = {
     "generate": _generate,
     "_prepare_generation_config": _prepare_generation_config,
     "_prepare_cache_for_generation": _prepare_cache_for_generation,
     "prepare_inputs_for_generation": _prepare_inputs_for_generation,
+    "_prefill": _prefill,
 }
 
 

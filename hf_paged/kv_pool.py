@@ -84,10 +84,15 @@ class KVPool:
 
     # -- ownership across caches -----------------------------------------------------
     def attach(self, cache) -> None:
-        """Hands the pool to `cache`; a previous cache still holding blocks is detached."""
+        """Hands the whole pool to `cache`, the only one that may use it from now on.
+
+        A previous cache is detached; its blocks return to the pool whether or not it is
+        still alive, since no other cache can hold them.
+        """
         previous = self._owner() if self._owner is not None else None
         if previous is not None and previous is not cache:
             previous._detach()
+        self.blocks = BlockPool(self.blocks.num_blocks, self.block_size)
         self._owner = weakref.ref(cache)
 
     # -- growth and copies -------------------------------------------------------------

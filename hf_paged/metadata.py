@@ -60,6 +60,8 @@ class ForwardMetadata:
     token_index:  [N] int64       row of the flattened [R * q] inputs holding each real token,
                                   None when every input token is real
     max_seq_len:  longest row after this forward (host int)
+    packed:       the forward's input holds only real tokens, rows back to back ([1, N]);
+                  token_index then places them in the [R * q] layout
     """
 
     block_tables: torch.Tensor
@@ -71,6 +73,7 @@ class ForwardMetadata:
     token_index: torch.Tensor | None
     max_seq_len: int
     block_size: int
+    packed: bool = False
     _masks: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -93,6 +96,7 @@ def build_metadata(
     q_len: int,
     max_seq_len: int,
     block_size: int,
+    packed: bool = False,
 ) -> ForwardMetadata:
     """Metadata for a forward adding `counts[r]` real tokens (right-aligned in `q_len` columns)."""
     device = table.device
@@ -132,4 +136,5 @@ def build_metadata(
         token_index=token_index,
         max_seq_len=max_seq_len,
         block_size=block_size,
+        packed=packed,
     )

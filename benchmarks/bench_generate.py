@@ -1,0 +1,127 @@
+"""generate() with the paged cache vs Transformers' caches, side by side in one process.
+
+    python benchmarks/bench_generate.py            # the README workload (~160M Llama, CPU)
+    python benchmarks/bench_generate.py --quick    # a small smoke run
+
+Each method runs on the same model and inputs, greedy, EOS disabled so every row
+generates exactly --new-tokens tokens. Reported: generated tokens/s (whole call, best of
+--repeats), KV bytes allocated, KV bytes holding real tokens, and ratios to DynamicCache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+from transformers import GenerationConfig
+
+sys.path.insert(0, os.path.dirname(__file__))
+import hf_paged  # noqa: E402
+from common import cache_tensor_bytes, left_padded, random_llama, timed  # noqa: E402
+
+
+def run_generate(model, ids, mask, new_tokens, **kw):
+    return model.generate(
+        ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+        do_sample=False, return_dict_in_generate=True, **kw,
+    )
+
+
+def run_continuous_batching(model, ids, mask, new_tokens):
+    prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1)
+    out = model.generate_batch(inputs=prompts, generation_config=config, persistent_manager=True,
+                               progress_bar=False)
+    manager = model._cached_continuous_batching_manager
+    cache = manager.batch_processor.cache
+    kv_bytes = cache.cache_tensor.numel() * cache.cache_tensor.element_size()
+    model.destroy_cached_continuous_batching_manager()
+    return out, kv_bytes
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model and prompts (smoke test)")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--no-cb", action="store_true", help="skip Transformers' continuous batching")
+    args = parser.parse_args()
+
+    if args.quick:
+        model = random_llama(hidden=128, layers=2, heads=4, kv_heads=4, intermediate=256, vocab=512)
+        lengths = [5, 9, 14, 20, 27, 33, 41, 50]
+        args.new_tokens = min(args.new_tokens, 16)
+    else:
+        model = random_llama()
+        lengths = [round(20 + i * (500 - 20) / 7) for i in range(8)]
+    cfg = model.config
+    vocab = cfg.vocab_size
+    ids, mask = left_padded(lengths, vocab)
+    new = args.new_tokens
+    n_params = sum(p.numel() for p in model.parameters())
+    bytes_per_token = (cfg.num_hidden_layers * 2 * cfg.num_key_value_heads
+                       * (cfg.hidden_size // cfg.num_attention_heads) * 4)
+    real_tokens = sum(lengths) + len(lengths) * (new - 1)  # the last token is never fed back
+    print(f"model: random Llama, {n_params / 1e6:.0f}M params, hidden {cfg.hidden_size}, "
+          f"{cfg.num_hidden_layers} layers, float32, CPU threads {torch.get_num_threads()}")
+    print(f"workload: {len(lengths)} prompts, lengths {lengths}, {new} new tokens, greedy")
+    print(f"real tokens at the end: {real_tokens} ({real_tokens * bytes_per_token / 2**20:.1f} MiB of K+V)")
+
+    # Warm up kernels and allocators once, outside the timings.
+    run_generate(model, ids[:2, -8:], mask[:2, -8:], 4)
+    run_generate(model, ids[:2, -8:], mask[:2, -8:], 4, cache_implementation="paged")
+
+    methods = {
+        "dynamic": lambda: run_generate(model, ids, mask, new),
+        "static": lambda: run_generate(model, ids, mask, new, cache_implementation="static"),
+        "paged": lambda: run_generate(model, ids, mask, new, cache_implementation="paged"),
+    }
+    results = {}
+    outputs = {}
+    for _ in range(args.repeats):  # interleaved, so drift hits every method alike
+        for name, fn in methods.items():
+            out, seconds = timed(fn)
+            outputs[name] = out
+            results[name] = min(results.get(name, float("inf")), seconds)
+    stats = outputs["paged"].past_key_values.memory_stats()
+    kv = {
+        "dynamic": cache_tensor_bytes(outputs["dynamic"].past_key_values),
+        "static": cache_tensor_bytes(outputs["static"].past_key_values),
+        "paged": stats.pool_bytes,
+    }
+    same = {name: bool((outputs[name].sequences == outputs["dynamic"].sequences).all())
+            for name in outputs}
+    if not args.no_cb:
+        cb_times = []
+        for _ in range(args.repeats):
+            (cb_out, cb_bytes), seconds = timed(lambda: run_continuous_batching(model, ids, mask, new))
+            cb_times.append(seconds)
+        results["continuous_batching"] = min(cb_times)
+        kv["continuous_batching"] = cb_bytes
+        cb_seqs = [cb_out[f"req_{i}"].generated_tokens for i in range(len(lengths))]
+        ref = outputs["dynamic"].sequences[:, ids.shape[1]:].tolist()
+        same["continuous_batching"] = cb_seqs == ref
+
+    real_bytes = real_tokens * bytes_per_token
+    print()
+    print(f"{'method':<22}{'tokens/s':>10}{'x dynamic':>11}{'KV MiB':>10}{'x dynamic':>11}"
+          f"{'real/KV':>9}  same tokens as dynamic")
+    for name, seconds in results.items():
+        tps = len(lengths) * new / seconds
+        base_tps = len(lengths) * new / results["dynamic"]
+        print(f"{name:<22}{tps:>10.1f}{tps / base_tps:>11.2f}{kv[name] / 2**20:>10.1f}"
+              f"{kv[name] / kv['dynamic']:>11.2f}{real_bytes / kv[name]:>9.2f}  {same[name]}")
+    print()
+    peak_bytes = stats.peak_kv_bytes
+    print(f"paged: utilization {stats.utilization:.3f} (tokens_stored {stats.tokens_stored} / "
+          f"{stats.blocks_in_use} blocks x {stats.block_size}), peak blocks {stats.peak_blocks_in_use}, "
+          f"pool {stats.num_blocks} blocks")
+    print(f"paged: pool bytes / bytes of peak stored tokens = "
+          f"{stats.pool_bytes / (stats.tokens_stored * stats.bytes_per_token):.3f}; "
+          f"peak block bytes {peak_bytes / 2**20:.1f} MiB")
+
+
+if __name__ == "__main__":
+    main()

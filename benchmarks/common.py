@@ -1,0 +1,51 @@
+"""Shared helpers of the benchmarks: random Llama models and timing."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def random_llama(hidden: int = 1024, layers: int = 8, heads: int = 16, kv_heads: int = 16,
+                 intermediate: int = 2816, vocab: int = 32000, seed: int = 0,
+                 dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    """A random Llama; the defaults give about 168M parameters."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        max_position_embeddings=2048, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    return LlamaForCausalLM(config).to(dtype).eval()
+
+
+def left_padded(lengths: list[int], vocab: int, seed: int = 0):
+    """input_ids, attention_mask for left-padded random prompts of the given lengths."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, width - n:] = torch.randint(3, vocab, (n,), generator=g)
+        mask[i, width - n:] = 1
+    return ids, mask
+
+
+def timed(fn):
+    """(result, seconds) of one call."""
+    start = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - start
+
+
+def cache_tensor_bytes(cache) -> int:
+    """Bytes of the K/V tensors a Transformers cache holds."""
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        for name in ("keys", "values"):
+            t = getattr(layer, name, None)
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total

@@ -1,0 +1,83 @@
+"""Tiny random models and an offline tokenizer shared by the tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast,
+)
+
+import hf_paged  # noqa: F401  (registers the paged cache)
+
+VOCAB = 96
+PAD, EOS, BOS = 0, 1, 2
+
+
+def _common(**kw):
+    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                max_position_embeddings=512, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=BOS)
+    base.update(kw)
+    return base
+
+
+def make_model(kind: str, seed: int = 0):
+    torch.manual_seed(seed)
+    if kind == "llama_gqa":
+        model = LlamaForCausalLM(LlamaConfig(**_common(num_attention_heads=4, num_key_value_heads=2)))
+    elif kind == "llama_mha":
+        model = LlamaForCausalLM(LlamaConfig(**_common(num_attention_heads=4, num_key_value_heads=4)))
+    elif kind == "mistral_sw":
+        model = MistralForCausalLM(MistralConfig(**_common(
+            num_attention_heads=4, num_key_value_heads=1, sliding_window=7)))
+    else:
+        raise ValueError(kind)
+    # Random weights give near-flat logits; sharpen them so argmax ties are not an issue.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model.eval()
+
+
+MODEL_KINDS = ["llama_gqa", "llama_mha", "mistral_sw"]
+
+
+@pytest.fixture(scope="session", params=MODEL_KINDS)
+def model(request):
+    return make_model(request.param)
+
+
+@pytest.fixture(scope="session")
+def llama():
+    return make_model("llama_gqa")
+
+
+def left_padded_batch(lengths, seed: int = 0):
+    """input_ids / attention_mask of prompts with the given lengths, left-padded."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), PAD, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, width - n:] = torch.randint(3, VOCAB, (n,), generator=g)
+        mask[i, width - n:] = 1
+    return ids, mask
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over the model's vocabulary, built offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<pad>": PAD, "</s>": EOS, "<s>": BOS}
+    for i in range(3, VOCAB):
+        vocab[f"w{i}"] = i
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", bos_token="<s>",
+        padding_side="left",
+    )
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return make_tokenizer()

@@ -1,0 +1,187 @@
+"""Paged generation is token-identical to Transformers' DynamicCache (float32, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria,
+    StoppingCriteriaList, TextStreamer,
+)
+
+from hf_paged import PagedCache
+from conftest import EOS, left_padded_batch
+
+LENGTHS = [1, 9, 23, 47, 71, 100]  # left-padded batch of 6, lengths 1..100
+
+
+def both(model, **kwargs):
+    """(DynamicCache output, paged output) of one generate call; the seed is reset for each."""
+    seed = kwargs.pop("seed", 0)
+    torch.manual_seed(seed)
+    ref = model.generate(**kwargs)
+    torch.manual_seed(seed)
+    out = model.generate(cache_implementation="paged", **kwargs)
+    return ref, out
+
+
+def sequences(out):
+    return out.sequences if hasattr(out, "sequences") else out
+
+
+def assert_same(ref, out):
+    ref, out = sequences(ref), sequences(out)
+    assert ref.shape == out.shape
+    assert torch.equal(ref, out), f"first mismatch at {(ref != out).nonzero()[:3].tolist()}"
+
+
+@pytest.fixture(scope="module")
+def batch():
+    ids, mask = left_padded_batch(LENGTHS, seed=1)
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def test_greedy_left_padded(model, batch):
+    assert_same(*both(model, **batch, max_new_tokens=24, do_sample=False))
+
+
+def test_greedy_single_prompt_without_mask(model):
+    ids, _ = left_padded_batch([30], seed=2)
+    assert_same(*both(model, input_ids=ids, max_new_tokens=20, do_sample=False))
+
+
+def test_sampling_fixed_seed(model, batch):
+    assert_same(*both(model, **batch, max_new_tokens=16, do_sample=True, top_k=20, seed=7))
+
+
+def test_sampling_num_return_sequences(model, batch):
+    assert_same(*both(model, **batch, max_new_tokens=12, do_sample=True,
+                      num_return_sequences=3, seed=3))
+
+
+@pytest.mark.parametrize("num_beams", [2, 4])
+def test_beam_search(model, batch, num_beams):
+    assert_same(*both(model, **batch, max_new_tokens=12, num_beams=num_beams, do_sample=False,
+                      num_return_sequences=2))
+
+
+def test_scores_close(model, batch):
+    ref, out = both(model, **batch, max_new_tokens=10, do_sample=False,
+                    return_dict_in_generate=True, output_scores=True, output_logits=True)
+    assert_same(ref, out)
+    for a, b in zip(ref.scores, out.scores):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    for a, b in zip(ref.logits, out.logits):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert isinstance(out.past_key_values, PagedCache)
+
+
+def test_streamer(model, tokenizer, batch, capsys):
+    ids = batch["input_ids"][3:4]
+    ref, out = both(model, input_ids=ids, max_new_tokens=10, do_sample=False,
+                    streamer=TextStreamer(tokenizer))
+    assert_same(ref, out)
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert len(printed) == 2 and printed[0] == printed[1]  # same text streamed both times
+
+
+class StopAfter(StoppingCriteria):
+    """Stops a row once it has produced `limit` tokens equal to or above `token`."""
+
+    def __init__(self, prompt_len, token, limit):
+        self.prompt_len, self.token, self.limit = prompt_len, token, limit
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return (input_ids[:, self.prompt_len:] >= self.token).sum(-1) >= self.limit
+
+
+def test_stopping_criteria_and_logits_processor(model, batch):
+    class Ban(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            scores[:, 10:20] = -float("inf")
+            return scores
+
+    width = batch["input_ids"].shape[1]
+    kwargs = dict(**batch, max_new_tokens=30, do_sample=False,
+                  stopping_criteria=StoppingCriteriaList([StopAfter(width, 50, 3)]),
+                  logits_processor=LogitsProcessorList([Ban()]))
+    ref, out = both(model, **kwargs)
+    assert_same(ref, out)
+    assert not ((out[:, width:] >= 10) & (out[:, width:] < 20)).any()
+
+
+def test_eos_finishes_rows_early(model, batch):
+    # Force some rows to hit EOS early by making EOS likely for them.
+    class PushEos(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            scores[::2, EOS] += 1e3 * (input_ids.shape[1] % 5 == 0)
+            return scores
+
+    ref, out = both(model, **batch, max_new_tokens=20, do_sample=False,
+                    logits_processor=LogitsProcessorList([PushEos()]))
+    assert_same(ref, out)
+    assert (out == EOS).any()
+
+
+def test_generation_config_route(model, batch):
+    ref = model.generate(**batch, max_new_tokens=10, do_sample=False)
+    config = GenerationConfig(cache_implementation="paged", max_new_tokens=10, do_sample=False,
+                              return_dict_in_generate=True)
+    out = model.generate(**batch, generation_config=config)
+    assert_same(ref, out)
+    assert isinstance(out.past_key_values, PagedCache)
+
+
+def test_model_generation_config_route(model, batch):
+    ref = model.generate(**batch, max_new_tokens=8, do_sample=False)
+    previous = model.generation_config.cache_implementation
+    model.generation_config.cache_implementation = "paged"
+    try:
+        out = model.generate(**batch, max_new_tokens=8, do_sample=False,
+                             return_dict_in_generate=True)
+    finally:
+        model.generation_config.cache_implementation = previous
+    assert_same(ref, out)
+    assert isinstance(out.past_key_values, PagedCache)
+
+
+def test_attention_implementation_restored(model, batch):
+    before = model.config._attn_implementation
+    model.generate(**batch, max_new_tokens=3, cache_implementation="paged")
+    assert model.config._attn_implementation == before
+
+
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
+def test_grad_modes_and_pool_reuse(llama, batch, context):
+    cache_config = {"num_blocks": 64, "block_size": 8}
+    ref = llama.generate(**batch, max_new_tokens=8, do_sample=False)
+    # The sized pool is made under one mode and reused under the other.
+    other = torch.inference_mode if context is torch.no_grad else torch.no_grad
+    with other():
+        llama.generate(**batch, max_new_tokens=8, cache_implementation="paged",
+                       cache_config=cache_config)
+    with context():
+        out = llama.generate(**batch, max_new_tokens=8, cache_implementation="paged",
+                             cache_config=cache_config)
+    assert_same(ref, out)
+
+
+def test_sliding_window_shorter_than_sequence():
+    from conftest import make_model
+
+    model = make_model("mistral_sw")
+    assert model.config.sliding_window < 40
+    ids, mask = left_padded_batch([3, 40, 60], seed=5)
+    assert_same(*both(model, input_ids=ids, attention_mask=mask, max_new_tokens=30,
+                      do_sample=False))
+
+
+def test_assisted_decoding(llama):
+    from conftest import make_model
+
+    assistant = make_model("llama_mha", seed=3)
+    ids, _ = left_padded_batch([25], seed=4)
+    assert_same(*both(llama, input_ids=ids, max_new_tokens=20, do_sample=False,
+                      assistant_model=assistant))
+    assert_same(*both(llama, input_ids=ids, max_new_tokens=20, do_sample=False,
+                      prompt_lookup_num_tokens=3))
