@@ -1,0 +1,171 @@
+"""PagedCache on its own: storage, accounting, sizing, errors and direct use."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import hf_paged
+from hf_paged import KVCacheExhaustedError, PagedCache, PagedCacheConfig
+from conftest import left_padded_batch, make_model
+
+LENGTHS = [1, 9, 23, 47, 71, 100]
+
+
+@pytest.fixture(scope="module")
+def batch():
+    ids, mask = left_padded_batch(LENGTHS, seed=1)
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def paged_generate(model, batch, new_tokens=8, **kw):
+    return model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                          do_sample=False, cache_implementation="paged",
+                          return_dict_in_generate=True, **kw)
+
+
+def test_pad_tokens_are_not_stored(llama, batch):
+    new = 8
+    out = paged_generate(llama, batch, new)
+    stats = out.past_key_values.memory_stats()
+    real = sum(LENGTHS) + len(LENGTHS) * (new - 1)  # the last token is never fed back
+    assert stats.tokens_stored == stats.logical_tokens == real
+    bs = stats.block_size
+    assert stats.blocks_in_use == sum(-(-(n + new - 1) // bs) for n in LENGTHS)
+    assert stats.utilization == pytest.approx(real / (stats.blocks_in_use * bs))
+    cfg = llama.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    assert stats.bytes_per_token == cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * 4
+    assert stats.pool_bytes == stats.num_blocks * bs * stats.bytes_per_token
+    assert stats.shared_blocks == 0
+
+
+def test_unsized_pool_stays_close_to_need(llama, batch):
+    stats = paged_generate(llama, batch, 40).past_key_values.memory_stats()
+    assert stats.pool_bytes <= 1.25 * stats.blocks_in_use * stats.block_size * stats.bytes_per_token
+    assert stats.peak_blocks_in_use == stats.blocks_in_use
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16, 64])
+def test_any_block_size(llama, batch, block_size):
+    ref = llama.generate(**batch, max_new_tokens=10, do_sample=False)
+    out = paged_generate(llama, batch, 10, cache_config={"block_size": block_size})
+    assert torch.equal(ref, out.sequences)
+    assert out.past_key_values.memory_stats().block_size == block_size
+
+
+def test_sized_pool_is_reused_and_unsized_calls_are_not_limited(batch):
+    model = make_model("llama_gqa")
+    sized = {"num_blocks": 40, "block_size": 8}
+    a = paged_generate(model, batch, 4, cache_config=sized).past_key_values
+    b = paged_generate(model, batch, 4, cache_config=sized).past_key_values
+    assert a.pool is b.pool and b.memory_stats().num_blocks == 40
+    # An unsized call needs more than 40 blocks of 8 and must not be held to the earlier cap.
+    c = paged_generate(model, batch, 60).past_key_values
+    assert c.pool is not b.pool and c.memory_stats().blocks_in_use > 40 // 2
+    # max_kv_bytes is converted to whole blocks.
+    per_block = b.memory_stats().bytes_per_token * 8
+    d = paged_generate(model, batch, 4, cache_config={"max_kv_bytes": per_block * 50 + 7,
+                                                      "block_size": 8}).past_key_values
+    assert d.memory_stats().num_blocks == 50
+
+
+def test_exhaustion_is_actionable_and_leaves_cache_consistent(batch):
+    model = make_model("llama_gqa")
+    small = {"num_blocks": 12, "block_size": 4}
+    with pytest.raises(KVCacheExhaustedError) as err:
+        paged_generate(model, batch, 30, cache_config=small)
+    e = err.value
+    assert e.needed > e.free and e.num_blocks == 12 and e.block_size == 4
+    assert "num_blocks" in str(e) and str(e.needed) in str(e)
+    # The pool is intact: a later call that fits runs and matches the reference.
+    ids, mask = batch["input_ids"][:2, -9:], batch["attention_mask"][:2, -9:]
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    out = paged_generate(model, {"input_ids": ids, "attention_mask": mask}, 5, cache_config=small)
+    assert torch.equal(ref, out.sequences)
+    cache = out.past_key_values
+    cache.reset()
+    assert cache.memory_stats().blocks_in_use == 0
+    assert cache.pool.blocks.num_free == 12
+
+
+def test_exhaustion_mid_decode_does_not_corrupt_other_rows():
+    model = make_model("llama_gqa")
+    ids, mask = left_padded_batch([5, 6], seed=3)
+    cache = PagedCache(model.config, {"num_blocks": 4, "block_size": 4})
+    with pytest.raises(KVCacheExhaustedError):
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False,
+                       past_key_values=cache)
+    tables = [list(t) for t in cache.tables.tables]
+    lengths = list(cache.tables.lengths)
+    held = sorted(b for t in tables for b in t)
+    assert len(held) == len(set(held)) == cache.pool.blocks.num_used
+    assert all(len(t) == -(-n // 4) for t, n in zip(tables, lengths))
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"block_size": 0}, "block_size"),
+    ({"block_size": -3}, "block_size"),
+    ({"block_size": "16"}, "block_size"),
+    ({"block_size": True}, "block_size"),
+    ({"num_blocks": 0}, "num_blocks"),
+    ({"max_kv_bytes": -1}, "max_kv_bytes"),
+    ({"num_blocks": 8, "max_kv_bytes": 10**6}, "not both"),
+    ({"backend": "cuda-magic"}, "backend"),
+    ({"blocksize": 16}, "unknown setting"),
+])
+def test_invalid_settings_are_named(llama, batch, bad, match):
+    with pytest.raises(ValueError, match=match) as err:
+        paged_generate(llama, batch, 2, cache_config=bad)
+    value = next(iter(bad.values()))
+    assert repr(value) in str(err.value) or match in ("unknown setting",)
+
+
+def test_max_kv_bytes_below_one_block(llama, batch):
+    with pytest.raises(ValueError, match="max_kv_bytes"):
+        paged_generate(llama, batch, 2, cache_config={"max_kv_bytes": 10})
+
+
+def test_config_object_roundtrip():
+    cfg = PagedCacheConfig.from_any({"block_size": 8, "num_blocks": 10})
+    assert cfg.is_sized and PagedCacheConfig.from_any(cfg) is cfg
+    assert not PagedCacheConfig.from_any(None).is_sized
+    with pytest.raises(ValueError, match="dict"):
+        PagedCacheConfig.from_any([("block_size", 8)])
+
+
+@pytest.mark.parametrize("kind", ["llama_gqa", "mistral_sw"])
+def test_direct_forward_matches_dynamic_cache(kind):
+    """A PagedCache passed by hand to forward() (no generate) gives the same logits."""
+    model = make_model(kind)
+    ids, mask = left_padded_batch([4, 13, 20], seed=9)
+    ref_cache, cache = DynamicCache(config=model.config), PagedCache(model.config, {"block_size": 4})
+    ref_model = model
+    model.set_attn_implementation("paged")
+    try:
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        with torch.no_grad():
+            cache.expect_forward(mask)
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                        past_key_values=cache)
+            model.set_attn_implementation("sdpa")
+            ref = ref_model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                            past_key_values=ref_cache)
+            valid = mask.bool()
+            torch.testing.assert_close(out.logits[valid], ref.logits[valid], rtol=1e-4, atol=1e-4)
+            step_ids = ref.logits[:, -1].argmax(-1, keepdim=True)
+            for _ in range(3):
+                mask = torch.cat([mask, torch.ones_like(step_ids)], 1)
+                positions = positions[:, -1:] + 1
+                model.set_attn_implementation("sdpa")
+                ref = ref_model(input_ids=step_ids, attention_mask=mask, position_ids=positions,
+                                past_key_values=ref_cache)
+                model.set_attn_implementation("paged")
+                out = model(input_ids=step_ids, attention_mask=mask, position_ids=positions,
+                            past_key_values=cache)
+                torch.testing.assert_close(out.logits, ref.logits, rtol=1e-4, atol=1e-4)
+                step_ids = ref.logits[:, -1].argmax(-1, keepdim=True)
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert cache.get_seq_length() == ref_cache.get_seq_length()

@@ -1,0 +1,127 @@
+"""How hf-paged plugs into Transformers: pipelines, loading, unsupported models, disable()."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM, GenerationMixin, GPT2Config, GPT2LMHeadModel, pipeline,
+)
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+import hf_paged
+from conftest import left_padded_batch, make_model
+
+PROMPTS = ["w5 w6 w7", "w10 w11 w12 w13 w14 w15 w16 w17 w18", "w40", "w3 w9 w27 w81 w33"]
+
+
+def texts(results):
+    return [r[0]["generated_text"] for r in results]
+
+
+@pytest.mark.parametrize("where", ["call", "construction"])
+def test_batched_pipeline(llama, tokenizer, where):
+    kwargs = dict(max_new_tokens=8, do_sample=False, batch_size=4)
+    ref = pipeline("text-generation", model=llama, tokenizer=tokenizer)(PROMPTS, **kwargs)
+    if where == "call":
+        pipe = pipeline("text-generation", model=llama, tokenizer=tokenizer)
+        out = pipe(PROMPTS, cache_implementation="paged", **kwargs)
+    else:
+        pipe = pipeline("text-generation", model=llama, tokenizer=tokenizer,
+                        cache_implementation="paged")
+        out = pipe(PROMPTS, **kwargs)
+    assert texts(out) == texts(ref)
+    assert all(len(t.split()) > len(p.split()) for t, p in zip(texts(out), PROMPTS))
+
+
+def test_pipeline_really_uses_paged_cache(llama, tokenizer, monkeypatch):
+    seen = []
+    original = hf_paged.PagedCache._begin_forward
+
+    def spy(self, *args):
+        seen.append(self)
+        return original(self, *args)
+
+    monkeypatch.setattr(hf_paged.PagedCache, "_begin_forward", spy)
+    pipe = pipeline("text-generation", model=llama, tokenizer=tokenizer)
+    pipe(PROMPTS[:2], max_new_tokens=3, cache_implementation="paged", batch_size=2)
+    assert seen
+
+
+def test_from_pretrained_with_paged_attention(tmp_path):
+    model = make_model("llama_gqa")
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="paged").eval()
+    assert loaded.config._attn_implementation == "paged"
+    ids, mask = left_padded_batch([3, 17, 30], seed=2)
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    # Stock cache with the paged attention's contiguous path, then the paged cache.
+    plain = loaded.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    paged = loaded.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
+                            cache_implementation="paged")
+    assert torch.equal(ref, plain) and torch.equal(ref, paged)
+    assert loaded.config._attn_implementation == "paged"
+
+
+def test_unsupported_architecture_warns_and_keeps_stock_behaviour():
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2,
+                                       n_positions=128, pad_token_id=0)).eval()
+    ids = torch.randint(1, 64, (2, 7))
+    ref = model.generate(ids, max_new_tokens=6, do_sample=False)
+    with pytest.warns(UserWarning, match="LlamaForCausalLM"):
+        out = model.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation="paged")
+    assert torch.equal(ref, out)
+    assert model.config._attn_implementation != "paged"
+
+
+def test_disable_restores_stock_transformers(llama):
+    wrapped = GenerationMixin.generate
+    try:
+        hf_paged.disable()
+        assert not hf_paged.is_enabled()
+        assert "paged" not in ALL_ATTENTION_FUNCTIONS._global_mapping
+        assert "paged" not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+        assert GenerationMixin.generate is not wrapped
+        for name in ("generate", "_prefill", "_prepare_cache_for_generation",
+                     "prepare_inputs_for_generation", "_prepare_generation_config"):
+            assert "hf_paged" not in getattr(GenerationMixin, name).__code__.co_filename
+        ids, _ = left_padded_batch([6], seed=1)
+        # Stock generation still works.
+        assert llama.generate(ids, max_new_tokens=3, do_sample=False).shape == (1, 9)
+    finally:
+        hf_paged.enable()
+    assert hf_paged.is_enabled() and "paged" in ALL_ATTENTION_FUNCTIONS._global_mapping
+
+
+def test_user_cache_and_cache_implementation_conflict(llama):
+    ids, _ = left_padded_batch([6], seed=1)
+    from transformers import DynamicCache
+
+    with pytest.raises(ValueError, match="cache_implementation"):
+        llama.generate(ids, max_new_tokens=3, cache_implementation="paged",
+                       past_key_values=DynamicCache(config=llama.config))
+
+
+def test_use_cache_false_still_works(llama):
+    ids, _ = left_padded_batch([6], seed=1)
+    ref = llama.generate(ids, max_new_tokens=4, do_sample=False, use_cache=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = llama.generate(ids, max_new_tokens=4, do_sample=False, use_cache=False,
+                             cache_implementation="paged")
+    assert torch.equal(ref, out)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_pool_follows_model_dtype(dtype):
+    model = make_model("llama_gqa").to(dtype)
+    ids, mask = left_padded_batch([5, 12], seed=2)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                         cache_implementation="paged", return_dict_in_generate=True)
+    cache = out.past_key_values
+    assert cache.pool.kv.dtype == dtype
+    assert cache.memory_stats().bytes_per_token == 2 * 2 * 2 * 16 * 2
