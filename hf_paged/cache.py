@@ -14,6 +14,7 @@ from .errors import HFPagedError
 from .kernels import reference
 from .kv_pool import KVPool
 from .metadata import DeviceBlockTable, ForwardMetadata, build_metadata
+from .models import kv_layout
 
 
 @dataclass(frozen=True)
@@ -51,14 +52,6 @@ class MemoryStats:
     @property
     def peak_kv_bytes(self) -> int:
         return self.peak_blocks_in_use * self.block_size * self.bytes_per_token
-
-
-def kv_layout(config) -> tuple[int, int, int]:
-    """(num_layers, num_kv_heads, head_dim) of a decoder config."""
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return config.num_hidden_layers, kv_heads, head_dim
 
 
 class PagedCache(Cache):
@@ -268,14 +261,16 @@ class PagedCache(Cache):
 
     # -- reading ---------------------------------------------------------------------------------
     def attend(self, query: torch.Tensor, layer_idx: int, scale: float,
-               sliding_window: int | None = None) -> torch.Tensor:
+               sliding_window: int | None = None,
+               alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of this forward's queries over layer `layer_idx`.
 
         query [R, Hq, q, D] -> [R, q, Hq, D]; packed: [1, Hq, N, D] -> [1, N, Hq, D].
+        alibi_slopes [Hq]: adds slope * key position to the scores (Falcon-RW).
         """
         meta = self.meta
         k_cache, v_cache = self._views[layer_idx]
-        mask = meta.attention_mask(sliding_window)
+        mask = meta.attention_mask(sliding_window, alibi_slopes)
         if not meta.packed:
             return reference.paged_attention(query, k_cache, v_cache, meta.block_tables, mask, scale)
         rows, q_cols = meta.query_pos.shape

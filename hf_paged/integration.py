@@ -11,7 +11,8 @@ and wraps four `GenerationMixin` methods:
 - `prepare_inputs_for_generation`: hands each forward's 2D padding mask to the cache;
 - `_prefill`: runs a left-padded prompt batch packed, without its pad tokens.
 
-`disable()` undoes all of it.
+Falcon computes attention inline, so `FalconAttention.forward` is wrapped too
+(see `models/falcon.py`). `disable()` undoes all of it.
 """
 
 from __future__ import annotations
@@ -23,18 +24,21 @@ import warnings
 from transformers import GenerationMixin
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+from transformers.models.falcon.modeling_falcon import FalconAttention, FalconForCausalLM
 from transformers.models.llama.modeling_llama import LlamaForCausalLM
 from transformers.models.mistral.modeling_mistral import MistralForCausalLM
 
 from .attention import ATTENTION_NAME, paged_attention_forward, paged_mask
-from .cache import PagedCache, kv_layout
+from .cache import PagedCache
+from .models import kv_layout
+from .models.falcon import paged_falcon_attention
 from .config import PagedCacheConfig
 from .errors import UnsupportedModelError
 from .kv_pool import KVPool
 from .prefill import can_pack, packed_prefill
 
 CACHE_IMPLEMENTATION = "paged"
-SUPPORTED_MODELS = (LlamaForCausalLM, MistralForCausalLM)
+SUPPORTED_MODELS = (LlamaForCausalLM, MistralForCausalLM, FalconForCausalLM)
 SUPPORTED_ARCHITECTURES = tuple(cls.__name__ for cls in SUPPORTED_MODELS)
 
 # Set while a generate() call that got cache_implementation="paged" as a keyword runs.
@@ -42,7 +46,7 @@ _paged_keyword = contextvars.ContextVar("hf_paged_keyword", default=False)
 # (config, attention implementation) pairs to restore when the current generate() returns.
 _swapped = contextvars.ContextVar("hf_paged_swapped", default=None)
 
-_originals: dict[str, object] = {}
+_originals: dict[tuple[type, str], object] = {}
 
 
 def is_supported(model) -> bool:
@@ -178,11 +182,12 @@ def _prefill(original):
 
 
 _WRAPPERS = {
-    "generate": _generate,
-    "_prepare_generation_config": _prepare_generation_config,
-    "_prepare_cache_for_generation": _prepare_cache_for_generation,
-    "prepare_inputs_for_generation": _prepare_inputs_for_generation,
-    "_prefill": _prefill,
+    (GenerationMixin, "generate"): _generate,
+    (GenerationMixin, "_prepare_generation_config"): _prepare_generation_config,
+    (GenerationMixin, "_prepare_cache_for_generation"): _prepare_cache_for_generation,
+    (GenerationMixin, "prepare_inputs_for_generation"): _prepare_inputs_for_generation,
+    (GenerationMixin, "_prefill"): _prefill,
+    (FalconAttention, "forward"): paged_falcon_attention,
 }
 
 
@@ -192,18 +197,18 @@ def enable() -> None:
         return
     AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
     AttentionMaskInterface.register(ATTENTION_NAME, paged_mask)
-    for name, wrap in _WRAPPERS.items():
-        original = GenerationMixin.__dict__[name]
-        _originals[name] = original
-        setattr(GenerationMixin, name, wrap(original))
+    for (owner, name), wrap in _WRAPPERS.items():
+        original = owner.__dict__[name]
+        _originals[owner, name] = original
+        setattr(owner, name, wrap(original))
 
 
 def disable() -> None:
     """Restores stock Transformers: unwraps generate and unregisters "paged"."""
     if not _originals:
         return
-    for name, original in _originals.items():
-        setattr(GenerationMixin, name, original)
+    for (owner, name), original in _originals.items():
+        setattr(owner, name, original)
     _originals.clear()
     ALL_ATTENTION_FUNCTIONS._global_mapping.pop(ATTENTION_NAME, None)
     ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.pop(ATTENTION_NAME, None)

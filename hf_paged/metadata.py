@@ -80,12 +80,22 @@ class ForwardMetadata:
     def num_keys(self) -> int:
         return self.block_tables.shape[1] * self.block_size
 
-    def attention_mask(self, sliding_window: int | None) -> torch.Tensor:
-        """[R, 1, q, T] visibility mask for the reference path, built once per forward."""
-        mask = self._masks.get(sliding_window)
+    def attention_mask(self, sliding_window: int | None,
+                       alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+        """Mask for the reference path, built once per forward and shared by all layers.
+
+        [R, 1, q, T] bool, or with ALiBi slopes [H] a float bias [R, H, q, T]
+        (slope * key position where visible, -inf elsewhere).
+        """
+        key = (sliding_window, alibi_slopes is not None)
+        mask = self._masks.get(key)
         if mask is None:
             mask = key_mask(self.query_pos, self.is_query, self.num_keys, sliding_window)
-            self._masks[sliding_window] = mask
+            if alibi_slopes is not None:
+                t = torch.arange(self.num_keys, device=mask.device, dtype=alibi_slopes.dtype)
+                bias = alibi_slopes.view(1, -1, 1, 1) * t
+                mask = bias.masked_fill(~mask, float("-inf"))
+            self._masks[key] = mask
         return mask
 
 

@@ -1,0 +1,21 @@
+"""Per-architecture facts: which models are supported and how their KV heads are laid out."""
+
+from __future__ import annotations
+
+
+def kv_layout(config) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads actually stored, head_dim) of a decoder config."""
+    heads = config.num_attention_heads
+    if getattr(config, "model_type", None) == "falcon":
+        # new_decoder_architecture broadcasts its num_kv_heads to every query head before
+        # caching; we store the unique heads only. multi_query has one KV head.
+        if config.new_decoder_architecture:
+            kv_heads = config.num_kv_heads
+        elif config.multi_query:
+            kv_heads = 1
+        else:
+            kv_heads = heads
+        return config.num_hidden_layers, kv_heads, config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, kv_heads, head_dim
