@@ -9,7 +9,7 @@ and wraps four `GenerationMixin` methods:
 - `_prepare_cache_for_generation`: builds (or reuses) a `PagedCache` for supported models
   and switches them to the "paged" attention for the call;
 - `prepare_inputs_for_generation`: hands each forward's 2D padding mask to the cache;
-- `_prefill`: runs a left-padded prompt batch packed, without its pad tokens.
+- `_prefill`: runs each distinct prompt once, packed without its pad tokens (prefill.py).
 
 Falcon computes attention inline, so `FalconAttention.forward` is wrapped too
 (see `models/falcon.py`). `disable()` undoes all of it.
@@ -35,7 +35,7 @@ from .models.falcon import paged_falcon_attention
 from .config import PagedCacheConfig
 from .errors import UnsupportedModelError
 from .kv_pool import KVPool
-from .prefill import can_pack, packed_prefill
+from . import prefill as paged_prefill
 
 CACHE_IMPLEMENTATION = "paged"
 SUPPORTED_MODELS = (LlamaForCausalLM, MistralForCausalLM, FalconForCausalLM)
@@ -172,8 +172,8 @@ def _prepare_inputs_for_generation(original):
 def _prefill(original):
     @functools.wraps(original)
     def prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs):
-        if is_supported(self) and can_pack(input_ids, generation_config, model_kwargs):
-            outputs = packed_prefill(self, input_ids, model_kwargs)
+        if is_supported(self) and paged_prefill.applies(input_ids, generation_config, model_kwargs):
+            outputs = paged_prefill.paged_prefill(self, input_ids, generation_config, model_kwargs)
             if outputs is not None:
                 return outputs
         return original(self, input_ids, generation_config, model_kwargs, *args, **kwargs)

@@ -1,9 +1,15 @@
-"""Packed prefill: run a left-padded prompt batch without computing its pad tokens.
+"""Prefill on the paged cache: each distinct prompt once, and without its pad tokens.
 
-Transformers' prefill runs the model on the padded [B, L] batch. With a paged cache,
-each row's real tokens can instead go back to back in one [1, N] row (N = real tokens),
-with per-row positions; the cache's metadata keeps the rows apart in attention. Logits
-are taken at each row's last token, so generate sees the usual [B, 1, V].
+Transformers' prefill runs the model on the padded [B*E, L] batch, E being the
+expansion of beam search / num_return_sequences (its rows repeat each prompt E times).
+With a paged cache we instead
+
+- run only the B distinct prompts and then fork each row E times: the E copies share
+  the prompt's blocks (refcounted, copy-on-write), and E-1 prefills are skipped;
+- pack a left-padded batch: the real tokens of all rows go back to back in one [1, N]
+  row with per-row positions, the cache's metadata keeping rows apart in attention.
+
+Logits are taken at each row's last token, so generate sees the usual [B*E, 1, V].
 """
 
 from __future__ import annotations
@@ -12,48 +18,67 @@ import torch
 
 from .cache import PagedCache
 
-# model_kwargs keys the packed forward knows how to honour; anything else takes the stock path.
-_PACKABLE_KWARGS = {"attention_mask", "position_ids", "use_cache", "past_key_values",
-                    "logits_to_keep", "cache_position"}
+# model_kwargs keys these forwards know how to honour; anything else takes the stock path.
+_HANDLED_KWARGS = {"attention_mask", "position_ids", "use_cache", "past_key_values",
+                   "logits_to_keep", "cache_position"}
 
 
-def can_pack(input_ids: torch.Tensor, generation_config, model_kwargs: dict) -> bool:
+def expansion(generation_config, rows: int) -> int:
+    """How many consecutive rows of the batch repeat each prompt."""
+    e = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
+    return e if e > 1 and rows % e == 0 else 1
+
+
+def applies(input_ids: torch.Tensor, generation_config, model_kwargs: dict) -> bool:
+    """True when this module's prefill can stand in for generate's."""
     cache = model_kwargs.get("past_key_values")
     mask = model_kwargs.get("attention_mask")
     return (
         isinstance(cache, PagedCache)
         and cache.get_seq_length() == 0
-        and mask is not None
-        and mask.dim() == 2
-        and mask.shape == input_ids.shape
-        and input_ids.shape[0] > 1
+        and input_ids.dim() == 2
+        and (mask is None or (mask.dim() == 2 and mask.shape == input_ids.shape))
         and generation_config.prefill_chunk_size is None
         and not generation_config.output_attentions
         and not generation_config.output_hidden_states
         and model_kwargs.get("logits_to_keep", 1) == 1
-        and set(model_kwargs) <= _PACKABLE_KWARGS
+        and set(model_kwargs) <= _HANDLED_KWARGS
     )
 
 
-def packed_prefill(model, input_ids: torch.Tensor, model_kwargs: dict):
-    """The prefill forward on real tokens only; returns outputs with logits [B, 1, V].
+def paged_prefill(model, input_ids: torch.Tensor, generation_config, model_kwargs: dict):
+    """The prefill forward; returns None where generate's own prefill is just as good.
 
-    input_ids, attention_mask: [B, L], left-padded.
+    input_ids, attention_mask: [B*E, L], left-padded -> outputs with logits [B*E, 1, V].
     """
-    mask = model_kwargs["attention_mask"].bool()
-    counts = mask.sum(1)
-    counts_list = counts.tolist()
-    if min(counts_list) == 0 or min(counts_list) == input_ids.shape[1]:
-        return None  # an empty row, or no padding at all: nothing to gain
+    e = expansion(generation_config, input_ids.shape[0])
+    ids = input_ids[::e]
+    mask = model_kwargs.get("attention_mask")
+    mask = mask[::e].bool() if mask is not None else None
+    counts = mask.sum(1) if mask is not None else None
+    counts_list = counts.tolist() if counts is not None else None
+    padded = counts_list is not None and min(counts_list) < ids.shape[1]
+    if padded and min(counts_list) == 0:
+        return None  # an all-padding row has no last token to take logits from
+    if not padded and e == 1:
+        return None
     cache: PagedCache = model_kwargs["past_key_values"]
-    tokens = input_ids[mask].unsqueeze(0)  # [1, N], row-major
-    positions = (mask.long().cumsum(1) - 1)[mask].unsqueeze(0)  # [1, N], 0.. per row
-    last = counts.cumsum(0) - 1  # [B] index of each row's last token in the pack
-    cache.expect_packed(counts_list, input_ids.shape[1])
-    outputs = model(
-        input_ids=tokens.to(model.device), position_ids=positions.to(model.device),
-        past_key_values=cache, use_cache=True, logits_to_keep=last.to(model.device),
-        return_dict=True,
-    )
-    outputs.logits = outputs.logits.transpose(0, 1)  # [1, B, V] -> [B, 1, V]
+    device = model.device
+    if padded:
+        tokens = ids[mask].unsqueeze(0)  # [1, N], row-major
+        positions = (mask.long().cumsum(1) - 1)[mask].unsqueeze(0)  # [1, N], 0.. per row
+        last = counts.cumsum(0) - 1  # [B] index of each row's last token in the pack
+        cache.expect_packed(counts_list, ids.shape[1])
+        outputs = model(input_ids=tokens.to(device), position_ids=positions.to(device),
+                        past_key_values=cache, use_cache=True, logits_to_keep=last.to(device),
+                        return_dict=True)
+        outputs.logits = outputs.logits.transpose(0, 1)  # [1, B, V] -> [B, 1, V]
+    else:
+        positions = model_kwargs.get("position_ids")
+        positions = positions[::e] if positions is not None else None
+        outputs = model(input_ids=ids, position_ids=positions, past_key_values=cache,
+                        use_cache=True, logits_to_keep=1, return_dict=True)
+    if e > 1:
+        cache.batch_repeat_interleave(e)  # rows share the prompt blocks
+        outputs.logits = outputs.logits.repeat_interleave(e, dim=0)
     return outputs

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import (
-    LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast,
+    FalconConfig, FalconForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
+    MistralForCausalLM, PreTrainedTokenizerFast,
 )
 
 import hf_paged  # noqa: F401  (registers the paged cache)
@@ -30,6 +31,10 @@ def make_model(kind: str, seed: int = 0):
     elif kind == "mistral_sw":
         model = MistralForCausalLM(MistralConfig(**_common(
             num_attention_heads=4, num_key_value_heads=1, sliding_window=7)))
+    elif kind in FALCON_LAYOUTS:
+        base = _common(num_attention_heads=4)
+        base.pop("intermediate_size")
+        model = FalconForCausalLM(FalconConfig(**base, **FALCON_LAYOUTS[kind]))
     else:
         raise ValueError(kind)
     # Random weights give near-flat logits; sharpen them so argmax ties are not an issue.
@@ -38,7 +43,13 @@ def make_model(kind: str, seed: int = 0):
     return model.eval()
 
 
-MODEL_KINDS = ["llama_gqa", "llama_mha", "mistral_sw"]
+FALCON_LAYOUTS = {
+    "falcon_mq": dict(multi_query=True, new_decoder_architecture=False, alibi=False),
+    "falcon_new": dict(new_decoder_architecture=True, num_kv_heads=2, alibi=False),
+    "falcon_alibi": dict(alibi=True, multi_query=False, new_decoder_architecture=False,
+                         parallel_attn=False, bias=True),
+}
+MODEL_KINDS = ["llama_gqa", "llama_mha", "mistral_sw", *FALCON_LAYOUTS]
 
 
 @pytest.fixture(scope="session", params=MODEL_KINDS)
