@@ -103,18 +103,24 @@ class BlockTables:
     def fork_rows(self, src_rows: Sequence[int]) -> None:
         """New row `i` becomes a copy of old row `src_rows[i]`, sharing its blocks.
 
-        Old rows nobody copies release their blocks. The row count may change.
+        Old rows nobody copies release their blocks. The row count may change. Rows that
+        stay where they are (beam search's common case) cost nothing.
         """
         old_tables, old_lengths = self.tables, self.lengths
         for r in src_rows:
             if not 0 <= r < len(old_tables):
                 raise IndexError(f"fork_rows source row {r} out of range [0, {len(old_tables)}).")
-        self.tables = [list(old_tables[r]) for r in src_rows]
+        kept = min(len(src_rows), len(old_tables))
+        moved = [i for i, r in enumerate(src_rows[:kept]) if r != i]
+        self.tables = [t if i == r else list(old_tables[r])
+                       for i, (r, t) in enumerate(zip(src_rows, old_tables))]
+        self.tables += [list(old_tables[r]) for r in src_rows[len(old_tables):]]
         self.lengths = [old_lengths[r] for r in src_rows]
-        for t in self.tables:  # take the new references before dropping the old ones
-            self.pool.incref(t)
-        for t in old_tables:
-            self.pool.decref(t)
+        # Take the new references before dropping the old ones.
+        for i in moved + list(range(kept, len(src_rows))):
+            self.pool.incref(self.tables[i])
+        for i in moved + list(range(kept, len(old_tables))):
+            self.pool.decref(old_tables[i])
 
     def truncate(self, new_lengths: Sequence[int]) -> None:
         """Keeps the first `new_lengths[r]` tokens of each row, releasing blocks past them."""

@@ -31,6 +31,8 @@ class MemoryStats:
     pool_bytes:          bytes allocated for the pool
     unshared_kv_bytes:   bytes the same rows would need in blocks of their own
     utilization:         tokens_stored / (blocks_in_use * block_size)
+    workspace_bytes:     the reference backend's gather buffer (one layer's K and V of the
+                         batch, reused by every layer and step)
     """
 
     tokens_stored: int
@@ -44,6 +46,7 @@ class MemoryStats:
     pool_bytes: int
     unshared_kv_bytes: int
     utilization: float
+    workspace_bytes: int = 0
 
     @property
     def kv_bytes_in_use(self) -> int:
@@ -102,6 +105,7 @@ class PagedCache(Cache):
         self._pending_packed: tuple[list[int], int] | None = None
         self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._views_version = -1
+        self._workspace: torch.Tensor | None = None  # gather buffer reused by every layer
         self._detached = False
 
     # -- generate's view of the cache -----------------------------------------------------
@@ -271,8 +275,10 @@ class PagedCache(Cache):
         meta = self.meta
         k_cache, v_cache = self._views[layer_idx]
         mask = meta.attention_mask(sliding_window, alibi_slopes)
+        workspace = self._gather_workspace(meta.block_tables.numel())
         if not meta.packed:
-            return reference.paged_attention(query, k_cache, v_cache, meta.block_tables, mask, scale)
+            return reference.paged_attention(query, k_cache, v_cache, meta.block_tables, mask,
+                                             scale, workspace)
         rows, q_cols = meta.query_pos.shape
         heads, dim = query.shape[1], query.shape[3]
         tokens = query[0].transpose(0, 1)  # [N, Hq, D]
@@ -280,11 +286,23 @@ class PagedCache(Cache):
             padded = tokens.new_zeros(rows * q_cols, heads, dim)
             tokens = padded.index_copy_(0, meta.token_index, tokens)
         padded_query = tokens.view(rows, q_cols, heads, dim).transpose(1, 2)
-        out = reference.paged_attention(padded_query, k_cache, v_cache, meta.block_tables, mask, scale)
+        out = reference.paged_attention(padded_query, k_cache, v_cache, meta.block_tables, mask,
+                                        scale, workspace)
         out = out.reshape(rows * q_cols, heads, dim)
         if meta.token_index is not None:
             out = out.index_select(0, meta.token_index)
         return out.unsqueeze(0)
+
+    def _gather_workspace(self, num_blocks: int) -> torch.Tensor:
+        """[2, >= num_blocks, bs, Hkv, D] buffer for gathered K and V, grown by 25% steps."""
+        ws = self._workspace
+        if ws is None or ws.shape[1] < num_blocks:
+            size = max(num_blocks, int(1.25 * (0 if ws is None else ws.shape[1])))
+            kv = self.pool.kv
+            with torch.inference_mode(False):  # usable under no_grad and inference_mode alike
+                ws = torch.empty(2, size, *kv.shape[3:], dtype=kv.dtype, device=kv.device)
+            self._workspace = ws
+        return ws
 
     # -- structure changes from generate -----------------------------------------------------------
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -323,6 +341,7 @@ class PagedCache(Cache):
         self.meta = None
         self._seen = 0
         self._pending_mask = self._pending_packed = None
+        self._workspace = None
         self._peak_blocks = self.pool.blocks.num_used
 
     def _detach(self) -> None:
@@ -353,4 +372,6 @@ class PagedCache(Cache):
             pool_bytes=self.pool.nbytes,
             unshared_kv_bytes=sum(len(t) for t in self.tables.tables) * bs * bpt,
             utilization=tokens / (in_use * bs) if in_use else 0.0,
+            workspace_bytes=0 if self._workspace is None else
+            self._workspace.numel() * self._workspace.element_size(),
         )

@@ -92,3 +92,20 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
 @pytest.fixture(scope="session")
 def tokenizer():
     return make_tokenizer()
+
+
+def both(model, seed: int = 0, **kwargs):
+    """(DynamicCache output, paged output) of one generate call; the seed is reset for each."""
+    torch.manual_seed(seed)
+    ref = model.generate(**kwargs)
+    torch.manual_seed(seed)
+    out = model.generate(cache_implementation="paged", **kwargs)
+    return ref, out
+
+
+def assert_same(ref, out):
+    """Token-identical sequences (generate outputs or tensors)."""
+    ref = getattr(ref, "sequences", ref)
+    out = getattr(out, "sequences", out)
+    assert ref.shape == out.shape
+    assert torch.equal(ref, out), f"first mismatches at {(ref != out).nonzero()[:3].tolist()}"

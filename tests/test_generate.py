@@ -10,29 +10,9 @@ from transformers import (
 )
 
 from hf_paged import PagedCache
-from conftest import EOS, left_padded_batch
+from conftest import EOS, assert_same, both, left_padded_batch
 
 LENGTHS = [1, 9, 23, 47, 71, 100]  # left-padded batch of 6, lengths 1..100
-
-
-def both(model, **kwargs):
-    """(DynamicCache output, paged output) of one generate call; the seed is reset for each."""
-    seed = kwargs.pop("seed", 0)
-    torch.manual_seed(seed)
-    ref = model.generate(**kwargs)
-    torch.manual_seed(seed)
-    out = model.generate(cache_implementation="paged", **kwargs)
-    return ref, out
-
-
-def sequences(out):
-    return out.sequences if hasattr(out, "sequences") else out
-
-
-def assert_same(ref, out):
-    ref, out = sequences(ref), sequences(out)
-    assert ref.shape == out.shape
-    assert torch.equal(ref, out), f"first mismatch at {(ref != out).nonzero()[:3].tolist()}"
 
 
 @pytest.fixture(scope="module")
@@ -174,14 +154,3 @@ def test_sliding_window_shorter_than_sequence():
     ids, mask = left_padded_batch([3, 40, 60], seed=5)
     assert_same(*both(model, input_ids=ids, attention_mask=mask, max_new_tokens=30,
                       do_sample=False))
-
-
-def test_assisted_decoding(llama):
-    from conftest import make_model
-
-    assistant = make_model("llama_mha", seed=3)
-    ids, _ = left_padded_batch([25], seed=4)
-    assert_same(*both(llama, input_ids=ids, max_new_tokens=20, do_sample=False,
-                      assistant_model=assistant))
-    assert_same(*both(llama, input_ids=ids, max_new_tokens=20, do_sample=False,
-                      prompt_lookup_num_tokens=3))

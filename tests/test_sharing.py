@@ -9,23 +9,9 @@ from transformers import DynamicCache, LlamaConfig
 
 from hf_paged import PagedCache
 from hf_paged.kernels.reference import gather_kv
-from conftest import left_padded_batch, make_model
+from conftest import assert_same, both, left_padded_batch, make_model
 
 LENGTHS = [5, 19, 33]
-
-
-def both(model, seed=0, **kwargs):
-    torch.manual_seed(seed)
-    ref = model.generate(**kwargs)
-    torch.manual_seed(seed)
-    out = model.generate(cache_implementation="paged", **kwargs)
-    return ref, out
-
-
-def assert_same(ref, out):
-    ref = getattr(ref, "sequences", ref)
-    out = getattr(out, "sequences", out)
-    assert torch.equal(ref, out), f"mismatch at {(ref != out).nonzero()[:3].tolist()}"
 
 
 @pytest.fixture(scope="module")

@@ -34,11 +34,21 @@ def copy_blocks(kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
     kv[:, :, dst] = kv[:, :, src]
 
 
-def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """Contiguous copy of each row's blocks: [NB, bs, Hkv, D] -> [R, Hkv, T, D]."""
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """Contiguous copy of each row's blocks: [NB, bs, Hkv, D] -> [R, Hkv, T, D].
+
+    out: optional buffer [>= R * nb, bs, Hkv, D] to gather into. Reusing one across layers
+    and steps avoids fresh allocations, whose page faults cost more than the copy on CPU.
+    """
     rows, nb = block_tables.shape
     _, bs, h, d = cache.shape
-    return cache[block_tables].view(rows, nb * bs, h, d).transpose(1, 2)
+    index = block_tables.reshape(-1)
+    if out is None:
+        gathered = cache.index_select(0, index)  # several times faster than cache[index]
+    else:
+        gathered = torch.index_select(cache, 0, index, out=out[: rows * nb])
+    return gathered.view(rows, nb * bs, h, d).transpose(1, 2)
 
 
 def key_mask(
@@ -67,14 +77,16 @@ def paged_attention(
     block_tables: torch.Tensor,
     mask: torch.Tensor,
     scale: float,
+    workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of new queries over their sequences' cached tokens.
 
-    query [R, Hq, q, D], mask [R, 1, q, T] (see `key_mask`) -> out [R, q, Hq, D].
-    Covers decode (q = 1), prefill and extend (q > 1 with context) alike.
+    query [R, Hq, q, D], mask [R, 1, q, T] bool or [R, Hq, q, T] float bias (see `key_mask`)
+    -> out [R, q, Hq, D]. Covers decode (q = 1), prefill and extend (q > 1) alike.
+    workspace: optional [2, >= R * nb, bs, Hkv, D] buffer for the gathered K and V.
     """
-    k = gather_kv(k_cache, block_tables)
-    v = gather_kv(v_cache, block_tables)
+    k = gather_kv(k_cache, block_tables, None if workspace is None else workspace[0])
+    v = gather_kv(v_cache, block_tables, None if workspace is None else workspace[1])
     out = F.scaled_dot_product_attention(
         query, k, v, attn_mask=mask, scale=scale, enable_gqa=query.shape[1] != k.shape[1]
     )
