@@ -154,3 +154,40 @@ def test_sliding_window_shorter_than_sequence():
     ids, mask = left_padded_batch([3, 40, 60], seed=5)
     assert_same(*both(model, input_ids=ids, attention_mask=mask, max_new_tokens=30,
                       do_sample=False))
+
+
+def test_inputs_embeds(llama, batch):
+    embeds = llama.get_input_embeddings()(batch["input_ids"])
+    ref, out = both(llama, inputs_embeds=embeds, attention_mask=batch["attention_mask"],
+                    max_new_tokens=8, do_sample=False)
+    assert_same(ref, out)
+
+
+def test_chunked_prefill(model, batch):
+    assert_same(*both(model, **batch, max_new_tokens=8, do_sample=False, prefill_chunk_size=16))
+
+
+def test_single_new_token_and_explicit_head_dim():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=24, pad_token_id=0)).eval()
+    ids, mask = left_padded_batch([3, 30, 11], seed=6)
+    for new in (1, 9):
+        assert_same(*both(model, input_ids=ids, attention_mask=mask, max_new_tokens=new,
+                          do_sample=False))
+
+
+def test_continue_from_returned_cache(llama):
+    """A second generate call continues from the PagedCache the first one returned."""
+    ids, mask = left_padded_batch([12, 20], seed=8)
+    first = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                           cache_implementation="paged", return_dict_in_generate=True)
+    seq = first.sequences
+    ext = torch.cat([mask, torch.ones(2, seq.shape[1] - ids.shape[1], dtype=mask.dtype)], 1)
+    ref = llama.generate(input_ids=seq, attention_mask=ext, max_new_tokens=6, do_sample=False)
+    out = llama.generate(input_ids=seq, attention_mask=ext, max_new_tokens=6, do_sample=False,
+                         past_key_values=first.past_key_values)
+    assert_same(ref, out)
