@@ -73,19 +73,23 @@ def _use_paged_attention(model) -> None:
 
 
 def build_cache(model, generation_config, max_cache_length: int | None) -> PagedCache:
-    """A `PagedCache` for `model`; a sized pool is kept on the model and reused."""
+    """A `PagedCache` for `model`.
+
+    A sized pool (num_blocks / max_kv_bytes) is kept on the model and reused by later calls
+    with the same sizing; only the latest sizing is kept, so an old pool is freed once no
+    cache uses it. An unsized pool belongs to its call alone.
+    """
     cache_config = PagedCacheConfig.from_any(generation_config.cache_config)
     text_config = model.config.get_text_config(decoder=True)
     dtype, device = model.dtype, model.device
     pool = None
     if cache_config.is_sized:
-        pools = model.__dict__.setdefault("_hf_paged_pools", {})
         key = (cache_config.block_size, cache_config.num_blocks, cache_config.max_kv_bytes,
                dtype, str(device))
-        pool = pools.get(key)
-        if pool is None:
+        kept_key, pool = model.__dict__.get("_hf_paged_pool", (None, None))
+        if kept_key != key:
             pool = KVPool.for_config(cache_config, *kv_layout(text_config), dtype, device)
-            pools[key] = pool
+            model.__dict__["_hf_paged_pool"] = (key, pool)
     return PagedCache(text_config, cache_config, dtype=dtype, device=device, pool=pool,
                       max_cache_len=max_cache_length)
 

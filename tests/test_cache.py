@@ -169,3 +169,13 @@ def test_direct_forward_matches_dynamic_cache(kind):
     finally:
         model.set_attn_implementation("sdpa")
     assert cache.get_seq_length() == ref_cache.get_seq_length()
+
+
+@pytest.mark.parametrize("kind, kv_heads", [("falcon_mq", 1), ("falcon_new", 2), ("falcon_alibi", 4)])
+def test_falcon_stores_unique_kv_heads_only(kind, kv_heads, batch):
+    model = make_model(kind)
+    cache = paged_generate(model, batch, 3).past_key_values
+    cfg = model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    assert cache.pool.kv.shape[-2:] == (kv_heads, head_dim)
+    assert cache.memory_stats().bytes_per_token == cfg.num_hidden_layers * 2 * kv_heads * head_dim * 4
