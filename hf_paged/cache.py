@@ -11,7 +11,7 @@ from transformers.cache_utils import Cache
 from .block_table import BlockTables
 from .config import PagedCacheConfig
 from .errors import HFPagedError
-from .kernels import reference
+from .kernels.backends import select_backend
 from .kv_pool import KVPool
 from .metadata import DeviceBlockTable, ForwardMetadata, build_metadata
 from .models import kv_layout
@@ -95,6 +95,7 @@ class PagedCache(Cache):
         self.pool = pool
         self.block_size = pool.block_size
         self.max_cache_len = max_cache_len
+        self.backend = select_backend(self.cache_config.backend, pool.device)
         pool.attach(self)
         self.tables = BlockTables(pool.blocks)
         self.device_table: DeviceBlockTable | None = None
@@ -105,7 +106,6 @@ class PagedCache(Cache):
         self._pending_packed: tuple[list[int], int] | None = None
         self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._views_version = -1
-        self._workspace: torch.Tensor | None = None  # gather buffer reused by every layer
         self._detached = False
 
     # -- generate's view of the cache -----------------------------------------------------
@@ -192,8 +192,8 @@ class PagedCache(Cache):
         if meta.token_index is not None and not meta.packed:
             key = key.index_select(0, meta.token_index)
             value = value.index_select(0, meta.token_index)
-        reference.write_kv(k_cache, v_cache, key.to(k_cache.dtype), value.to(v_cache.dtype),
-                           meta.slot_mapping)
+        self.backend.write_kv(k_cache, v_cache, key.to(k_cache.dtype), value.to(v_cache.dtype),
+                              meta.slot_mapping)
         return k_cache, v_cache
 
     def _new_token_counts(self, rows: int, q_len: int) -> tuple[list[int], int, int, bool]:
@@ -238,7 +238,9 @@ class PagedCache(Cache):
         self.pool.ensure_free(self.tables.blocks_needed(counts), limit=self._block_limit(rows))
         context = self.device_table.lengths
         plan = self.tables.append(counts)
-        self.pool.copy_blocks(plan.copies)
+        if plan.copies:
+            src, dst = torch.tensor(plan.copies, dtype=torch.int64).T.to(self.pool.device)
+            self.backend.copy_blocks(self.pool.kv, src, dst)
         self.device_table.apply(plan.entries)
         self.meta = build_metadata(self.device_table, context, counts, q_cols,
                                    max(self.tables.lengths), self.block_size, packed=packed)
@@ -274,11 +276,9 @@ class PagedCache(Cache):
         """
         meta = self.meta
         k_cache, v_cache = self._views[layer_idx]
-        mask = meta.attention_mask(sliding_window, alibi_slopes)
-        workspace = self._gather_workspace(meta.block_tables.numel())
         if not meta.packed:
-            return reference.paged_attention(query, k_cache, v_cache, meta.block_tables, mask,
-                                             scale, workspace)
+            return self.backend.attention(query, k_cache, v_cache, meta, scale, sliding_window,
+                                          alibi_slopes)
         rows, q_cols = meta.query_pos.shape
         heads, dim = query.shape[1], query.shape[3]
         tokens = query[0].transpose(0, 1)  # [N, Hq, D]
@@ -286,23 +286,12 @@ class PagedCache(Cache):
             padded = tokens.new_zeros(rows * q_cols, heads, dim)
             tokens = padded.index_copy_(0, meta.token_index, tokens)
         padded_query = tokens.view(rows, q_cols, heads, dim).transpose(1, 2)
-        out = reference.paged_attention(padded_query, k_cache, v_cache, meta.block_tables, mask,
-                                        scale, workspace)
+        out = self.backend.attention(padded_query, k_cache, v_cache, meta, scale, sliding_window,
+                                     alibi_slopes)
         out = out.reshape(rows * q_cols, heads, dim)
         if meta.token_index is not None:
             out = out.index_select(0, meta.token_index)
         return out.unsqueeze(0)
-
-    def _gather_workspace(self, num_blocks: int) -> torch.Tensor:
-        """[2, >= num_blocks, bs, Hkv, D] buffer for gathered K and V, grown by 25% steps."""
-        ws = self._workspace
-        if ws is None or ws.shape[1] < num_blocks:
-            size = max(num_blocks, int(1.25 * (0 if ws is None else ws.shape[1])))
-            kv = self.pool.kv
-            with torch.inference_mode(False):  # usable under no_grad and inference_mode alike
-                ws = torch.empty(2, size, *kv.shape[3:], dtype=kv.dtype, device=kv.device)
-            self._workspace = ws
-        return ws
 
     # -- structure changes from generate -----------------------------------------------------------
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -341,7 +330,6 @@ class PagedCache(Cache):
         self.meta = None
         self._seen = 0
         self._pending_mask = self._pending_packed = None
-        self._workspace = None
         self._peak_blocks = self.pool.blocks.num_used
 
     def _detach(self) -> None:
@@ -372,6 +360,5 @@ class PagedCache(Cache):
             pool_bytes=self.pool.nbytes,
             unshared_kv_bytes=sum(len(t) for t in self.tables.tables) * bs * bpt,
             utilization=tokens / (in_use * bs) if in_use else 0.0,
-            workspace_bytes=0 if self._workspace is None else
-            self._workspace.numel() * self._workspace.element_size(),
+            workspace_bytes=self.backend.workspace_bytes,
         )

@@ -6,9 +6,9 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
-#: Attention backends by name. Only those in `AVAILABLE_BACKENDS` run in this build.
+#: Attention backends by name; whether one can run on a device is decided by
+#: `kernels.backends.select_backend`.
 KNOWN_BACKENDS = ("auto", "torch", "triton", "cuda", "flash_attn")
-AVAILABLE_BACKENDS = ("auto", "torch")
 BACKEND_ENV_VAR = "HF_PAGED_BACKEND"
 
 
@@ -49,11 +49,6 @@ class PagedCacheConfig:
         if self.backend not in KNOWN_BACKENDS:
             raise ValueError(
                 f"cache_config['backend'] must be one of {KNOWN_BACKENDS}; got {self.backend!r}."
-            )
-        if self.backend not in AVAILABLE_BACKENDS:
-            raise ValueError(
-                f"cache_config['backend']={self.backend!r} is not available in this build of "
-                f"hf-paged; available backends: {AVAILABLE_BACKENDS}."
             )
 
     @property

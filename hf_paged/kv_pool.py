@@ -9,7 +9,6 @@ import torch
 from .block_pool import BlockPool
 from .config import PagedCacheConfig
 from .errors import KVCacheExhaustedError
-from .kernels import reference
 
 
 class KVPool:
@@ -116,9 +115,3 @@ class KVPool:
         self.kv[:, :, : old.shape[2]] = old
         self.blocks.grow(num_blocks)
         self.version += 1
-
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Performs the (src, dst) copy-on-write pairs of a step in one batched copy."""
-        if pairs:
-            src, dst = torch.tensor(pairs, dtype=torch.int64).T.to(self.device)
-            reference.copy_blocks(self.kv, src, dst)

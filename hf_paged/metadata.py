@@ -52,6 +52,7 @@ class ForwardMetadata:
     """Where one forward's new tokens go and what each query may read.
 
     block_tables: [R, nb] int64   block tables cut to the columns in use
+    block_tables_i32: [R, nb] int32, the same (a view of the device table, for kernels)
     context_lens: [R] int64       real tokens cached before this forward
     seq_lens:     [R] int64       real tokens cached after it
     query_pos:    [R, q] int64    sequence position of each query column (pads: below context)
@@ -65,6 +66,7 @@ class ForwardMetadata:
     """
 
     block_tables: torch.Tensor
+    block_tables_i32: torch.Tensor
     context_lens: torch.Tensor
     seq_lens: torch.Tensor
     query_pos: torch.Tensor
@@ -112,7 +114,8 @@ def build_metadata(
     device = table.device
     rows = len(counts)
     num_cols = max(-(-max_seq_len // block_size), 1)
-    block_tables = table.table[:, :num_cols].long()
+    block_tables_i32 = table.table[:, :num_cols]
+    block_tables = block_tables_i32.long()
     if q_len == 1 and all(c == 1 for c in counts):  # decode: one real token per row, no host sync
         pos = context_lens
         query_pos = pos.unsqueeze(1)
@@ -138,6 +141,7 @@ def build_metadata(
         seq_lens = context_lens + counts_t
     return ForwardMetadata(
         block_tables=block_tables,
+        block_tables_i32=block_tables_i32,
         context_lens=context_lens,
         seq_lens=seq_lens,
         query_pos=query_pos,

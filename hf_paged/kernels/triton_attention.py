@@ -1,0 +1,286 @@
+"""Triton paged attention: decode (split-KV with a log-sum-exp merge) and prefill/extend.
+
+Both read the pool layout of `reference.py`: one layer's K and V as [NB, bs, Hkv, D],
+block tables [R, nb] int32, and follow its masking rules (causal on sequence positions,
+Transformers' sliding window `key > query - W`, optional ALiBi `slope * key position`).
+
+On a machine without a GPU these kernels run under `TRITON_INTERPRET=1` (set before this
+module is imported); the interpreter gets bf16 `tl.dot` wrong, so tiles are then cast to
+float32 first (`CAST_FP32`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _p2(n: int, floor: int = 16) -> int:
+    """Tile extent for `n` (a power of two, at least `floor`, what tl.dot needs on GPUs)."""
+    return max(floor, triton.next_power_of_2(n))
+
+
+@triton.jit
+def _dot(a, b, FP32: tl.constexpr):
+    """a @ b accumulated in float32; float32 inputs stay exact (no TF32)."""
+    if FP32:
+        return tl.dot(a, b, input_precision="ieee", out_dtype=tl.float32)
+    return tl.dot(a, b, out_dtype=tl.float32)
+
+
+@triton.jit
+def _online_softmax_step(s, m_i, l_i, acc, v, FP32: tl.constexpr):
+    """One tile of the streaming softmax: s [M, N] scores (-inf = masked), v [N, D]."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far: no NaN
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, FP32)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _decode_kernel(
+    Q, K, V, BT, SEQ, SLOPES, O_PART, LSE_PART,
+    stride_qr, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_btr,
+    stride_or, stride_oh, stride_os,
+    stride_lr, stride_lh,
+    scale, window, blocks_per_split,
+    GROUP: tl.constexpr, GROUP_P: tl.constexpr, BS: tl.constexpr, BS_P: tl.constexpr,
+    D: tl.constexpr, D_P: tl.constexpr, HAS_ALIBI: tl.constexpr, CAST_FP32: tl.constexpr,
+):
+    """Program (row, KV head, split): all GROUP query heads of the KV head at once, so each
+    KV block is read once; the split covers `blocks_per_split` blocks of the row."""
+    r = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SEQ + r).to(tl.int32)
+    q_pos = seq_len - 1
+    g = tl.arange(0, GROUP_P)
+    d = tl.arange(0, D_P)
+    t = tl.arange(0, BS_P)
+    heads = kvh * GROUP + g
+    gmask = g < GROUP
+    dmask = d < D
+    q = tl.load(Q + r * stride_qr + heads[:, None] * stride_qh + d[None, :],
+                mask=gmask[:, None] & dmask[None, :], other=0.0)
+    if CAST_FP32:
+        q = q.to(tl.float32)
+    first = tl.where(window > 0, tl.maximum(q_pos - window + 1, 0) // BS, 0)
+    start = first + split * blocks_per_split
+    end = tl.minimum(start + blocks_per_split, tl.cdiv(seq_len, BS))
+    if HAS_ALIBI:
+        slopes = tl.load(SLOPES + heads, mask=gmask, other=0.0).to(tl.float32)
+    m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_P], tl.float32)
+    acc = tl.zeros([GROUP_P, D_P], tl.float32)
+    for b in range(start, end):
+        block = tl.load(BT + r * stride_btr + b).to(tl.int64)
+        offs = block * stride_kb + t[:, None] * stride_kt + kvh * stride_kh + d[None, :]
+        kv_mask = (t[:, None] < BS) & dmask[None, :]
+        k = tl.load(K + offs, mask=kv_mask, other=0.0)
+        v = tl.load(V + offs, mask=kv_mask, other=0.0)
+        if CAST_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = _dot(q, tl.trans(k), CAST_FP32) * scale
+        pos = b * BS + t
+        valid = (t < BS) & (pos < seq_len) & ((window <= 0) | (pos > q_pos - window))
+        if HAS_ALIBI:
+            s += slopes[:, None] * pos[None, :].to(tl.float32)
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, CAST_FP32)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+    tl.store(O_PART + r * stride_or + heads[:, None] * stride_oh + split * stride_os + d[None, :],
+             out, mask=gmask[:, None] & dmask[None, :])
+    tl.store(LSE_PART + r * stride_lr + heads * stride_lh + split, lse, mask=gmask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    O_PART, LSE_PART, OUT,
+    stride_or, stride_oh, stride_os,
+    stride_lr, stride_lh,
+    stride_outr, stride_outh,
+    SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
+):
+    """Program (row, head): out = sum_s exp(lse_s - lse) * out_s over the splits."""
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS_P)
+    d = tl.arange(0, D_P)
+    smask = s < SPLITS
+    lse = tl.load(LSE_PART + r * stride_lr + h * stride_lh + s, mask=smask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.where(smask & (lse > float("-inf")), tl.exp(lse - m), 0.0)
+    parts = tl.load(O_PART + r * stride_or + h * stride_oh + s[:, None] * stride_os + d[None, :],
+                    mask=smask[:, None] & (d[None, :] < D), other=0.0)
+    out = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(OUT + r * stride_outr + h * stride_outh + d, out.to(OUT.dtype.element_ty), mask=d < D)
+
+
+def decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    max_blocks: int | None = None,
+) -> torch.Tensor:
+    """One new token per row over its cached tokens (itself included).
+
+    query [R, Hq, D]; k_cache, v_cache [NB, bs, Hkv, D]; block_tables [R, nb] int32;
+    seq_lens [R] (tokens cached, the query's own included) -> out [R, Hq, D].
+    num_splits: KV splits per row (default: enough to fill the GPU for long contexts).
+    max_blocks: host-known bound on blocks per row (default block_tables.shape[1]).
+    """
+    rows, heads, dim = query.shape
+    _, bs, kv_heads, _ = k_cache.shape
+    group = heads // kv_heads
+    nb = max_blocks or block_tables.shape[1]
+    if num_splits is None:
+        num_splits = _default_splits(rows * kv_heads, nb, query.device)
+    num_splits = max(1, min(num_splits, nb))
+    per_split = triton.cdiv(nb, num_splits)
+    num_splits = triton.cdiv(nb, per_split)
+    o_part = torch.empty(rows, heads, num_splits, dim, dtype=torch.float32, device=query.device)
+    lse_part = torch.empty(rows, heads, num_splits, dtype=torch.float32, device=query.device)
+    slopes = alibi_slopes.contiguous() if alibi_slopes is not None else o_part  # else unused
+    query, seq_lens = query.contiguous(), seq_lens.contiguous()
+    _decode_kernel[(rows, kv_heads, num_splits)](
+        query, k_cache, v_cache, block_tables, seq_lens, slopes, o_part, lse_part,
+        query.stride(0), query.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse_part.stride(0), lse_part.stride(1),
+        scale, sliding_window or 0, per_split,
+        GROUP=group, GROUP_P=_p2(group), BS=bs, BS_P=_p2(bs), D=dim, D_P=_p2(dim),
+        HAS_ALIBI=alibi_slopes is not None, CAST_FP32=INTERPRETING or query.dtype == torch.float32,
+    )
+    out = torch.empty(rows, heads, dim, dtype=query.dtype, device=query.device)
+    _merge_splits_kernel[(rows, heads)](
+        o_part, lse_part, out,
+        o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse_part.stride(0), lse_part.stride(1),
+        out.stride(0), out.stride(1),
+        SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits), D=dim, D_P=_p2(dim),
+    )
+    return out
+
+
+def _default_splits(programs: int, blocks: int, device: torch.device) -> int:
+    """Splits so that rows x KV heads x splits covers the GPU about twice (at least 8 blocks each)."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(triton.cdiv(2 * sms, programs), blocks // 8))
+
+
+@triton.jit
+def _extend_kernel(
+    Q, K, V, BT, QPOS, CTX, SEQ, SLOPES, OUT,
+    stride_qr, stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_btr, stride_pr,
+    stride_or, stride_ot, stride_oh,
+    q_len, scale, window,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BS: tl.constexpr, BS_P: tl.constexpr,
+    D: tl.constexpr, D_P: tl.constexpr, HAS_ALIBI: tl.constexpr, CAST_FP32: tl.constexpr,
+):
+    """Program (row, query head, tile of BLOCK_M query columns) over the row's blocks."""
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    tile = tl.program_id(2)
+    kvh = h // GROUP
+    cols = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, D_P)
+    t = tl.arange(0, BS_P)
+    cmask = cols < q_len
+    dmask = d < D
+    ctx = tl.load(CTX + r).to(tl.int32)
+    seq_len = tl.load(SEQ + r).to(tl.int32)
+    qpos = tl.load(QPOS + r * stride_pr + cols, mask=cmask, other=-1).to(tl.int32)
+    is_query = cmask & (qpos >= ctx)  # left-padding columns sit below the context
+    q = tl.load(Q + r * stride_qr + cols[:, None] * stride_qt + h * stride_qh + d[None, :],
+                mask=is_query[:, None] & dmask[None, :], other=0.0)
+    if CAST_FP32:
+        q = q.to(tl.float32)
+    if HAS_ALIBI:
+        slope = tl.load(SLOPES + h).to(tl.float32)
+    hi = tl.minimum(tl.max(tl.where(is_query, qpos, -1), 0) + 1, seq_len)
+    lowest = tl.min(tl.where(is_query, qpos, 2147483647), 0)
+    lo = tl.where(window > 0, tl.maximum(lowest - window + 1, 0), 0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_P], tl.float32)
+    for b in range(lo // BS, tl.cdiv(hi, BS)):
+        block = tl.load(BT + r * stride_btr + b).to(tl.int64)
+        offs = block * stride_kb + t[:, None] * stride_kt + kvh * stride_kh + d[None, :]
+        kv_mask = (t[:, None] < BS) & dmask[None, :]
+        k = tl.load(K + offs, mask=kv_mask, other=0.0)
+        v = tl.load(V + offs, mask=kv_mask, other=0.0)
+        if CAST_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = _dot(q, tl.trans(k), CAST_FP32) * scale
+        pos = b * BS + t
+        valid = (t[None, :] < BS) & (pos[None, :] <= qpos[:, None]) & is_query[:, None]
+        valid = valid & ((window <= 0) | (pos[None, :] > qpos[:, None] - window))
+        if HAS_ALIBI:
+            s += slope * pos[None, :].to(tl.float32)
+        s = tl.where(valid, s, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, CAST_FP32)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # padding columns come out as zeros
+    tl.store(OUT + r * stride_or + cols[:, None] * stride_ot + h * stride_oh + d[None, :],
+             out.to(OUT.dtype.element_ty), mask=cmask[:, None] & dmask[None, :])
+
+
+def extend_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_pos: torch.Tensor,
+    context_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q >= 1 new tokens per row attending causally to their context and to each other.
+
+    query [R, q, Hq, D] (left-padded columns allowed); query_pos [R, q] sequence position
+    of each column (padding: below context_lens); context_lens, seq_lens [R]
+    -> out [R, q, Hq, D], zeros on padding columns.
+    """
+    rows, q_len, heads, dim = query.shape
+    _, bs, kv_heads, _ = k_cache.shape
+    out = torch.empty_like(query)
+    block_m = 16 if INTERPRETING else 64
+    slopes = alibi_slopes.contiguous() if alibi_slopes is not None else out  # else unused
+    context_lens, seq_lens = context_lens.contiguous(), seq_lens.contiguous()
+    _extend_kernel[(rows, heads, triton.cdiv(q_len, block_m))](
+        query, k_cache, v_cache, block_tables, query_pos, context_lens, seq_lens, slopes, out,
+        query.stride(0), query.stride(1), query.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), query_pos.stride(0),
+        out.stride(0), out.stride(1), out.stride(2),
+        q_len, scale, sliding_window or 0,
+        GROUP=heads // kv_heads, BLOCK_M=block_m, BS=bs, BS_P=_p2(bs), D=dim, D_P=_p2(dim),
+        HAS_ALIBI=alibi_slopes is not None, CAST_FP32=INTERPRETING or query.dtype == torch.float32,
+    )
+    return out
