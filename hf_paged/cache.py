@@ -95,7 +95,9 @@ class PagedCache(Cache):
         self.pool = pool
         self.block_size = pool.block_size
         self.max_cache_len = max_cache_len
-        self.backend = select_backend(self.cache_config.backend, pool.device)
+        num_heads = getattr(text_config, "num_attention_heads", self.num_kv_heads)
+        self.backend = select_backend(self.cache_config.backend, pool.device, pool.dtype,
+                                      self.block_size, num_heads, self.num_kv_heads)
         pool.attach(self)
         self.tables = BlockTables(pool.blocks)
         self.device_table: DeviceBlockTable | None = None

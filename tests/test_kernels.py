@@ -173,12 +173,16 @@ def test_generate_with_triton_backend(kind):
                 model.generate(**beams, cache_config={"backend": "triton", "block_size": 4}))
 
 
-def test_backend_selection():
+@pytest.mark.skipif(GPU, reason="checks the errors a CPU-only machine gives")
+def test_backend_selection_on_cpu():
     assert select_backend("torch", "cpu").name == "torch"
     assert select_backend("auto", "cpu").name == "torch"  # the reference on CPU
-    for name in ("cuda", "flash_attn", "nope"):
-        with pytest.raises(ValueError, match=name):
-            select_backend(name, "cpu")
+    with pytest.raises(ValueError, match="'cuda' cannot run here: no CUDA device"):
+        select_backend("cuda", "cpu")
+    with pytest.raises(ValueError, match="'flash_attn' cannot run here"):
+        select_backend("flash_attn", "cpu", torch.float16, 256)
+    with pytest.raises(ValueError, match="must be one of"):
+        select_backend("nope", "cpu")
 
 
 def test_triton_on_cpu_without_interpreter_says_why(monkeypatch):
@@ -196,3 +200,133 @@ def test_backend_from_environment(monkeypatch, llama):
     monkeypatch.setenv("HF_PAGED_BACKEND", "bogus")
     with pytest.raises(ValueError, match="backend"):
         llama.generate(ids, max_new_tokens=2, cache_implementation="paged")
+
+
+# -- CUDA C++ and flash-attn: need a GPU (skipped cleanly without one) -------------------------
+def _cuda_reason():
+    from hf_paged.kernels import cuda_ops
+
+    return cuda_ops.unavailable_reason()
+
+
+needs_cuda_kernels = pytest.mark.skipif(_cuda_reason() is not None, reason=str(_cuda_reason()))
+
+
+@needs_cuda_kernels
+@pytest.mark.parametrize("block_size, heads, kv_heads, head_dim", GRID)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window, alibi", [(None, False), (40, False), (None, True)])
+def test_cuda_decode(block_size, heads, kv_heads, head_dim, dtype, window, alibi):
+    from hf_paged.kernels import cuda_ops
+
+    ops = cuda_ops.load()
+    lengths = [1, 17, 97, 1000, 600]
+    k, v, table, seq = paged_inputs(lengths, block_size, kv_heads, head_dim, dtype)
+    q = torch.randn(len(lengths), heads, head_dim, device=DEVICE).to(dtype)
+    slopes = torch.rand(heads, device=DEVICE) if alibi else None
+    scale = head_dim ** -0.5
+    ref = reference_attention(q[:, :, None], k, v, table, (seq - 1)[:, None], None, scale,
+                              window, slopes)[:, 0]
+    for partition in (cuda_ops.PARTITION, 64):  # single pass and split-KV
+        out = ops.decode(q, k, v, table, seq, slopes, scale, window or 0, max(lengths), partition)
+        torch.testing.assert_close(out.float(), ref, **TOLERANCE[dtype])
+
+
+@needs_cuda_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_write_copy_swap(dtype):
+    from hf_paged.kernels import cuda_ops
+
+    ops = cuda_ops.load()
+    k, v, _, _ = paged_inputs([40], 8, 2, 64, dtype)
+    key = torch.randn(6, 2, 64, device=DEVICE).to(dtype)
+    value = torch.randn(6, 2, 64, device=DEVICE).to(dtype)
+    slots = torch.tensor([0, 9, 17, 30, 31, 47], device=DEVICE)
+    k2, v2 = k.clone(), v.clone()
+    ops.write_kv(key, value, k, v, slots)
+    reference.write_kv(k2, v2, key, value, slots)
+    assert torch.equal(k, k2) and torch.equal(v, v2)
+    kv = torch.randn(3, 2, 7, 4, 2, 16, device=DEVICE).to(dtype)
+    kv2 = kv.clone()
+    src, dst = torch.tensor([0, 4], device=DEVICE), torch.tensor([6, 2], device=DEVICE)
+    ops.copy_blocks(kv, src, dst)
+    reference.copy_blocks(kv2, src, dst)
+    assert torch.equal(kv, kv2)
+    host = torch.zeros(5, 4, 2, 16, dtype=dtype).pin_memory()
+    pairs = torch.tensor([[1, 3], [5, 0]])
+    ops.swap_blocks(kv[0, 0], host, pairs)
+    torch.cuda.synchronize()
+    assert torch.equal(host[3], kv[0, 0, 1].cpu()) and torch.equal(host[0], kv[0, 0, 5].cpu())
+    back = torch.zeros_like(kv[0, 0])
+    ops.swap_blocks(host, back, torch.tensor([[3, 2]]))
+    torch.cuda.synchronize()
+    assert torch.equal(back[2], kv[0, 0, 1])
+
+
+def _flash_reason():
+    from hf_paged.kernels.backends import flash_attn_unavailable_reason
+
+    return flash_attn_unavailable_reason(DEVICE, torch.float16, 256)
+
+
+@pytest.mark.skipif(_flash_reason() is not None, reason=str(_flash_reason()))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 4, 64), (32, 8, 128)])
+def test_flash_attn_decode_and_extend(dtype, heads, kv_heads, head_dim):
+    from hf_paged.kernels.backends import FlashAttnBackend
+    from hf_paged.metadata import DeviceBlockTable, build_metadata
+
+    backend = FlashAttnBackend()
+    lengths = [1, 17, 700, 1000]
+    k, v, table, seq = paged_inputs(lengths, 256, kv_heads, head_dim, dtype)
+    dev = DeviceBlockTable(len(lengths), table.shape[1], DEVICE)
+    dev.table.copy_(table)
+    for q_len, counts in ((1, [1] * 4), (5, [1, 5, 3, 5])):
+        ctx = seq - torch.tensor(counts, device=DEVICE)
+        meta = build_metadata(dev, ctx, counts, q_len, int(seq.max()), 256)
+        q = torch.randn(len(lengths), heads, q_len, head_dim, device=DEVICE).to(dtype)
+        ref = reference_attention(q, k, v, table, meta.query_pos, meta.is_query, 0.1, None, None)
+        out = backend.attention(q, k, v, meta, 0.1)
+        real = meta.is_query if meta.is_query is not None else torch.ones_like(meta.query_pos, dtype=torch.bool)
+        torch.testing.assert_close(out.float()[real], ref[real], **TOLERANCE[dtype])
+
+
+@pytest.mark.skipif(not GPU, reason="end-to-end GPU backends need a CUDA device")
+@pytest.mark.parametrize("backend", ["triton", "cuda", "flash_attn"])
+def test_generate_with_gpu_backends(backend):
+    from hf_paged.kernels.backends import select_backend as select
+
+    model = make_model("llama_gqa").to(DEVICE)
+    block_size = 256 if backend == "flash_attn" else 16
+    dtype = torch.float16 if backend == "flash_attn" else torch.float32
+    model = model.to(dtype)
+    try:
+        select(backend, DEVICE, dtype, block_size, 4, 2)
+    except ValueError as err:
+        pytest.skip(str(err))
+    ids, mask = left_padded_batch([3, 40, 17], seed=3)
+    kwargs = dict(input_ids=ids.to(DEVICE), attention_mask=mask.to(DEVICE), max_new_tokens=12,
+                  do_sample=False, cache_implementation="paged")
+    ref = model.generate(**kwargs, cache_config={"backend": "torch", "block_size": block_size})
+    out = model.generate(**kwargs, cache_config={"backend": backend, "block_size": block_size})
+    assert_same(ref, out)
+
+
+def test_cuda_sources_compile_for_sm80_and_sm90(tmp_path):
+    """Compile-only check of cuda/*.cu (no GPU needed), so a broken kernel fails CI."""
+    import shutil
+    import subprocess
+
+    from hf_paged.kernels import cuda_ops
+
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc is not installed")
+    src = cuda_ops.source_dir()
+    for name in ("paged_attention.cu", "cache_ops.cu"):
+        for arch in ("sm_80", "sm_90"):
+            result = subprocess.run(
+                [nvcc, "-c", "-std=c++17", "-O3", f"-arch={arch}", f"-I{src}", str(src / name),
+                 "-o", str(tmp_path / f"{name}.{arch}.o")],
+                capture_output=True, text=True)
+            assert result.returncode == 0, result.stderr

@@ -80,6 +80,79 @@ class TritonBackend:
             meta.context_lens, meta.seq_lens, scale, sliding_window, alibi_slopes)
 
 
+class CudaBackend:
+    """The CUDA C++ kernels of `cuda/` for decode, writes and copies; q > 1 (prefill, extend)
+    goes through Triton, or the reference where Triton is missing."""
+
+    name = "cuda"
+    workspace_bytes = 0
+
+    def __init__(self):
+        from . import cuda_ops
+
+        self._ops = cuda_ops.load()
+        self._partition = cuda_ops.PARTITION
+        self._extend = (TritonBackend() if triton_unavailable_reason(torch.device("cuda")) is None
+                        else TorchBackend())
+        self.copy_blocks = self._ops.copy_blocks
+
+    def write_kv(self, k_cache, v_cache, key, value, slot_mapping):
+        self._ops.write_kv(key, value, k_cache, v_cache, slot_mapping)
+
+    def attention(self, query, k_cache, v_cache, meta, scale, sliding_window=None,
+                  alibi_slopes=None):
+        if query.shape[2] == 1 and meta.is_query is None:
+            out = self._ops.decode(query[:, :, 0], k_cache, v_cache, meta.block_tables_i32,
+                                   meta.seq_lens, alibi_slopes, scale, sliding_window or 0,
+                                   meta.max_seq_len, self._partition)
+            return out.unsqueeze(1)
+        return self._extend.attention(query, k_cache, v_cache, meta, scale, sliding_window,
+                                      alibi_slopes)
+
+
+class FlashAttnBackend:
+    """flash-attn 2's paged KV cache (`flash_attn_with_kvcache` with `block_table`)."""
+
+    name = "flash_attn"
+    workspace_bytes = 0
+    write_kv = staticmethod(reference.write_kv)
+    copy_blocks = staticmethod(reference.copy_blocks)
+
+    def __init__(self):
+        from flash_attn import flash_attn_with_kvcache
+
+        self._fn = flash_attn_with_kvcache
+
+    def attention(self, query, k_cache, v_cache, meta, scale, sliding_window=None,
+                  alibi_slopes=None):
+        """Queries are right-aligned to each row's end (flash-attn's causal convention),
+        which is where the padded layout puts them; padding columns are discarded."""
+        return self._fn(
+            query.transpose(1, 2), k_cache, v_cache,
+            cache_seqlens=meta.seq_lens.to(torch.int32), block_table=meta.block_tables_i32,
+            softmax_scale=scale, causal=True,
+            window_size=(sliding_window - 1, 0) if sliding_window else (-1, -1),
+            alibi_slopes=None if alibi_slopes is None else alibi_slopes.float(),
+        )
+
+
+FLASH_ATTN_BLOCK_MULTIPLE = 256  # flash-attn 2 paged KV needs block_size % 256 == 0
+
+
+def flash_attn_unavailable_reason(device: torch.device, dtype: torch.dtype,
+                                  block_size: int) -> str | None:
+    if importlib.util.find_spec("flash_attn") is None:
+        return "flash-attn is not installed (pip install 'hf-paged[flash]')"
+    if device.type != "cuda":
+        return f"flash-attn needs a CUDA device; the pool is on {device.type}"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"flash-attn takes float16 or bfloat16; the pool is {dtype}"
+    if block_size % FLASH_ATTN_BLOCK_MULTIPLE:
+        return (f"flash-attn 2 needs block_size to be a multiple of "
+                f"{FLASH_ATTN_BLOCK_MULTIPLE}; got {block_size}")
+    return None
+
+
 def triton_unavailable_reason(device: torch.device) -> str | None:
     """Why the Triton backend cannot run on `device`, or None if it can."""
     if importlib.util.find_spec("triton") is None:
@@ -92,24 +165,47 @@ def triton_unavailable_reason(device: torch.device) -> str | None:
             "(or TRITON_INTERPRET=1 with a CPU pool, for testing)")
 
 
-def select_backend(name: str, device: torch.device | str):
-    """The backend for `name` on `device`; "auto" picks the fastest one that can run.
+def select_backend(name: str, device: torch.device | str, dtype: torch.dtype = torch.float32,
+                   block_size: int = 16, num_heads: int = 1, num_kv_heads: int = 1):
+    """The backend for `name` on `device`; "auto" picks the fastest one that can run here.
 
+    "auto": flash-attn where its constraints hold, else Triton on CUDA, else the reference.
+    The CUDA C++ kernels are built on first use, so they run only when asked for.
     Raises ValueError saying why when the named backend cannot run here.
     """
     device = torch.device(device)
+
+    def unavailable(reason: str) -> ValueError:
+        return ValueError(f"cache_config['backend']={name!r} cannot run here: {reason}.")
+
     if name == "torch":
         return TorchBackend()
     if name == "triton":
         reason = triton_unavailable_reason(device)
         if reason is not None:
-            raise ValueError(f"cache_config['backend']='triton' cannot run here: {reason}.")
+            raise unavailable(reason)
         return TritonBackend()
+    if name == "cuda":
+        from . import cuda_ops
+
+        reason = cuda_ops.unavailable_reason()
+        if reason is None and num_heads // num_kv_heads not in (1, 2, 4, 8, 16):
+            reason = f"the decode kernel takes 1, 2, 4, 8 or 16 query heads per KV head, not {num_heads // num_kv_heads}"
+        if reason is not None:
+            raise unavailable(reason)
+        return CudaBackend()
+    if name == "flash_attn":
+        reason = flash_attn_unavailable_reason(device, dtype, block_size)
+        if reason is not None:
+            raise unavailable(reason)
+        return FlashAttnBackend()
     if name == "auto":
+        if flash_attn_unavailable_reason(device, dtype, block_size) is None:
+            return FlashAttnBackend()
         if device.type == "cuda" and triton_unavailable_reason(device) is None:
             return TritonBackend()
         return TorchBackend()
     raise ValueError(
-        f"cache_config['backend']={name!r} is not available in this build of hf-paged "
-        "(available: 'auto', 'torch', 'triton')."
+        f"cache_config['backend'] must be one of 'auto', 'torch', 'triton', 'cuda', "
+        f"'flash_attn'; got {name!r}."
     )

@@ -1,0 +1,226 @@
+// Paged decode attention for hf-paged: one new token per sequence over its cached blocks.
+//
+// Layout (same as hf_paged/kernels/reference.py):
+//   query        [R, Hq, D]            one token per row
+//   k_cache      [NB, BS, Hkv, D]      one layer's pool, v_cache likewise
+//   block_tables [R, max_blocks] int32 (row stride given)
+//   seq_lens     [R] int64             tokens cached per row, the query's own included
+//   out          [R, Hq, D]
+//
+// A thread block handles (row, KV head, partition of PARTITION tokens) and all GROUP query
+// heads of that KV head, so each K/V row is loaded once for the group. With one partition
+// per row the output is written directly ("single pass"); otherwise each partition writes
+// an unnormalized partial plus its max and sum, and paged_decode_reduce merges them
+// (split-KV with a log-sum-exp merge).
+
+#include <cuda_runtime.h>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <math_constants.h>
+#include <stdint.h>
+
+#include "paged_ops.h"
+
+namespace hf_paged {
+
+constexpr int kThreads = 128;
+constexpr int kWarps = kThreads / 32;
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16(x);
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffff, x, o);
+  return x;
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, o));
+  return x;
+}
+
+// Block-wide reduction of one value per thread; `scratch` holds kWarps floats.
+template <bool kMax>
+__device__ float block_reduce(float x, float* scratch) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  x = kMax ? warp_max(x) : warp_sum(x);
+  if (lane == 0) scratch[warp] = x;
+  __syncthreads();
+  float r = kMax ? -CUDART_INF_F : 0.f;
+  for (int w = 0; w < kWarps; ++w) r = kMax ? fmaxf(r, scratch[w]) : r + scratch[w];
+  __syncthreads();
+  return r;
+}
+
+// Dynamic shared memory: q [GROUP][D] floats, then logits [GROUP][PARTITION] floats.
+template <typename T, int GROUP>
+__global__ void paged_decode_kernel(
+    const T* __restrict__ query, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+    const int32_t* __restrict__ block_tables, const int64_t* __restrict__ seq_lens,
+    const float* __restrict__ alibi_slopes, T* __restrict__ out, float* __restrict__ part_out,
+    float* __restrict__ part_max, float* __restrict__ part_sum, int num_heads, int num_kv_heads,
+    int head_dim, int block_size, int bt_stride, int partition, int num_partitions,
+    float scale, int window) {
+  extern __shared__ float smem[];
+  __shared__ float scratch[kWarps];
+  const int row = blockIdx.x, kvh = blockIdx.y, part = blockIdx.z;
+  const int seq_len = static_cast<int>(seq_lens[row]);
+  const int first_visible = window > 0 ? max(seq_len - window, 0) : 0;
+  const int start = max(part * partition, first_visible);
+  const int end = min((part + 1) * partition, seq_len);
+  float* q_s = smem;
+  float* logits = smem + GROUP * head_dim;
+
+  for (int i = threadIdx.x; i < GROUP * head_dim; i += kThreads) {
+    const int g = i / head_dim, d = i % head_dim;
+    q_s[i] = to_float(query[(static_cast<int64_t>(row) * num_heads + kvh * GROUP + g) * head_dim + d]) * scale;
+  }
+  __syncthreads();
+
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int32_t* table = block_tables + static_cast<int64_t>(row) * bt_stride;
+  // Scores: one warp per token, lanes across the head dimension.
+  for (int t = start + warp; t < end; t += kWarps) {
+    const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
+    const T* k = k_cache + (slot * num_kv_heads + kvh) * head_dim;
+    float acc[GROUP];
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) acc[g] = 0.f;
+    for (int d = lane; d < head_dim; d += 32) {
+      const float kd = to_float(k[d]);
+#pragma unroll
+      for (int g = 0; g < GROUP; ++g) acc[g] += q_s[g * head_dim + d] * kd;
+    }
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+      float s = warp_sum(acc[g]);
+      if (alibi_slopes != nullptr) s += alibi_slopes[kvh * GROUP + g] * static_cast<float>(t);
+      if (lane == 0) logits[g * partition + (t - part * partition)] = s;
+    }
+  }
+  __syncthreads();
+
+  // Softmax over this partition, per query head of the group.
+  const int n = end - start;
+  const int offset = start - part * partition;
+  float maxes[GROUP], sums[GROUP];
+#pragma unroll
+  for (int g = 0; g < GROUP; ++g) {
+    float m = -CUDART_INF_F;
+    for (int i = threadIdx.x; i < n; i += kThreads) m = fmaxf(m, logits[g * partition + offset + i]);
+    m = block_reduce<true>(m, scratch);
+    float s = 0.f;
+    for (int i = threadIdx.x; i < n; i += kThreads) {
+      const float p = __expf(logits[g * partition + offset + i] - m);
+      logits[g * partition + offset + i] = p;
+      s += p;
+    }
+    sums[g] = block_reduce<false>(s, scratch);
+    maxes[g] = m;
+  }
+  __syncthreads();
+
+  // Output: threads across (head of group, dim); each V row is read from cache once per head.
+  for (int i = threadIdx.x; i < GROUP * head_dim; i += kThreads) {
+    const int g = i / head_dim, d = i % head_dim;
+    float acc = 0.f;
+    for (int t = start; t < end; ++t) {
+      const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
+      acc += logits[g * partition + (t - part * partition)] * to_float(v_cache[(slot * num_kv_heads + kvh) * head_dim + d]);
+    }
+    const int head = kvh * GROUP + g;
+    const int64_t o = (static_cast<int64_t>(row) * num_heads + head) * head_dim + d;
+    if (num_partitions == 1) {
+      out[o] = from_float<T>(n > 0 ? acc / sums[g] : 0.f);
+    } else {
+      // part_out [R, Hq, P, D]; part_max, part_sum [R, Hq, P]
+      const int64_t p = (static_cast<int64_t>(row) * num_heads + head) * num_partitions + part;
+      part_out[p * head_dim + d] = acc;
+      if (d == 0) {
+        part_max[p] = n > 0 ? maxes[g] : -CUDART_INF_F;
+        part_sum[p] = n > 0 ? sums[g] : 0.f;
+      }
+    }
+  }
+}
+
+// Merges partitions: grid (R, Hq), threads across D.
+template <typename T>
+__global__ void paged_decode_reduce_kernel(const float* __restrict__ part_out,
+                                           const float* __restrict__ part_max,
+                                           const float* __restrict__ part_sum,
+                                           T* __restrict__ out, int num_heads, int head_dim,
+                                           int num_partitions) {
+  const int row = blockIdx.x, head = blockIdx.y;
+  const int64_t rh = static_cast<int64_t>(row) * num_heads + head;
+  float m = -CUDART_INF_F;
+  for (int p = 0; p < num_partitions; ++p) m = fmaxf(m, part_max[rh * num_partitions + p]);
+  float total = 0.f;
+  for (int p = 0; p < num_partitions; ++p) {
+    const float pm = part_max[rh * num_partitions + p];
+    if (pm > -CUDART_INF_F) total += part_sum[rh * num_partitions + p] * __expf(pm - m);
+  }
+  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    float acc = 0.f;
+    for (int p = 0; p < num_partitions; ++p) {
+      const float pm = part_max[rh * num_partitions + p];
+      if (pm > -CUDART_INF_F)
+        acc += part_out[(rh * num_partitions + p) * head_dim + d] * __expf(pm - m);
+    }
+    out[rh * head_dim + d] = from_float<T>(total > 0.f ? acc / total : 0.f);
+  }
+}
+
+template <typename T, int GROUP>
+static cudaError_t launch_group(const DecodeArgs& a, cudaStream_t stream) {
+  const dim3 grid(a.rows, a.num_kv_heads, a.num_partitions);
+  const size_t smem = sizeof(float) * GROUP * (a.head_dim + a.partition);
+  if (smem > 48 * 1024) {
+    cudaError_t err = cudaFuncSetAttribute(paged_decode_kernel<T, GROUP>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(smem));
+    if (err != cudaSuccess) return err;
+  }
+  paged_decode_kernel<T, GROUP><<<grid, kThreads, smem, stream>>>(
+      static_cast<const T*>(a.query), static_cast<const T*>(a.k_cache),
+      static_cast<const T*>(a.v_cache), a.block_tables, a.seq_lens, a.alibi_slopes,
+      static_cast<T*>(a.out), a.part_out, a.part_max, a.part_sum, a.num_heads, a.num_kv_heads,
+      a.head_dim, a.block_size, a.bt_stride, a.partition, a.num_partitions, a.scale, a.window);
+  if (a.num_partitions > 1) {
+    paged_decode_reduce_kernel<T><<<dim3(a.rows, a.num_heads), 128, 0, stream>>>(
+        a.part_out, a.part_max, a.part_sum, static_cast<T*>(a.out), a.num_heads, a.head_dim,
+        a.num_partitions);
+  }
+  return cudaGetLastError();
+}
+
+template <typename T>
+static cudaError_t launch_typed(const DecodeArgs& a, cudaStream_t stream) {
+  switch (a.num_heads / a.num_kv_heads) {
+    case 1: return launch_group<T, 1>(a, stream);
+    case 2: return launch_group<T, 2>(a, stream);
+    case 4: return launch_group<T, 4>(a, stream);
+    case 8: return launch_group<T, 8>(a, stream);
+    case 16: return launch_group<T, 16>(a, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+cudaError_t paged_decode(const DecodeArgs& a, DType dtype, cudaStream_t stream) {
+  switch (dtype) {
+    case DType::kFloat32: return launch_typed<float>(a, stream);
+    case DType::kFloat16: return launch_typed<__half>(a, stream);
+    case DType::kBFloat16: return launch_typed<__nv_bfloat16>(a, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace hf_paged
