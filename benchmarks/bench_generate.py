@@ -29,7 +29,7 @@ from common import cache_tensor_bytes, left_padded, random_llama, timed  # noqa:
 
 def run_generate(model, ids, mask, new_tokens, **kw):
     return model.generate(
-        ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+        ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
         do_sample=False, return_dict_in_generate=True, **kw,
     )
 
@@ -54,7 +54,7 @@ def bench_padded(model, args):
         lengths = [round(20 + i * (500 - 20) / 7) for i in range(8)]
     ids, mask = left_padded(lengths, cfg.vocab_size)
     new = args.new_tokens
-    bytes_per_token = _bytes_per_token(cfg)
+    bytes_per_token = _bytes_per_token(cfg, model.dtype)
     real_tokens = sum(lengths) + len(lengths) * (new - 1)  # the last token is never fed back
     print(f"== padded: {len(lengths)} prompts, lengths {lengths}, {new} new tokens, greedy")
     print(f"real tokens at the end: {real_tokens} ({real_tokens * bytes_per_token / 2**20:.1f} MiB of K+V)")
@@ -71,7 +71,7 @@ def bench_padded(model, args):
         "static": cache_tensor_bytes(outputs["static"].past_key_values),
         "paged": stats.pool_bytes,
     }
-    same = {name: bool((outputs[name].sequences == outputs["dynamic"].sequences).all())
+    same = {name: bool((outputs[name].sequences == outputs["dynamic"].sequences).all().item())
             for name in outputs}
     if not args.no_cb:
         cb_times = []
@@ -81,7 +81,7 @@ def bench_padded(model, args):
         results["continuous_batching"] = min(cb_times)
         kv["continuous_batching"] = cb_bytes
         cb_seqs = [cb_out[f"req_{i}"].generated_tokens for i in range(len(lengths))]
-        ref = outputs["dynamic"].sequences[:, ids.shape[1]:].tolist()
+        ref = outputs["dynamic"].sequences[:, ids.shape[1]:].cpu().tolist()
         same["continuous_batching"] = cb_seqs == ref
 
     real_bytes = real_tokens * bytes_per_token
@@ -116,7 +116,8 @@ def bench_shared(model, args, mode):
 
     def call(**extra):
         torch.manual_seed(0)
-        return model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+        return model.generate(ids.to(model.device), attention_mask=mask.to(model.device),
+                              max_new_tokens=new, min_new_tokens=new,
                               return_dict_in_generate=True, **kw, **extra)
 
     methods = {"dynamic": call, "paged": lambda: call(cache_implementation="paged")}
@@ -124,7 +125,7 @@ def bench_shared(model, args, mode):
     stats = outputs["paged"].past_key_values.memory_stats()
     dyn_bytes = cache_tensor_bytes(outputs["dynamic"].past_key_values)
     paged_peak = stats.peak_kv_bytes
-    same = bool((outputs["paged"].sequences == outputs["dynamic"].sequences).all())
+    same = bool((outputs["paged"].sequences == outputs["dynamic"].sequences).all().item())
     rows = ids.shape[0] * (e if mode == "sampling" else 1)
     tps = {name: rows * new / seconds for name, seconds in results.items()}
     print(f"{'method':<22}{'tokens/s':>10}{'x dynamic':>11}{'peak KV MiB':>13}{'x dynamic':>11}")
@@ -137,9 +138,9 @@ def bench_shared(model, args, mode):
     print()
 
 
-def _bytes_per_token(cfg) -> int:
+def _bytes_per_token(cfg, dtype) -> int:
     return (cfg.num_hidden_layers * 2 * cfg.num_key_value_heads
-            * (cfg.hidden_size // cfg.num_attention_heads) * 4)
+            * (cfg.hidden_size // cfg.num_attention_heads) * dtype.itemsize)
 
 
 def _interleaved(methods, repeats):
@@ -160,16 +161,23 @@ def main():
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--no-cb", action="store_true", help="skip Transformers' continuous batching")
     parser.add_argument("--sections", default="padded,beam,sampling")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
     if args.quick:
-        model = random_llama(hidden=128, layers=2, heads=4, kv_heads=4, intermediate=256, vocab=512)
+        model = random_llama(hidden=128, layers=2, heads=4, kv_heads=4, intermediate=256, vocab=512,
+                             dtype=dtype)
         args.new_tokens = min(args.new_tokens, 16)
     else:
-        model = random_llama()
+        model = random_llama(dtype=dtype)
+    model = model.to(args.device)
     cfg = model.config
     n_params = sum(p.numel() for p in model.parameters())
+    where = (torch.cuda.get_device_name(args.device) if args.device.startswith("cuda")
+             else f"CPU threads {torch.get_num_threads()}")
     print(f"model: random Llama, {n_params / 1e6:.0f}M params, hidden {cfg.hidden_size}, "
-          f"{cfg.num_hidden_layers} layers, float32, CPU threads {torch.get_num_threads()}")
+          f"{cfg.num_hidden_layers} layers, {args.dtype}, {where}")
     ids, mask = left_padded([8, 5], cfg.vocab_size)
     run_generate(model, ids, mask, 4)  # warm-up, outside the timings
     run_generate(model, ids, mask, 4, cache_implementation="paged")

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One command for a CUDA machine: install what is missing, run the GPU tests and both
+# benchmarks, write everything to OUT_DIR. Meant to finish in under 8 minutes.
+#
+#   bash benchmarks/gpu_check.sh OUT_DIR [WHEEL_DIR]
+#
+# WHEEL_DIR: optional folder of wheels (transformers 5.23 and its needs, hypothesis, ...)
+# installed offline into a private site folder when the machine lacks them.
+set -uo pipefail
+out=${1:?usage: gpu_check.sh OUT_DIR [WHEEL_DIR]}
+wheels=${2:-}
+cd "$(dirname "$0")/.."
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+if [ -n "$wheels" ] && ls "$wheels"/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/hf_paged_site "$wheels"/*.whl || exit 1
+  export PYTHONPATH=/tmp/hf_paged_site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+export HF_PAGED_CACHE=${HF_PAGED_CACHE:-/tmp/hf_paged_cache}
+
+{ nvidia-smi; python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__)"; } > "$out/env.txt" 2>&1
+cat "$out/env.txt"
+
+# Build the CUDA extension once up front so its compile time shows on its own.
+timeout 240 python3 -c "import time; t=time.time(); from hf_paged.kernels import cuda_ops; cuda_ops.load(); print(f'cuda kernels built in {time.time()-t:.0f}s')" 2>&1 | tee "$out/cuda_build.txt"
+
+timeout 240 python3 -m pytest tests/test_kernels.py tests/test_generate.py -q -x -p no:cacheprovider 2>&1 | tee "$out/tests.txt" | tail -15
+tests_rc=${PIPESTATUS[0]}
+
+timeout 150 python3 benchmarks/bench_attention.py --out "$out/bench_attention.json" 2>&1 | tee "$out/bench_attention.txt"
+timeout 120 python3 benchmarks/bench_generate.py --device cuda --repeats 1 --no-cb 2>&1 | tee "$out/bench_generate.txt"
+exit "$tests_rc"
