@@ -130,11 +130,14 @@ def _prepare_cache_for_generation(original):
     @functools.wraps(original)
     def prepare(self, generation_config, model_kwargs, generation_mode, batch_size,
                 max_cache_length, *args, **kwargs):
+        def stock():
+            return original(self, generation_config, model_kwargs, generation_mode, batch_size,
+                            max_cache_length, *args, **kwargs)
+
         cache = model_kwargs.get("past_key_values")
         paged = isinstance(cache, PagedCache)
         if generation_config.cache_implementation != CACHE_IMPLEMENTATION and not paged:
-            return original(self, generation_config, model_kwargs, generation_mode, batch_size,
-                            max_cache_length, *args, **kwargs)
+            return stock()
         if not is_supported(self):
             if paged:
                 raise UnsupportedModelError(
@@ -143,15 +146,12 @@ def _prepare_cache_for_generation(original):
                 )
             _warn_unsupported(self)
             generation_config.cache_implementation = None
-            return original(self, generation_config, model_kwargs, generation_mode, batch_size,
-                            max_cache_length, *args, **kwargs)
+            return stock()
         if cache is not None and not paged:
-            # A user cache together with cache_implementation: Transformers' own error.
-            return original(self, generation_config, model_kwargs, generation_mode, batch_size,
-                            max_cache_length, *args, **kwargs)
+            return stock()  # a user cache together with cache_implementation: Transformers' error
         if generation_config.use_cache is False:
             return None
-        if paged:
+        if paged:  # the user's cache, or an assistant's own cache coming back
             cache._is_user_defined = True
         else:
             model_kwargs["past_key_values"] = build_cache(self, generation_config, max_cache_length)
