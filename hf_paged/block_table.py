@@ -5,6 +5,8 @@ Row `r` of the batch owns `tables[r]` (physical block ids, logical order) and ho
 offset `t % block_size`. Rows may share blocks (beam search, parallel sampling);
 the first write into a shared, partly filled block copies it first (copy-on-write).
 Every change to the tables is returned as a plan the cache mirrors on the device.
+Leading blocks no query will read again (outside a sliding window) can be released; their
+entries become `FREED` and stay in place, so logical indices do not move.
 """
 
 from __future__ import annotations
@@ -14,6 +16,12 @@ from typing import Sequence
 
 from .block_pool import BlockPool
 from .errors import KVCacheExhaustedError
+
+FREED = -1  # table entry of a released leading block
+
+
+def _live(blocks):
+    return [b for b in blocks if b != FREED]
 
 
 @dataclass
@@ -36,6 +44,7 @@ class BlockTables:
         self.block_size = pool.block_size
         self.tables: list[list[int]] = [[] for _ in range(num_rows)]
         self.lengths: list[int] = [0] * num_rows
+        self.freed: list[int] = [0] * num_rows  # leading FREED entries per row
 
     @property
     def num_rows(self) -> int:
@@ -116,11 +125,12 @@ class BlockTables:
                        for i, (r, t) in enumerate(zip(src_rows, old_tables))]
         self.tables += [list(old_tables[r]) for r in src_rows[len(old_tables):]]
         self.lengths = [old_lengths[r] for r in src_rows]
+        self.freed = [self.freed[r] for r in src_rows]
         # Take the new references before dropping the old ones.
         for i in moved + list(range(kept, len(src_rows))):
-            self.pool.incref(self.tables[i])
+            self.pool.incref(_live(self.tables[i]))
         for i in moved + list(range(kept, len(old_tables))):
-            self.pool.decref(old_tables[i])
+            self.pool.decref(_live(old_tables[i]))
 
     def truncate(self, new_lengths: Sequence[int]) -> None:
         """Keeps the first `new_lengths[r]` tokens of each row, releasing blocks past them."""
@@ -131,22 +141,47 @@ class BlockTables:
                 raise ValueError(
                     f"truncate: row {row} holds {self.lengths[row]} tokens, cannot keep {n}."
                 )
+            if n and n % self.block_size and -(-n // self.block_size) <= self.freed[row]:
+                raise ValueError(
+                    f"truncate: row {row} would end inside a released block (its first "
+                    f"{self.freed[row] * self.block_size} tokens were released)."
+                )
         bs = self.block_size
         for row, n in enumerate(new_lengths):
             keep = -(-n // bs)
             table = self.tables[row]
-            self.pool.decref(table[keep:])
+            self.pool.decref(_live(table[keep:]))
             del table[keep:]
             self.lengths[row] = n
+            self.freed[row] = min(self.freed[row], keep)
+
+    def release_before(self, positions: Sequence[int]) -> int:
+        """Releases, in each row, the blocks lying wholly before token `positions[r]`.
+
+        For tokens no query will read again (outside a sliding window). Returns how many
+        table entries were released.
+        """
+        released = 0
+        for row, p in enumerate(positions):
+            table = self.tables[row]
+            upto = min(p // self.block_size, len(table))
+            if upto > self.freed[row]:
+                dead = table[self.freed[row]:upto]
+                self.pool.decref(_live(dead))
+                table[self.freed[row]:upto] = [FREED] * len(dead)
+                released += len(dead)
+                self.freed[row] = upto
+        return released
 
     def release(self) -> None:
         """Frees every row's blocks and forgets the rows."""
         for t in self.tables:
-            self.pool.decref(t)
-        self.tables, self.lengths = [], []
+            self.pool.decref(_live(t))
+        self.tables, self.lengths, self.freed = [], [], []
 
     def resize(self, num_rows: int) -> None:
         """Starts over with `num_rows` empty rows."""
         self.release()
         self.tables = [[] for _ in range(num_rows)]
         self.lengths = [0] * num_rows
+        self.freed = [0] * num_rows

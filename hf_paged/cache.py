@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache
 
-from .block_table import BlockTables
+from .block_table import FREED, BlockTables
 from .config import PagedCacheConfig
 from .errors import HFPagedError
 from .kernels.backends import select_backend
@@ -21,8 +21,9 @@ from .models import kv_layout
 class MemoryStats:
     """KV memory of a `PagedCache` at one moment.
 
-    tokens_stored:       distinct tokens held in blocks (a shared token counts once)
-    logical_tokens:      tokens summed over rows (a shared token counts per row)
+    tokens_stored:       distinct tokens held in blocks (a shared token counts once; tokens
+                         released outside a sliding window do not count)
+    logical_tokens:      sequence lengths summed over rows
     blocks_in_use:       blocks with at least one holder
     peak_blocks_in_use:  most blocks in use at once since the cache was created or reset
     num_blocks:          blocks the pool has room for
@@ -109,6 +110,9 @@ class PagedCache(Cache):
         self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._views_version = -1
         self._detached = False
+        # With a sliding window, blocks no query can see again are released, unless the
+        # cache must be able to roll back (assisted decoding records past states).
+        self._recording = False
 
     # -- generate's view of the cache -----------------------------------------------------
     def __len__(self) -> int:
@@ -159,10 +163,11 @@ class PagedCache(Cache):
         return [False] * self.num_layers
 
     def activate_past_recording(self):
-        """Nothing to record: cropping only shortens block tables."""
+        """Keeps every block from now on, so `crop` can roll back past the sliding window."""
+        self._recording = True
 
     def is_recording_past(self, layer_idx: int = 0) -> bool:
-        return True
+        return self._recording
 
     # -- writing ------------------------------------------------------------------------------
     def expect_forward(self, attention_mask: torch.Tensor | None) -> None:
@@ -237,6 +242,10 @@ class PagedCache(Cache):
                 f"PagedCache holds {self.tables.num_rows} sequence(s) but the forward has {rows} "
                 "rows; call reset() before reusing the cache for another batch."
             )
+        if self.sliding_window is not None and not self._recording:
+            # The next query sits at position n and sees keys > n - window.
+            self.tables.release_before(
+                [n - self.sliding_window + 1 for n in self.tables.lengths])
         self.pool.ensure_free(self.tables.blocks_needed(counts), limit=self._block_limit(rows))
         context = self.device_table.lengths
         plan = self.tables.append(counts)
@@ -320,6 +329,14 @@ class PagedCache(Cache):
         removed = self._seen - keep
         if self.device_table is not None:
             lengths = [max(n - removed, 0) for n in self.tables.lengths]
+            if self.sliding_window is not None and any(
+                    n - self.sliding_window + 1 < f * self.block_size
+                    for n, f in zip(lengths, self.tables.freed)):
+                raise HFPagedError(
+                    f"crop({tokens_to_remove}) would need tokens this cache already released "
+                    "outside the sliding window; call activate_past_recording() before "
+                    "generating if you will crop."
+                )
             self.tables.truncate(lengths)
             self.device_table.lengths = torch.tensor(lengths, dtype=torch.int64,
                                                      device=self.device_table.device)
@@ -345,7 +362,8 @@ class PagedCache(Cache):
         fill: dict[int, int] = {}
         for table, n in zip(self.tables.tables, self.tables.lengths):
             for i, block in enumerate(table):
-                fill[block] = max(fill.get(block, 0), min(bs, n - i * bs))
+                if block != FREED:
+                    fill[block] = max(fill.get(block, 0), min(bs, n - i * bs))
         tokens = sum(fill.values())
         in_use = len(fill)
         shared = sum(1 for b in fill if self.pool.blocks.refcount(b) > 1)
@@ -360,7 +378,8 @@ class PagedCache(Cache):
             shared_blocks=shared,
             bytes_per_token=bpt,
             pool_bytes=self.pool.nbytes,
-            unshared_kv_bytes=sum(len(t) for t in self.tables.tables) * bs * bpt,
+            unshared_kv_bytes=sum(len(t) - f for t, f in zip(self.tables.tables, self.tables.freed))
+            * bs * bpt,
             utilization=tokens / (in_use * bs) if in_use else 0.0,
             workspace_bytes=self.backend.workspace_bytes,
         )

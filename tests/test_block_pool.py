@@ -9,7 +9,7 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from hf_paged.block_pool import BlockPool
-from hf_paged.block_table import BlockTables
+from hf_paged.block_table import FREED, BlockTables
 from hf_paged.errors import KVCacheExhaustedError
 
 
@@ -115,7 +115,16 @@ class TablesMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def truncate(self, data):
         lengths = [data.draw(st.integers(0, n)) for n in self.tables.lengths]
-        self.tables.truncate(lengths)
+        try:
+            self.tables.truncate(lengths)
+        except ValueError:
+            pass  # ending inside a released block is refused, before any change
+
+    @precondition(lambda self: self.tables.num_rows > 0)
+    @rule(data=st.data())
+    def release_before(self, data):
+        positions = [data.draw(st.integers(0, n)) for n in self.tables.lengths]
+        self.tables.release_before(positions)
 
     @rule(rows=st.integers(1, 4))
     def restart(self, rows):
@@ -124,10 +133,12 @@ class TablesMachine(RuleBasedStateMachine):
     @invariant()
     def ownership_is_exact(self):
         held: dict[int, int] = {}
-        for table, n in zip(self.tables.tables, self.tables.lengths):
+        for table, n, f in zip(self.tables.tables, self.tables.lengths, self.tables.freed):
             assert len(table) == -(-n // self.pool.block_size)
+            assert table[:f] == [FREED] * f and FREED not in table[f:]
             for b in table:
-                held[b] = held.get(b, 0) + 1
+                if b != FREED:
+                    held[b] = held.get(b, 0) + 1
         free = self.pool.free_blocks()
         assert len(free) == len(set(free))
         assert not set(free) & set(held), "a block is both free and owned"
@@ -142,3 +153,18 @@ class TablesMachine(RuleBasedStateMachine):
 
 TestTablesMachine = TablesMachine.TestCase
 TestTablesMachine.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
+
+
+def test_release_before_keeps_indices_and_refuses_to_end_in_released_block():
+    pool = BlockPool(8, 4)
+    t = BlockTables(pool, 2)
+    t.append([10, 10])
+    t.fork_rows([0, 0, 1])
+    assert t.release_before([9, 4, 0]) == 2 + 1
+    assert t.tables[0][:2] == [FREED, FREED] and t.tables[1][:1] == [FREED]
+    assert pool.num_used == 5  # block 0 of the shared table had both holders released
+    with pytest.raises(ValueError, match="released"):
+        t.truncate([6, 10, 10])
+    t.truncate([8, 10, 10])  # ends on a block boundary: fine
+    t.release()
+    assert pool.num_free == 8

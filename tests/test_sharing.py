@@ -150,3 +150,38 @@ def test_reorder_and_crop_match_dynamic_cache(ops, prompt, block_size):
         assert pool.num_used == len(held)
     paged.reset()
     assert paged.pool.blocks.num_free == paged.pool.blocks.num_blocks
+
+
+def test_sliding_window_releases_blocks_out_of_reach():
+    model = make_model("mistral_sw")
+    window, bs = model.config.sliding_window, 4
+    ids, mask = left_padded_batch([3, 30, 50], seed=12)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=40, min_new_tokens=40,
+                  do_sample=False)
+    ref = model.generate(**kwargs)
+    out = model.generate(**kwargs, cache_implementation="paged", return_dict_in_generate=True,
+                         cache_config={"block_size": bs})
+    assert_same(ref, out)
+    stats = out.past_key_values.memory_stats()
+    per_row = -(-(window - 1) // bs) + 2  # the window, plus partial blocks at both ends
+    assert stats.blocks_in_use <= 3 * per_row
+    assert stats.tokens_stored < stats.logical_tokens
+    beams = dict(kwargs, num_beams=3, max_new_tokens=20, min_new_tokens=20)
+    assert_same(model.generate(**beams),
+                model.generate(**beams, cache_implementation="paged", cache_config={"block_size": bs}))
+
+
+def test_crop_into_released_window_is_refused_unless_recording():
+    from hf_paged import HFPagedError
+
+    model = make_model("mistral_sw")
+    ids, _ = left_padded_batch([30], seed=2)
+    out = model.generate(input_ids=ids, max_new_tokens=10, cache_implementation="paged",
+                         return_dict_in_generate=True, cache_config={"block_size": 4})
+    cache = out.past_key_values
+    seen = cache.get_seq_length()
+    with pytest.raises(HFPagedError, match="activate_past_recording"):
+        cache.crop(-20)
+    assert cache.get_seq_length() == seen  # unchanged
+    cache.crop(-1)  # within the window: fine
+    assert cache.get_seq_length() == seen - 1
