@@ -13,7 +13,7 @@ from .config import PagedCacheConfig
 from .errors import HFPagedError
 from .kernels.backends import select_backend
 from .kv_pool import KVPool
-from .metadata import DeviceBlockTable, ForwardMetadata, build_metadata
+from .metadata import DeviceBlockTable, ForwardMetadata, build_metadata, to_device
 from .models import kv_layout
 
 
@@ -250,7 +250,7 @@ class PagedCache(Cache):
         context = self.device_table.lengths
         plan = self.tables.append(counts)
         if plan.copies:
-            src, dst = torch.tensor(plan.copies, dtype=torch.int64).T.to(self.pool.device)
+            src, dst = to_device(plan.copies, self.pool.device).T
             self.backend.copy_blocks(self.pool.kv, src, dst)
         self.device_table.apply(plan.entries)
         self.meta = build_metadata(self.device_table, context, counts, q_cols,
@@ -338,8 +338,7 @@ class PagedCache(Cache):
                     "generating if you will crop."
                 )
             self.tables.truncate(lengths)
-            self.device_table.lengths = torch.tensor(lengths, dtype=torch.int64,
-                                                     device=self.device_table.device)
+            self.device_table.lengths = to_device(lengths, self.device_table.device)
         self._seen = keep
 
     def reset(self) -> None:

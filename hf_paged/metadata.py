@@ -15,6 +15,14 @@ import torch
 from .kernels.reference import key_mask
 
 
+def to_device(values, device: torch.device) -> torch.Tensor:
+    """int64 tensor of host `values` on `device`, without waiting for queued GPU work.
+
+    (A pageable host->device copy is staged before the call returns, so it needs no sync.)
+    """
+    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+
+
 class DeviceBlockTable:
     """Device mirror of `BlockTables`: block ids [R, cols] int32 and real lengths [R] int64."""
 
@@ -37,7 +45,7 @@ class DeviceBlockTable:
         if not entries:
             return
         self.ensure_cols(max(e[1] for e in entries) + 1)
-        rows, cols, blocks = torch.tensor(entries, dtype=torch.int64).T.to(self.device)
+        rows, cols, blocks = to_device(entries, self.device).T
         self.table[rows, cols] = blocks.to(torch.int32)
 
     def fork(self, src_rows: torch.Tensor) -> None:
@@ -124,7 +132,7 @@ def build_metadata(
         slot_mapping = blk * block_size + pos % block_size
         seq_lens = context_lens + 1
     else:
-        counts_t = torch.tensor(counts, dtype=torch.int64, device=device)
+        counts_t = to_device(counts, device)
         col = torch.arange(q_len, device=device)
         pad = (q_len - counts_t).unsqueeze(1)
         query_pos = context_lens.unsqueeze(1) + col - pad  # [R, q]
