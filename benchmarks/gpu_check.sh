@@ -24,11 +24,11 @@ export HF_PAGED_CACHE=${HF_PAGED_CACHE:-/tmp/hf_paged_cache}
 cat "$out/env.txt"
 
 # Build the CUDA extension once up front so its compile time shows on its own.
-timeout 240 python3 -c "import time; t=time.time(); from hf_paged.kernels import cuda_ops; cuda_ops.load(); print(f'cuda kernels built in {time.time()-t:.0f}s')" 2>&1 | tee "$out/cuda_build.txt"
+timeout 180 python3 -c "import time; t=time.time(); from hf_paged.kernels import cuda_ops; cuda_ops.load(); print(f'cuda kernels built in {time.time()-t:.0f}s')" 2>&1 | tee "$out/cuda_build.txt"
 
-timeout 240 python3 -m pytest tests/test_kernels.py tests/test_generate.py -q -x -p no:cacheprovider 2>&1 | tee "$out/tests.txt" | tail -15
+timeout 150 python3 -m pytest tests/test_kernels.py tests/test_generate.py -q -x -p no:cacheprovider 2>&1 | tee "$out/tests.txt" | tail -15
 tests_rc=${PIPESTATUS[0]}
 
-timeout 150 python3 benchmarks/bench_attention.py --out "$out/bench_attention.json" 2>&1 | tee "$out/bench_attention.txt"
-timeout 120 python3 benchmarks/bench_generate.py --device cuda --repeats 1 --no-cb 2>&1 | tee "$out/bench_generate.txt"
+timeout 90 python3 benchmarks/bench_attention.py --out "$out/bench_attention.json" 2>&1 | tee "$out/bench_attention.txt"
+timeout 60 python3 benchmarks/bench_generate.py --device cuda --repeats 1 --no-cb 2>&1 | tee "$out/bench_generate.txt"
 exit "$tests_rc"
