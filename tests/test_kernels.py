@@ -136,25 +136,34 @@ def test_triton_extend(ctx, new, block_size, dtype, window, alibi):
     assert torch.all(out[~is_query] == 0)
 
 
-@needs_triton
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_triton_write_and_copy(dtype):
-    from hf_paged.kernels import triton_cache_ops
+def check_write_and_copy(write_kv, copy_blocks, dtype):
+    """A backend's slot-mapping write and block copy equal the reference's exactly.
 
+    write_kv(k_cache, v_cache, key, value, slots); copy_blocks(kv, src, dst).
+    """
     k, v, _, _ = paged_inputs([40], 8, 2, 64, dtype)
     key = torch.randn(6, 2, 64, device=DEVICE).to(dtype)
     value = torch.randn(6, 2, 64, device=DEVICE).to(dtype)
     slots = torch.tensor([0, 9, 17, 30, 31, 47], device=DEVICE)
     k2, v2 = k.clone(), v.clone()
-    triton_cache_ops.write_kv(k, v, key, value, slots)
+    write_kv(k, v, key, value, slots)
     reference.write_kv(k2, v2, key, value, slots)
     assert torch.equal(k, k2) and torch.equal(v, v2)
     kv = torch.randn(3, 2, 7, 4, 2, 16, device=DEVICE).to(dtype)
     kv2 = kv.clone()
     src, dst = torch.tensor([0, 4], device=DEVICE), torch.tensor([6, 2], device=DEVICE)
-    triton_cache_ops.copy_blocks(kv, src, dst)
+    copy_blocks(kv, src, dst)
     reference.copy_blocks(kv2, src, dst)
     assert torch.equal(kv, kv2)
+    return kv
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_write_and_copy(dtype):
+    from hf_paged.kernels import triton_cache_ops
+
+    check_write_and_copy(triton_cache_ops.write_kv, triton_cache_ops.copy_blocks, dtype)
 
 
 @needs_triton
@@ -238,20 +247,8 @@ def test_cuda_write_copy_swap(dtype):
     from hf_paged.kernels import cuda_ops
 
     ops = cuda_ops.load()
-    k, v, _, _ = paged_inputs([40], 8, 2, 64, dtype)
-    key = torch.randn(6, 2, 64, device=DEVICE).to(dtype)
-    value = torch.randn(6, 2, 64, device=DEVICE).to(dtype)
-    slots = torch.tensor([0, 9, 17, 30, 31, 47], device=DEVICE)
-    k2, v2 = k.clone(), v.clone()
-    ops.write_kv(key, value, k, v, slots)
-    reference.write_kv(k2, v2, key, value, slots)
-    assert torch.equal(k, k2) and torch.equal(v, v2)
-    kv = torch.randn(3, 2, 7, 4, 2, 16, device=DEVICE).to(dtype)
-    kv2 = kv.clone()
-    src, dst = torch.tensor([0, 4], device=DEVICE), torch.tensor([6, 2], device=DEVICE)
-    ops.copy_blocks(kv, src, dst)
-    reference.copy_blocks(kv2, src, dst)
-    assert torch.equal(kv, kv2)
+    kv = check_write_and_copy(lambda k, v, key, value, slots: ops.write_kv(key, value, k, v, slots),
+                              ops.copy_blocks, dtype)
     host = torch.zeros(5, 4, 2, 16, dtype=dtype).pin_memory()
     pairs = torch.tensor([[1, 3], [5, 0]])
     ops.swap_blocks(kv[0, 0], host, pairs)

@@ -34,6 +34,21 @@ def _dot(a, b, FP32: tl.constexpr):
 
 
 @triton.jit
+def _load_block(K, V, TABLE_ENTRY, stride_kb, stride_kt, head_offset, t, d, BS: tl.constexpr,
+                dmask, CAST_FP32: tl.constexpr):
+    """K and V tiles [BS_P, D_P] of one KV head in the block the table entry points to."""
+    block = tl.load(TABLE_ENTRY).to(tl.int64)
+    offs = block * stride_kb + t[:, None] * stride_kt + head_offset + d[None, :]
+    kv_mask = (t[:, None] < BS) & dmask[None, :]
+    k = tl.load(K + offs, mask=kv_mask, other=0.0)
+    v = tl.load(V + offs, mask=kv_mask, other=0.0)
+    if CAST_FP32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
 def _online_softmax_step(s, m_i, l_i, acc, v, FP32: tl.constexpr):
     """One tile of the streaming softmax: s [M, N] scores (-inf = masked), v [N, D]."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -83,14 +98,8 @@ def _decode_kernel(
     l_i = tl.zeros([GROUP_P], tl.float32)
     acc = tl.zeros([GROUP_P, D_P], tl.float32)
     for b in range(start, end):
-        block = tl.load(BT + r * stride_btr + b).to(tl.int64)
-        offs = block * stride_kb + t[:, None] * stride_kt + kvh * stride_kh + d[None, :]
-        kv_mask = (t[:, None] < BS) & dmask[None, :]
-        k = tl.load(K + offs, mask=kv_mask, other=0.0)
-        v = tl.load(V + offs, mask=kv_mask, other=0.0)
-        if CAST_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _load_block(K, V, BT + r * stride_btr + b, stride_kb, stride_kt, kvh * stride_kh,
+                           t, d, BS, dmask, CAST_FP32)
         s = _dot(q, tl.trans(k), CAST_FP32) * scale
         pos = b * BS + t
         valid = (t < BS) & (pos < seq_len) & ((window <= 0) | (pos > q_pos - window))
@@ -228,14 +237,8 @@ def _extend_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_P], tl.float32)
     for b in range(lo // BS, tl.cdiv(hi, BS)):
-        block = tl.load(BT + r * stride_btr + b).to(tl.int64)
-        offs = block * stride_kb + t[:, None] * stride_kt + kvh * stride_kh + d[None, :]
-        kv_mask = (t[:, None] < BS) & dmask[None, :]
-        k = tl.load(K + offs, mask=kv_mask, other=0.0)
-        v = tl.load(V + offs, mask=kv_mask, other=0.0)
-        if CAST_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _load_block(K, V, BT + r * stride_btr + b, stride_kb, stride_kt, kvh * stride_kh,
+                           t, d, BS, dmask, CAST_FP32)
         s = _dot(q, tl.trans(k), CAST_FP32) * scale
         pos = b * BS + t
         valid = (t[None, :] < BS) & (pos[None, :] <= qpos[:, None]) & is_query[:, None]
