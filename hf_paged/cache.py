@@ -75,52 +75,63 @@ class PagedCache(Cache):
         config,
         cache_config: PagedCacheConfig | dict | None = None,
         *,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
         pool: KVPool | None = None,
         max_cache_len: int | None = None,
     ):
+        """config: the model's config. dtype, device: the pool's; when neither they nor a
+        pool are given, the pool is made at the first forward with the keys' dtype and device."""
         super().__init__(layers=[])
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         self.cache_config = PagedCacheConfig.from_any(cache_config)
         self.num_layers, self.num_kv_heads, self.head_dim = kv_layout(text_config)
+        self.num_heads = getattr(text_config, "num_attention_heads", self.num_kv_heads)
         self.sliding_window = getattr(text_config, "sliding_window", None)
-        if pool is None:
-            pool = KVPool.for_config(self.cache_config, self.num_layers, self.num_kv_heads,
-                                     self.head_dim, dtype, device)
-        if pool.block_size != self.cache_config.block_size:
-            raise ValueError(
-                f"PagedCache: pool block_size {pool.block_size} != cache_config block_size "
-                f"{self.cache_config.block_size}."
-            )
-        self.pool = pool
-        self.block_size = pool.block_size
+        self.block_size = self.cache_config.block_size
         self.max_cache_len = max_cache_len
-        num_heads = getattr(text_config, "num_attention_heads", self.num_kv_heads)
-        self.backend = select_backend(self.cache_config.backend, pool.device, pool.dtype,
-                                      self.block_size, num_heads, self.num_kv_heads)
-        pool.attach(self)
-        self.tables = BlockTables(pool.blocks)
+        self.pool: KVPool | None = None
+        self.backend = None
+        self.tables: BlockTables | None = None
         self.device_table: DeviceBlockTable | None = None
         self.meta: ForwardMetadata | None = None
         self._seen = 0  # padded columns processed, what generate calls the sequence length
         self._peak_blocks = 0
         self._pending_mask: torch.Tensor | None = None
         self._pending_packed: tuple[list[int], int] | None = None
+        self._past_padding = False  # True once no later column can be left padding
         self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._views_version = -1
         self._detached = False
         # With a sliding window, blocks no query can see again are released, unless the
         # cache must be able to roll back (assisted decoding records past states).
         self._recording = False
+        if pool is not None or dtype is not None or device is not None:
+            self._bind_pool(pool, dtype or torch.float32, device or "cpu")
+
+    def _bind_pool(self, pool: KVPool | None, dtype: torch.dtype, device) -> None:
+        if pool is None:
+            pool = KVPool.for_config(self.cache_config, self.num_layers, self.num_kv_heads,
+                                     self.head_dim, dtype, device)
+        if pool.block_size != self.block_size:
+            raise ValueError(
+                f"PagedCache: pool block_size {pool.block_size} != cache_config block_size "
+                f"{self.block_size}."
+            )
+        self.backend = select_backend(self.cache_config.backend, pool.device, pool.dtype,
+                                      self.block_size, self.num_heads, self.num_kv_heads)
+        self.pool = pool
+        pool.attach(self)
+        self.tables = BlockTables(pool.blocks)
 
     # -- generate's view of the cache -----------------------------------------------------
     def __len__(self) -> int:
         return self.num_layers
 
     def __repr__(self) -> str:
-        return (f"PagedCache(rows={self.tables.num_rows}, seen={self._seen}, "
-                f"block_size={self.block_size}, blocks_in_use={self.pool.blocks.num_used})")
+        used = self.pool.blocks.num_used if self.pool is not None else 0
+        return (f"PagedCache(rows={self.batch_size}, seen={self._seen}, "
+                f"block_size={self.block_size}, blocks_in_use={used})")
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._seen
@@ -136,7 +147,7 @@ class PagedCache(Cache):
 
     @property
     def batch_size(self) -> int:
-        return self.tables.num_rows
+        return self.tables.num_rows if self.tables is not None else 0
 
     @property
     def is_compileable(self) -> bool:
@@ -189,6 +200,8 @@ class PagedCache(Cache):
         (a packed forward passes [1, Hkv, N, D], N real tokens of all rows).
         """
         if layer_idx == 0:
+            if self.pool is None:
+                self._bind_pool(None, key_states.dtype, key_states.device)
             self._begin_forward(key_states.shape[0], key_states.shape[2])
         meta = self.meta
         if meta is None:
@@ -199,8 +212,9 @@ class PagedCache(Cache):
         if meta.token_index is not None and not meta.packed:
             key = key.index_select(0, meta.token_index)
             value = value.index_select(0, meta.token_index)
-        self.backend.write_kv(k_cache, v_cache, key.to(k_cache.dtype), value.to(v_cache.dtype),
-                              meta.slot_mapping)
+        with torch.no_grad():  # the pool holds plain values; no autograd history
+            self.backend.write_kv(k_cache, v_cache, key.to(k_cache.dtype),
+                                  value.to(v_cache.dtype), meta.slot_mapping)
         return k_cache, v_cache
 
     def _new_token_counts(self, rows: int, q_len: int) -> tuple[list[int], int, int, bool]:
@@ -214,15 +228,21 @@ class PagedCache(Cache):
                     f"PagedCache: a packed forward of {sum(counts)} tokens was announced but the "
                     f"model ran on input of shape [{rows}, {q_len}]."
                 )
+            self._past_padding = True
             return counts, max(counts), width, True
-        if mask is None or q_len == 1:
+        # Left padding only precedes real tokens: once a forward is all real, the mask
+        # need not be read again (no host sync on decode steps).
+        if mask is None or (q_len == 1 and self._past_padding):
+            self._past_padding = True
             return [q_len] * rows, q_len, q_len, False
         if mask.dim() != 2 or mask.shape[0] != rows:
             raise ValueError(
                 f"PagedCache expects a 2D attention mask of shape [{rows}, seen + q]; got "
                 f"{tuple(mask.shape)}."
             )
-        return mask[:, -q_len:].sum(-1).tolist(), q_len, q_len, False
+        counts = mask[:, -q_len:].sum(-1).tolist()
+        self._past_padding = all(c == q_len for c in counts)
+        return counts, q_len, q_len, False
 
     def _begin_forward(self, rows: int, q_len: int) -> None:
         """Allocates this forward's slots and builds the metadata all layers share."""
@@ -316,6 +336,8 @@ class PagedCache(Cache):
         self.reorder_cache(torch.as_tensor(indices, dtype=torch.long))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.device_table is None:
+            return
         rows = torch.arange(self.tables.num_rows).repeat_interleave(repeats)
         self.reorder_cache(rows)
 
@@ -340,15 +362,18 @@ class PagedCache(Cache):
             self.tables.truncate(lengths)
             self.device_table.lengths = to_device(lengths, self.device_table.device)
         self._seen = keep
+        self._past_padding = False
 
     def reset(self) -> None:
         """Frees every block; the pool stays allocated for reuse."""
-        self.tables.release()
+        if self.tables is not None:
+            self.tables.release()
         self.device_table = None
         self.meta = None
         self._seen = 0
         self._pending_mask = self._pending_packed = None
-        self._peak_blocks = self.pool.blocks.num_used
+        self._past_padding = False
+        self._peak_blocks = self.pool.blocks.num_used if self.pool is not None else 0
 
     def _detach(self) -> None:
         self.tables = BlockTables(self.pool.blocks)  # the pool's blocks now belong to another cache
@@ -357,6 +382,8 @@ class PagedCache(Cache):
 
     # -- accounting -----------------------------------------------------------------------------------
     def memory_stats(self) -> MemoryStats:
+        if self.pool is None:  # nothing stored yet
+            return MemoryStats(0, 0, 0, 0, 0, self.block_size, 0, 0, 0, 0, 0.0)
         bs = self.block_size
         fill: dict[int, int] = {}
         for table, n in zip(self.tables.tables, self.tables.lengths):

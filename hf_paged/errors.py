@@ -10,8 +10,8 @@ class HFPagedError(Exception):
 class KVCacheExhaustedError(HFPagedError, RuntimeError):
     """The block pool has fewer free blocks than a step needs.
 
-    Raised before anything is modified, so the cache stays consistent: it can be
-    `reset()` and reused, or the call retried with a larger pool.
+    Raised before the step allocates or writes anything, so every block table stays
+    consistent: the cache can be `reset()` and reused, or the call retried with a larger pool.
     """
 
     def __init__(self, needed: int, free: int, num_blocks: int, block_size: int):

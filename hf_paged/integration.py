@@ -24,7 +24,10 @@ import warnings
 from transformers import GenerationMixin
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
-from transformers.models.falcon.modeling_falcon import FalconAttention, FalconForCausalLM
+from transformers.models.falcon import modeling_falcon
+from transformers.models.falcon.modeling_falcon import (
+    FalconAttention, FalconFlashAttention2, FalconForCausalLM,
+)
 from transformers.models.llama.modeling_llama import LlamaForCausalLM
 from transformers.models.mistral.modeling_mistral import MistralForCausalLM
 
@@ -82,6 +85,12 @@ def build_cache(model, generation_config, max_cache_length: int | None) -> Paged
     cache_config = PagedCacheConfig.from_any(generation_config.cache_config)
     text_config = model.config.get_text_config(decoder=True)
     dtype, device = model.dtype, model.device
+    devices = {str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}
+    if len(devices - {"cpu", "disk"}) > 1:
+        raise UnsupportedModelError(
+            f"hf-paged keeps one KV pool on one device; this model is spread over {sorted(devices)} "
+            "(device_map). Load it on a single device to use cache_implementation='paged'."
+        )
     pool = None
     if cache_config.is_sized:
         key = (cache_config.block_size, cache_config.num_blocks, cache_config.max_kv_bytes,
@@ -154,7 +163,10 @@ def _prepare_cache_for_generation(original):
         if paged:  # the user's cache, or an assistant's own cache coming back
             cache._is_user_defined = True
         else:
-            model_kwargs["past_key_values"] = build_cache(self, generation_config, max_cache_length)
+            cache = build_cache(self, generation_config, max_cache_length)
+            model_kwargs["past_key_values"] = cache
+            if generation_config.is_assistant:  # its rejected candidates get cropped
+                cache.activate_past_recording()
         _use_paged_attention(self)
         return None
 
@@ -192,6 +204,7 @@ _WRAPPERS = {
     (GenerationMixin, "prepare_inputs_for_generation"): _prepare_inputs_for_generation,
     (GenerationMixin, "_prefill"): _prefill,
     (FalconAttention, "forward"): paged_falcon_attention,
+    (FalconFlashAttention2, "forward"): paged_falcon_attention,
 }
 
 
@@ -201,6 +214,8 @@ def enable() -> None:
         return
     AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
     AttentionMaskInterface.register(ATTENTION_NAME, paged_mask)
+    # Falcon picks its attention class by name when built (from_pretrained(..., "paged")).
+    modeling_falcon.FALCON_ATTENTION_CLASSES[ATTENTION_NAME] = FalconAttention
     for (owner, name), wrap in _WRAPPERS.items():
         original = owner.__dict__[name]
         _originals[owner, name] = original
@@ -216,6 +231,7 @@ def disable() -> None:
     _originals.clear()
     ALL_ATTENTION_FUNCTIONS._global_mapping.pop(ATTENTION_NAME, None)
     ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.pop(ATTENTION_NAME, None)
+    modeling_falcon.FALCON_ATTENTION_CLASSES.pop(ATTENTION_NAME, None)
 
 
 def is_enabled() -> bool:

@@ -26,18 +26,22 @@ def to_device(values, device: torch.device) -> torch.Tensor:
 class DeviceBlockTable:
     """Device mirror of `BlockTables`: block ids [R, cols] int32 and real lengths [R] int64."""
 
+    # The table is written in place; it is made outside inference mode so that a cache
+    # started under torch.inference_mode() can continue under no_grad, and back.
     def __init__(self, num_rows: int, num_cols: int, device: torch.device):
         self.device = device
-        self.table = torch.zeros(num_rows, max(num_cols, 1), dtype=torch.int32, device=device)
+        with torch.inference_mode(False):
+            self.table = torch.zeros(num_rows, max(num_cols, 1), dtype=torch.int32, device=device)
         self.lengths = torch.zeros(num_rows, dtype=torch.int64, device=device)
 
     def ensure_cols(self, num_cols: int) -> None:
         if num_cols > self.table.shape[1]:
-            grown = torch.zeros(
-                self.table.shape[0], max(num_cols, 2 * self.table.shape[1]),
-                dtype=torch.int32, device=self.device,
-            )
-            grown[:, : self.table.shape[1]] = self.table
+            with torch.inference_mode(False):
+                grown = torch.zeros(
+                    self.table.shape[0], max(num_cols, 2 * self.table.shape[1]),
+                    dtype=torch.int32, device=self.device,
+                )
+                grown[:, : self.table.shape[1]] = self.table
             self.table = grown
 
     def apply(self, entries: Sequence[tuple[int, int, int]]) -> None:
@@ -51,7 +55,8 @@ class DeviceBlockTable:
     def fork(self, src_rows: torch.Tensor) -> None:
         """Row i becomes old row src_rows[i] (device-side mirror of `BlockTables.fork_rows`)."""
         src_rows = src_rows.to(self.device)
-        self.table = self.table.index_select(0, src_rows)
+        with torch.inference_mode(False):
+            self.table = self.table.index_select(0, src_rows.clone())
         self.lengths = self.lengths.index_select(0, src_rows)
 
 

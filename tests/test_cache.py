@@ -179,3 +179,68 @@ def test_falcon_stores_unique_kv_heads_only(kind, kv_heads, batch):
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     assert cache.pool.kv.shape[-2:] == (kv_heads, head_dim)
     assert cache.memory_stats().bytes_per_token == cfg.num_hidden_layers * 2 * kv_heads * head_dim * 4
+
+
+def test_cache_started_in_inference_mode_continues_under_no_grad(llama):
+    ids, mask = left_padded_batch([12, 20], seed=8)
+    with torch.inference_mode():
+        first = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5,
+                               do_sample=False, cache_implementation="paged",
+                               return_dict_in_generate=True)
+    seq = first.sequences
+    ext = torch.cat([mask, torch.ones(2, seq.shape[1] - ids.shape[1], dtype=mask.dtype)], 1)
+    ref = llama.generate(input_ids=seq, attention_mask=ext, max_new_tokens=4, do_sample=False)
+    with torch.no_grad():
+        out = llama.generate(input_ids=seq, attention_mask=ext, max_new_tokens=4,
+                             do_sample=False, past_key_values=first.past_key_values)
+    assert torch.equal(ref, out)
+
+
+def test_one_column_prefill_chunks_skip_padding(model):
+    ids, mask = left_padded_batch([2, 6], seed=1)
+    for chunk in (1, 3):
+        ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6,
+                             do_sample=False, prefill_chunk_size=chunk)
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6,
+                             do_sample=False, prefill_chunk_size=chunk,
+                             cache_implementation="paged")
+        assert torch.equal(ref, out)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cache_made_by_hand_takes_dtype_from_the_model(dtype):
+    model = make_model("llama_gqa").to(dtype)
+    ids, mask = left_padded_batch([5, 9], seed=2)
+    cache = PagedCache(model.config)
+    assert cache.memory_stats().blocks_in_use == 0 and cache.batch_size == 0
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, past_key_values=cache)
+    assert cache.pool.kv.dtype == dtype and cache.memory_stats().tokens_stored > 0
+
+
+def test_forward_with_grad_enabled():
+    model = make_model("llama_gqa")
+    ids, mask = left_padded_batch([4, 9], seed=1)
+    cache = PagedCache(model.config)
+    model.set_attn_implementation("paged")
+    try:
+        cache.expect_forward(mask)
+        out = model(input_ids=ids, attention_mask=mask, past_key_values=cache,
+                    position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+        out.logits[mask.bool()].sum().backward()
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert out.logits.requires_grad and not cache.pool.kv.requires_grad
+    assert model.model.layers[0].self_attn.q_proj.weight.grad is not None
+
+
+def test_falcon_flash_attention_class_is_patched_too():
+    from transformers.models.falcon.modeling_falcon import FalconFlashAttention2
+
+    model = make_model("falcon_new")
+    ids, mask = left_padded_batch([5, 12], seed=2)
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    for block in model.transformer.h:  # as if loaded with flash_attention_2
+        block.self_attention.__class__ = FalconFlashAttention2
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                         cache_implementation="paged")
+    assert torch.equal(ref, out)

@@ -125,3 +125,14 @@ def test_pool_follows_model_dtype(dtype):
     cache = out.past_key_values
     assert cache.pool.kv.dtype == dtype
     assert cache.memory_stats().bytes_per_token == 2 * 2 * 2 * 16 * 2
+
+
+def test_falcon_from_pretrained_with_paged_attention(tmp_path):
+    model = make_model("falcon_alibi")
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="paged").eval()
+    ids, mask = left_padded_batch([3, 17], seed=2)
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    out = loaded.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                          cache_implementation="paged")
+    assert torch.equal(ref, out)

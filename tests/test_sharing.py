@@ -185,3 +185,16 @@ def test_crop_into_released_window_is_refused_unless_recording():
     assert cache.get_seq_length() == seen  # unchanged
     cache.crop(-1)  # within the window: fine
     assert cache.get_seq_length() == seen - 1
+
+
+def test_sliding_window_assistant_rolls_back():
+    """An assistant's cache records past states, so rejected candidates can be cropped."""
+    main, assistant = make_model("llama_gqa"), make_model("mistral_sw", seed=3)
+    assistant.generation_config.num_assistant_tokens = 6
+    assistant.generation_config.num_assistant_tokens_schedule = "constant"
+    assistant.generation_config.assistant_confidence_threshold = 0.0
+    ids, _ = left_padded_batch([21], seed=4)
+    kwargs = dict(input_ids=ids, max_new_tokens=24, do_sample=False, assistant_model=assistant)
+    ref = main.generate(**kwargs)
+    out = main.generate(**kwargs, cache_implementation="paged", cache_config={"block_size": 2})
+    assert_same(ref, out)

@@ -30,7 +30,9 @@ class TorchBackend:
                   alibi_slopes=None):
         """query [R, Hq, q, D] -> [R, q, Hq, D] (padded layout, see ForwardMetadata)."""
         mask = meta.attention_mask(sliding_window, alibi_slopes)
-        workspace = self._gather_workspace(meta.block_tables.numel(), k_cache)
+        # Gathering into a reused buffer cannot carry autograd; with grad on, gather afresh.
+        workspace = (None if torch.is_grad_enabled()
+                     else self._gather_workspace(meta.block_tables.numel(), k_cache))
         return reference.paged_attention(query, k_cache, v_cache, meta.block_tables, mask,
                                          scale, workspace)
 
