@@ -78,6 +78,3 @@ class BlockPool:
         self._free[:0] = new_ids  # below the existing free ids: old ids are reused first
         self._refcount.extend([0] * (num_blocks - self.num_blocks))
         self.num_blocks = num_blocks
-
-    def reset_peak(self) -> None:
-        self.peak_used = self.num_used

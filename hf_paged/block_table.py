@@ -50,9 +50,6 @@ class BlockTables:
     def num_rows(self) -> int:
         return len(self.tables)
 
-    def max_blocks(self) -> int:
-        return max((len(t) for t in self.tables), default=0)
-
     def _needs_copy(self, row: int) -> bool:
         """True when the next write to `row` lands in a shared, partly filled block."""
         n = self.lengths[row]

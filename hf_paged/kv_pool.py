@@ -77,10 +77,6 @@ class KVPool:
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
 
-    def matches(self, num_layers, num_kv_heads, head_dim, dtype, device) -> bool:
-        return (num_layers, num_kv_heads, head_dim, self.dtype, self.device) == (
-            num_layers, num_kv_heads, head_dim, dtype, torch.device(device))
-
     # -- ownership across caches -----------------------------------------------------
     def attach(self, cache) -> None:
         """Hands the whole pool to `cache`, the only one that may use it from now on.
@@ -94,7 +90,7 @@ class KVPool:
         self.blocks = BlockPool(self.blocks.num_blocks, self.block_size)
         self._owner = weakref.ref(cache)
 
-    # -- growth and copies -------------------------------------------------------------
+    # -- growth -------------------------------------------------------------------------
     def ensure_free(self, needed: int, limit: int | None = None) -> None:
         """Makes `needed` blocks free, growing an unsized pool (to at most `limit` blocks)."""
         free = self.blocks.num_free
