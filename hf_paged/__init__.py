@@ -5,7 +5,8 @@
 
 from .block_pool import BlockPool
 from .block_table import BlockTables
-from .cache import MemoryStats, PagedCache
+from .cache import PagedCache
+from .stats import MemoryStats
 from .config import PagedCacheConfig
 from .errors import HFPagedError, KVCacheExhaustedError, UnsupportedModelError
 from .integration import SUPPORTED_ARCHITECTURES, disable, enable, is_enabled

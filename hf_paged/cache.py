@@ -3,59 +3,17 @@
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
-
 import torch
 from transformers.cache_utils import Cache
 
-from .block_table import FREED, BlockTables
+from .block_table import BlockTables
 from .config import PagedCacheConfig
 from .errors import HFPagedError
 from .kernels.backends import select_backend
 from .kv_pool import KVPool
 from .metadata import DeviceBlockTable, ForwardMetadata, build_metadata, to_device
 from .models import kv_layout
-
-
-@dataclass(frozen=True)
-class MemoryStats:
-    """KV memory of a `PagedCache` at one moment.
-
-    tokens_stored:       distinct tokens held in blocks (a shared token counts once; tokens
-                         released outside a sliding window do not count)
-    logical_tokens:      sequence lengths summed over rows
-    blocks_in_use:       blocks with at least one holder
-    peak_blocks_in_use:  most blocks in use at once since the cache was created or reset
-    num_blocks:          blocks the pool has room for
-    shared_blocks:       blocks held by more than one row
-    bytes_per_token:     K+V bytes of one token over all layers
-    pool_bytes:          bytes allocated for the pool
-    unshared_kv_bytes:   bytes the same rows would need in blocks of their own
-    utilization:         tokens_stored / (blocks_in_use * block_size)
-    workspace_bytes:     the reference backend's gather buffer (one layer's K and V of the
-                         batch, reused by every layer and step)
-    """
-
-    tokens_stored: int
-    logical_tokens: int
-    blocks_in_use: int
-    peak_blocks_in_use: int
-    num_blocks: int
-    block_size: int
-    shared_blocks: int
-    bytes_per_token: int
-    pool_bytes: int
-    unshared_kv_bytes: int
-    utilization: float
-    workspace_bytes: int = 0
-
-    @property
-    def kv_bytes_in_use(self) -> int:
-        return self.blocks_in_use * self.block_size * self.bytes_per_token
-
-    @property
-    def peak_kv_bytes(self) -> int:
-        return self.peak_blocks_in_use * self.block_size * self.bytes_per_token
+from .stats import MemoryStats, measure
 
 
 class PagedCache(Cache):
@@ -96,7 +54,7 @@ class PagedCache(Cache):
         self.device_table: DeviceBlockTable | None = None
         self.meta: ForwardMetadata | None = None
         self._seen = 0  # padded columns processed, what generate calls the sequence length
-        self._peak_blocks = 0
+        self.peak_blocks = 0
         self._pending_mask: torch.Tensor | None = None
         self._pending_packed: tuple[list[int], int] | None = None
         self._past_padding = False  # True once no later column can be left padding
@@ -277,7 +235,7 @@ class PagedCache(Cache):
                                    max(self.tables.lengths), self.block_size, packed=packed)
         self.device_table.lengths = self.meta.seq_lens
         self._seen += advance
-        self._peak_blocks = max(self._peak_blocks, self.pool.blocks.num_used)
+        self.peak_blocks = max(self.peak_blocks, self.pool.blocks.num_used)
         if self._views_version != self.pool.version:
             self._refresh_views()
 
@@ -373,7 +331,7 @@ class PagedCache(Cache):
         self._seen = 0
         self._pending_mask = self._pending_packed = None
         self._past_padding = False
-        self._peak_blocks = self.pool.blocks.num_used if self.pool is not None else 0
+        self.peak_blocks = self.pool.blocks.num_used if self.pool is not None else 0
 
     def _detach(self) -> None:
         self.tables = BlockTables(self.pool.blocks)  # the pool's blocks now belong to another cache
@@ -382,30 +340,5 @@ class PagedCache(Cache):
 
     # -- accounting -----------------------------------------------------------------------------------
     def memory_stats(self) -> MemoryStats:
-        if self.pool is None:  # nothing stored yet
-            return MemoryStats(0, 0, 0, 0, 0, self.block_size, 0, 0, 0, 0, 0.0)
-        bs = self.block_size
-        fill: dict[int, int] = {}
-        for table, n in zip(self.tables.tables, self.tables.lengths):
-            for i, block in enumerate(table):
-                if block != FREED:
-                    fill[block] = max(fill.get(block, 0), min(bs, n - i * bs))
-        tokens = sum(fill.values())
-        in_use = len(fill)
-        shared = sum(1 for b in fill if self.pool.blocks.refcount(b) > 1)
-        bpt = self.pool.bytes_per_token
-        return MemoryStats(
-            tokens_stored=tokens,
-            logical_tokens=sum(self.tables.lengths),
-            blocks_in_use=in_use,
-            peak_blocks_in_use=max(self._peak_blocks, in_use),
-            num_blocks=self.pool.blocks.num_blocks,
-            block_size=bs,
-            shared_blocks=shared,
-            bytes_per_token=bpt,
-            pool_bytes=self.pool.nbytes,
-            unshared_kv_bytes=sum(len(t) - f for t, f in zip(self.tables.tables, self.tables.freed))
-            * bs * bpt,
-            utilization=tokens / (in_use * bs) if in_use else 0.0,
-            workspace_bytes=self.backend.workspace_bytes,
-        )
+        """KV memory now: tokens, blocks, sharing and bytes (see `MemoryStats`)."""
+        return measure(self)

@@ -1,0 +1,79 @@
+"""KV memory accounting of a `PagedCache`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .block_table import FREED
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """KV memory of a `PagedCache` at one moment.
+
+    tokens_stored:       distinct tokens held in blocks (a shared token counts once; tokens
+                         released outside a sliding window do not count)
+    logical_tokens:      sequence lengths summed over rows
+    blocks_in_use:       blocks with at least one holder
+    peak_blocks_in_use:  most blocks in use at once since the cache was created or reset
+    num_blocks:          blocks the pool has room for
+    shared_blocks:       blocks held by more than one row
+    bytes_per_token:     K+V bytes of one token over all layers
+    pool_bytes:          bytes allocated for the pool
+    unshared_kv_bytes:   bytes the same rows would need in blocks of their own
+    utilization:         tokens_stored / (blocks_in_use * block_size)
+    workspace_bytes:     the reference backend's gather buffer (one layer's K and V of the
+                         batch, reused by every layer and step)
+    """
+
+    tokens_stored: int
+    logical_tokens: int
+    blocks_in_use: int
+    peak_blocks_in_use: int
+    num_blocks: int
+    block_size: int
+    shared_blocks: int
+    bytes_per_token: int
+    pool_bytes: int
+    unshared_kv_bytes: int
+    utilization: float
+    workspace_bytes: int = 0
+
+    @property
+    def kv_bytes_in_use(self) -> int:
+        return self.blocks_in_use * self.block_size * self.bytes_per_token
+
+    @property
+    def peak_kv_bytes(self) -> int:
+        return self.peak_blocks_in_use * self.block_size * self.bytes_per_token
+
+
+def measure(cache) -> MemoryStats:
+    """Memory figures of `cache` (a PagedCache) at this moment."""
+    if cache.pool is None:  # nothing stored yet
+        return MemoryStats(0, 0, 0, 0, 0, cache.block_size, 0, 0, 0, 0, 0.0)
+    bs = cache.block_size
+    fill: dict[int, int] = {}
+    for table, n in zip(cache.tables.tables, cache.tables.lengths):
+        for i, block in enumerate(table):
+            if block != FREED:
+                fill[block] = max(fill.get(block, 0), min(bs, n - i * bs))
+    tokens = sum(fill.values())
+    in_use = len(fill)
+    shared = sum(1 for b in fill if cache.pool.blocks.refcount(b) > 1)
+    bpt = cache.pool.bytes_per_token
+    return MemoryStats(
+        tokens_stored=tokens,
+        logical_tokens=sum(cache.tables.lengths),
+        blocks_in_use=in_use,
+        peak_blocks_in_use=max(cache.peak_blocks, in_use),
+        num_blocks=cache.pool.blocks.num_blocks,
+        block_size=bs,
+        shared_blocks=shared,
+        bytes_per_token=bpt,
+        pool_bytes=cache.pool.nbytes,
+        unshared_kv_bytes=sum(len(t) - f for t, f in zip(cache.tables.tables, cache.tables.freed))
+        * bs * bpt,
+        utilization=tokens / (in_use * bs) if in_use else 0.0,
+        workspace_bytes=cache.backend.workspace_bytes,
+    )
