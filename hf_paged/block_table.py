@@ -76,11 +76,15 @@ class BlockTables:
             needed += min(w, self.pool.refcount(block) - 1)
         return needed
 
-    def append(self, counts: Sequence[int]) -> AppendPlan:
-        """Makes room for `counts[r]` more tokens in each row. All or nothing."""
+    def append(self, counts: Sequence[int], needed: int | None = None) -> AppendPlan:
+        """Makes room for `counts[r]` more tokens in each row. All or nothing.
+
+        needed: `blocks_needed(counts)` if the caller already has it.
+        """
         if len(counts) != self.num_rows:
             raise ValueError(f"append got {len(counts)} counts for {self.num_rows} rows.")
-        needed = self.blocks_needed(counts)
+        if needed is None:
+            needed = self.blocks_needed(counts)
         if needed > self.pool.num_free:
             raise KVCacheExhaustedError(
                 needed, self.pool.num_free, self.pool.num_blocks, self.block_size

@@ -224,9 +224,10 @@ class PagedCache(Cache):
             # The next query sits at position n and sees keys > n - window.
             self.tables.release_before(
                 [n - self.sliding_window + 1 for n in self.tables.lengths])
-        self.pool.ensure_free(self.tables.blocks_needed(counts), limit=self._block_limit(rows))
+        needed = self.tables.blocks_needed(counts)
+        self.pool.ensure_free(needed, limit=self._block_limit(rows))
         context = self.device_table.lengths
-        plan = self.tables.append(counts)
+        plan = self.tables.append(counts, needed)
         if plan.copies:
             src, dst = to_device(plan.copies, self.pool.device).T
             self.backend.copy_blocks(self.pool.kv, src, dst)

@@ -8,7 +8,7 @@ from transformers import DynamicCache
 
 import hf_paged
 from hf_paged import KVCacheExhaustedError, PagedCache, PagedCacheConfig
-from conftest import left_padded_batch, make_model
+from conftest import assert_same, both, left_padded_batch, make_model
 
 LENGTHS = [1, 9, 23, 47, 71, 100]
 
@@ -199,12 +199,8 @@ def test_cache_started_in_inference_mode_continues_under_no_grad(llama):
 def test_one_column_prefill_chunks_skip_padding(model):
     ids, mask = left_padded_batch([2, 6], seed=1)
     for chunk in (1, 3):
-        ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6,
-                             do_sample=False, prefill_chunk_size=chunk)
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6,
-                             do_sample=False, prefill_chunk_size=chunk,
-                             cache_implementation="paged")
-        assert torch.equal(ref, out)
+        assert_same(*both(model, input_ids=ids, attention_mask=mask, max_new_tokens=6,
+                          do_sample=False, prefill_chunk_size=chunk))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
