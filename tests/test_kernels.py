@@ -29,7 +29,7 @@ TOLERANCE = {
 LENGTHS = [1, 17, 97] + ([1000] if GPU else [])
 
 
-def paged_inputs(lengths, block_size, kv_heads, head_dim, dtype, seed=0):
+def paged_inputs(lengths, block_size, kv_heads, head_dim, dtype, seed=0, device=DEVICE):
     """A pool with each row's blocks scattered (shuffled, non-contiguous) and partly filled."""
     g = torch.Generator().manual_seed(seed)
     per_row = [-(-n // block_size) for n in lengths]
@@ -43,8 +43,8 @@ def paged_inputs(lengths, block_size, kv_heads, head_dim, dtype, seed=0):
     for r, n in enumerate(per_row):
         table[r, :n] = ids[used:used + n]
         used += n
-    return (k.to(DEVICE, dtype), v.to(DEVICE, dtype), table.to(DEVICE),
-            torch.tensor(lengths, device=DEVICE))
+    return (k.to(device, dtype), v.to(device, dtype), table.to(device),
+            torch.tensor(lengths, device=device))
 
 
 def reference_attention(q, k, v, table, query_pos, is_query, scale, window, slopes):
@@ -136,22 +136,22 @@ def test_triton_extend(ctx, new, block_size, dtype, window, alibi):
     assert torch.all(out[~is_query] == 0)
 
 
-def check_write_and_copy(write_kv, copy_blocks, dtype):
+def check_write_and_copy(write_kv, copy_blocks, dtype, device=DEVICE):
     """A backend's slot-mapping write and block copy equal the reference's exactly.
 
     write_kv(k_cache, v_cache, key, value, slots); copy_blocks(kv, src, dst).
     """
-    k, v, _, _ = paged_inputs([40], 8, 2, 64, dtype)
-    key = torch.randn(6, 2, 64, device=DEVICE).to(dtype)
-    value = torch.randn(6, 2, 64, device=DEVICE).to(dtype)
-    slots = torch.tensor([0, 9, 17, 30, 31, 47], device=DEVICE)
+    k, v, _, _ = paged_inputs([40], 8, 2, 64, dtype, device=device)
+    key = torch.randn(6, 2, 64, device=device).to(dtype)
+    value = torch.randn(6, 2, 64, device=device).to(dtype)
+    slots = torch.tensor([0, 9, 17, 30, 31, 47], device=device)
     k2, v2 = k.clone(), v.clone()
     write_kv(k, v, key, value, slots)
     reference.write_kv(k2, v2, key, value, slots)
     assert torch.equal(k, k2) and torch.equal(v, v2)
-    kv = torch.randn(3, 2, 7, 4, 2, 16, device=DEVICE).to(dtype)
+    kv = torch.randn(3, 2, 7, 4, 2, 16, device=device).to(dtype)
     kv2 = kv.clone()
-    src, dst = torch.tensor([0, 4], device=DEVICE), torch.tensor([6, 2], device=DEVICE)
+    src, dst = torch.tensor([0, 4], device=device), torch.tensor([6, 2], device=device)
     copy_blocks(kv, src, dst)
     reference.copy_blocks(kv2, src, dst)
     assert torch.equal(kv, kv2)
@@ -211,53 +211,99 @@ def test_backend_from_environment(monkeypatch, llama):
         llama.generate(ids, max_new_tokens=2, cache_implementation="paged")
 
 
-# -- CUDA C++ and flash-attn: need a GPU (skipped cleanly without one) -------------------------
+# -- CUDA C++: on a GPU as built by cuda_ops, and everywhere through the CPU emulator -------
 def _cuda_reason():
     from hf_paged.kernels import cuda_ops
 
     return cuda_ops.unavailable_reason()
 
 
-needs_cuda_kernels = pytest.mark.skipif(_cuda_reason() is not None, reason=str(_cuda_reason()))
+@pytest.fixture(scope="session")
+def emulated_cuda_ops(tmp_path_factory):
+    """cuda/*.cu compiled for the CPU against tests/cuda_emu (see cuda_runtime.h there)."""
+    from cuda_emu import emulator
+
+    if emulator.compiler() is None:
+        pytest.skip("g++ is not installed")
+    return emulator.EmulatedCudaOps(emulator.build(tmp_path_factory.mktemp("cuda_emu")))
 
 
-@needs_cuda_kernels
-@pytest.mark.parametrize("block_size, heads, kv_heads, head_dim", GRID)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("window, alibi", [(None, False), (40, False), (None, True)])
-def test_cuda_decode(block_size, heads, kv_heads, head_dim, dtype, window, alibi):
+@pytest.fixture(params=["gpu", "emulated"])
+def cuda_kernels(request):
+    """(ops with the binding's calls, the device their tensors live on)."""
+    if request.param == "emulated":
+        return request.getfixturevalue("emulated_cuda_ops"), torch.device("cpu")
+    reason = _cuda_reason()
+    if reason is not None:
+        pytest.skip(reason)
     from hf_paged.kernels import cuda_ops
 
-    ops = cuda_ops.load()
-    lengths = [1, 17, 97, 1000, 600]
-    k, v, table, seq = paged_inputs(lengths, block_size, kv_heads, head_dim, dtype)
-    q = torch.randn(len(lengths), heads, head_dim, device=DEVICE).to(dtype)
-    slopes = torch.rand(heads, device=DEVICE) if alibi else None
+    return cuda_ops.load(), DEVICE
+
+
+# The GPU grid plus GQA groups of 8 and 16 (with head_dim 256, 1024-token partitions need
+# more than the default 48 KiB of shared memory: the kernel opts in).
+CUDA_GRID = GRID + [(16, 16, 2, 64), (8, 16, 1, 256)]
+
+
+@pytest.mark.parametrize("block_size, heads, kv_heads, head_dim", CUDA_GRID)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window, alibi", [(None, False), (40, False), (None, True)])
+def test_cuda_decode(cuda_kernels, block_size, heads, kv_heads, head_dim, dtype, window, alibi):
+    from hf_paged.kernels import cuda_ops
+
+    ops, device = cuda_kernels
+    lengths = [1, 17, 97, 1000, 600] if device.type == "cuda" else [1, 17, 97, 300]
+    k, v, table, seq = paged_inputs(lengths, block_size, kv_heads, head_dim, dtype, device=device)
+    q = torch.randn(len(lengths), heads, head_dim, device=device).to(dtype)
+    slopes = torch.rand(heads, device=device) if alibi else None
     scale = head_dim ** -0.5
     ref = reference_attention(q[:, :, None], k, v, table, (seq - 1)[:, None], None, scale,
                               window, slopes)[:, 0]
-    for partition in (cuda_ops.PARTITION, 64):  # single pass and split-KV
+    for partition in (cuda_ops.PARTITION, 64, 1024):  # single pass and split-KV
         out = ops.decode(q, k, v, table, seq, slopes, scale, window or 0, max(lengths), partition)
         torch.testing.assert_close(out.float(), ref, **TOLERANCE[dtype])
 
 
-@needs_cuda_kernels
+def test_emulated_cuda_decode_rejects_unsupported_group(emulated_cuda_ops):
+    k, v, table, seq = paged_inputs([5], 4, 1, 64, torch.float32, device="cpu")
+    with pytest.raises(RuntimeError, match="paged_decode failed"):
+        emulated_cuda_ops.decode(torch.randn(1, 3, 64), k, v, table, seq, None, 0.1, 0, 5, 512)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_cuda_write_copy_swap(dtype):
+def test_cuda_write_and_copy(cuda_kernels, dtype):
+    ops, device = cuda_kernels
+    check_write_and_copy(lambda k, v, key, value, slots: ops.write_kv(key, value, k, v, slots),
+                         ops.copy_blocks, dtype, device)
+
+
+def test_emulated_cuda_swap(emulated_cuda_ops):
+    """Block swap by (src, dst) pairs, both directions (host memory stands in for the GPU)."""
+    gpu = torch.randn(6, 4, 2, 16)
+    host = torch.zeros(5, 4, 2, 16)
+    emulated_cuda_ops.swap_blocks(gpu, host, torch.tensor([[1, 3], [5, 0]]), to_host=True)
+    assert torch.equal(host[3], gpu[1]) and torch.equal(host[0], gpu[5])
+    back = torch.zeros_like(gpu)
+    emulated_cuda_ops.swap_blocks(host, back, torch.tensor([[3, 2]]), to_host=False)
+    assert torch.equal(back[2], gpu[1]) and back[[0, 1, 3, 4, 5]].abs().sum() == 0
+
+
+@pytest.mark.skipif(_cuda_reason() is not None, reason=str(_cuda_reason()))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_swap_between_gpu_and_pinned_host(dtype):
     from hf_paged.kernels import cuda_ops
 
     ops = cuda_ops.load()
-    kv = check_write_and_copy(lambda k, v, key, value, slots: ops.write_kv(key, value, k, v, slots),
-                              ops.copy_blocks, dtype)
+    kv = torch.randn(6, 4, 2, 16, device=DEVICE).to(dtype)
     host = torch.zeros(5, 4, 2, 16, dtype=dtype).pin_memory()
-    pairs = torch.tensor([[1, 3], [5, 0]])
-    ops.swap_blocks(kv[0, 0], host, pairs)
+    ops.swap_blocks(kv, host, torch.tensor([[1, 3], [5, 0]]))
     torch.cuda.synchronize()
-    assert torch.equal(host[3], kv[0, 0, 1].cpu()) and torch.equal(host[0], kv[0, 0, 5].cpu())
-    back = torch.zeros_like(kv[0, 0])
+    assert torch.equal(host[3], kv[1].cpu()) and torch.equal(host[0], kv[5].cpu())
+    back = torch.zeros_like(kv)
     ops.swap_blocks(host, back, torch.tensor([[3, 2]]))
     torch.cuda.synchronize()
-    assert torch.equal(back[2], kv[0, 0, 1])
+    assert torch.equal(back[2], kv[1])
 
 
 def _flash_reason():
