@@ -113,7 +113,8 @@ def bench_decode(args, device, dtype, run, copy_bw):
                 elif name == "triton":
                     from hf_paged.kernels.triton_attention import decode_attention
 
-                    fn = lambda: decode_attention(q, k, v, table, seq, scale)  # noqa: E731
+                    fn = lambda: decode_attention(q, k, v, table, seq, scale,  # noqa: E731
+                                                  max_seq_len=context)
                 else:
                     ops = backend._ops
                     fn = lambda: ops.decode(q, k, v, table, seq, None, scale, 0, context,  # noqa: E731
@@ -128,6 +129,30 @@ def bench_decode(args, device, dtype, run, copy_bw):
             del k, v, kc, vc
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+    return rows
+
+
+def sweep_triton_decode(args, device, dtype, run, copy_bw, batch=64, context=4096):
+    """Triton decode launch shapes (tokens per step x warps) at the target shape; the
+    defaults in triton_attention.py come from this on the GPU they were tuned on."""
+    if triton_unavailable_reason(device) is not None:
+        return []
+    from hf_paged.kernels.triton_attention import decode_attention
+
+    k, v, table = paged_pool(batch, context, args.block_size, args.kv_heads, args.head_dim,
+                             dtype, device)
+    seq = torch.full((batch,), context, device=device)
+    q = torch.randn(batch, args.heads, args.head_dim, dtype=dtype, device=device)
+    kv_bytes = 2 * k.numel() * k.element_size()
+    rows = []
+    for tile in (16, 32, 64, 128):
+        for warps in (4, 8):
+            seconds = run(lambda: decode_attention(q, k, v, table, seq, args.head_dim ** -0.5,
+                                                   max_seq_len=context, tile=tile,
+                                                   num_warps=warps))
+            rows.append(dict(kind="decode_sweep", batch=batch, context=context,
+                             method=f"triton tile={tile} warps={warps}", ms=seconds * 1e3,
+                             gbps=kv_bytes / seconds / 1e9, vs_copy_bw=kv_bytes / seconds / copy_bw))
     return rows
 
 
@@ -189,6 +214,10 @@ def main():
     for r in rows:
         print(f"{'':<10}{r['batch']:>6}{r['context']:>8}  {r['method']:<26}{r['ms']:>9.3f}"
               f"{r['gbps']:>9.0f}{r['vs_contiguous']:>14.2f}{r['vs_copy_bw']:>12.2f}")
+    sweep = sweep_triton_decode(args, device, dtype, run, copy_bw) if device.type == "cuda" else []
+    for r in sweep:
+        print(f"{'sweep':<10}{r['batch']:>6}{r['context']:>8}  {r['method']:<26}{r['ms']:>9.3f}"
+              f"{r['gbps']:>9.0f}{'':>14}{r['vs_copy_bw']:>12.2f}")
     prefill = bench_prefill(args, device, dtype, run)
     if prefill:
         print(f"\n{'prefill':<10}{'batch':>6}{'context':>8}  {'method':<26}{'ms':>9}{'TFLOP/s':>9}"
@@ -199,7 +228,7 @@ def main():
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=name, dtype=str(dtype), copy_gbps=copy_bw / 1e9,
-                           rows=rows + prefill), f, indent=1)
+                           rows=rows + sweep + prefill), f, indent=1)
 
 
 if __name__ == "__main__":

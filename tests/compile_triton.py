@@ -22,6 +22,7 @@ from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -29,7 +30,7 @@ from triton.compiler import ASTSource  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hf_paged.kernels import triton_attention as attn, triton_cache_ops as ops  # noqa: E402
 
-TYPES = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}
+TORCH_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
 
 def signature(fn, pointers: dict[str, str], constexprs: dict, floats=("scale",)) -> dict:
@@ -45,30 +46,37 @@ def signature(fn, pointers: dict[str, str], constexprs: dict, floats=("scale",))
     return sig
 
 
+def aligned(fn, sig: dict) -> dict:
+    """What a launch on real tensors tells the compiler: pointers and strides divisible by
+    16 (the JIT specializes on this; without it loads are not vectorized)."""
+    return {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+            if sig[name].startswith("*") or name.startswith("stride_")}
+
+
 def cases():
-    """(label, kernel, pointer types, constexprs) in the shapes the wrappers launch."""
-    for dt in ("fp16", "bf16", "fp32"):
+    """(label, kernel, pointer types, constexprs, num_warps) as the wrappers launch them."""
+    configs = {"fp16": (4, 16, 128, False), "bf16": (1, 8, 64, True), "fp32": (8, 32, 128, False)}
+    for dt, (group, bs, d, alibi) in configs.items():
         cast = dt == "fp32"
-        for group, bs, d, alibi in ((4, 16, 128, False), (1, 8, 64, True), (8, 32, 128, False)):
-            yield (f"decode {dt} group={group} bs={bs} d={d} alibi={alibi}", attn._decode_kernel,
-                   dict(Q=dt, K=dt, V=dt, BT="i32", SEQ="i64", SLOPES="fp32", O_PART="fp32",
-                        LSE_PART="fp32"),
-                   dict(GROUP=group, GROUP_P=attn._p2(group), BS=bs, BS_P=attn._p2(bs), D=d,
-                        D_P=attn._p2(d), HAS_ALIBI=alibi, CAST_FP32=cast))
-        yield (f"merge {dt} d=128", attn._merge_splits_kernel,
-               dict(O_PART="fp32", LSE_PART="fp32", OUT=dt),
-               dict(SPLITS=5, SPLITS_P=8, D=128, D_P=128))
-        for group, bs, d, alibi in ((4, 16, 128, False), (1, 8, 64, True)):
-            yield (f"extend {dt} group={group} bs={bs} d={d} alibi={alibi}", attn._extend_kernel,
-                   dict(Q=dt, K=dt, V=dt, BT="i32", QPOS="i64", CTX="i64", SEQ="i64",
-                        SLOPES="fp32", OUT=dt),
-                   dict(GROUP=group, BLOCK_M=64, BS=bs, BS_P=attn._p2(bs), D=d, D_P=attn._p2(d),
-                        HAS_ALIBI=alibi, CAST_FP32=cast))
-        yield (f"write_kv {dt}", ops._write_kv_kernel,
-               dict(KEY=dt, VALUE=dt, K_CACHE=dt, V_CACHE=dt, SLOTS="i64"),
-               dict(ROW=1024, ROW_P=1024))
-        yield (f"copy_blocks {dt}", ops._copy_blocks_kernel, dict(KV=dt, SRC="i64", DST="i64"),
-               dict(BLOCK_NUMEL=16 * 8 * 128, CHUNK=4096))
+        block_m, tile, warps = attn.extend_launch(getattr(torch, TORCH_DTYPES[dt]))
+        yield (f"decode {dt} group={group} bs={bs} d={d} alibi={alibi}", attn._decode_kernel,
+               dict(Q=dt, K=dt, V=dt, BT="i32", SEQ="i64", SLOPES="fp32", O_PART="fp32",
+                    LSE_PART="fp32"),
+               dict(GROUP=group, GROUP_P=attn._p2(group), BS=bs, TILE=attn.DECODE_TILE, D=d,
+                    D_P=attn._p2(d), HAS_ALIBI=alibi, CAST_FP32=cast, STORE_LSE=True),
+               attn.DECODE_WARPS)
+        yield (f"extend {dt} group={group} bs={bs} d={d} alibi={alibi}", attn._extend_kernel,
+               dict(Q=dt, K=dt, V=dt, BT="i32", QPOS="i64", CTX="i64", SEQ="i64",
+                    SLOPES="fp32", OUT=dt),
+               dict(GROUP=group, BLOCK_M=block_m, BS=bs, TILE=tile, D=d, D_P=attn._p2(d),
+                    HAS_ALIBI=alibi, CAST_FP32=cast), warps)
+    yield ("merge bf16 d=128", attn._merge_splits_kernel,
+           dict(O_PART="fp32", LSE_PART="fp32", OUT="bf16"), dict(SPLITS=5, SPLITS_P=8, D=128, D_P=128), 4)
+    yield ("write_kv fp16", ops._write_kv_kernel,
+           dict(KEY="fp16", VALUE="fp16", K_CACHE="fp16", V_CACHE="fp16", SLOTS="i64"),
+           dict(ROW=1024, ROW_P=1024), 4)
+    yield ("copy_blocks bf16", ops._copy_blocks_kernel, dict(KV="bf16", SRC="i64", DST="i64"),
+           dict(BLOCK_NUMEL=16 * 8 * 128, CHUNK=4096), 4)
 
 
 def resource_usage(cubin: bytes) -> str:
@@ -86,10 +94,11 @@ def resource_usage(cubin: bytes) -> str:
 def main(archs: list[str]) -> int:
     for arch in archs:
         target = GPUTarget("cuda", int(arch.removeprefix("sm_")), 32)
-        for label, fn, pointers, constexprs in cases():
-            src = ASTSource(fn, signature(fn, pointers, constexprs), constexprs)
+        for label, fn, pointers, constexprs, warps in cases():
+            sig = signature(fn, pointers, constexprs)
+            src = ASTSource(fn, sig, constexprs, attrs=aligned(fn, sig))
             try:
-                kernel = triton.compile(src, target=target)
+                kernel = triton.compile(src, target=target, options={"num_warps": warps})
             except Exception as err:  # noqa: BLE001 - report which kernel, then fail
                 print(f"FAILED {arch} {label}: {type(err).__name__}: {err}")
                 return 1

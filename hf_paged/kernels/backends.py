@@ -75,7 +75,7 @@ class TritonBackend:
         if query.shape[2] == 1 and meta.is_query is None:
             out = self._attn.decode_attention(
                 query[:, :, 0], k_cache, v_cache, meta.block_tables_i32, meta.seq_lens, scale,
-                sliding_window, alibi_slopes)
+                sliding_window, alibi_slopes, max_seq_len=meta.max_seq_len)
             return out.unsqueeze(1)
         return self._attn.extend_attention(
             query.transpose(1, 2), k_cache, v_cache, meta.block_tables_i32, meta.query_pos,

@@ -34,12 +34,18 @@ def _dot(a, b, FP32: tl.constexpr):
 
 
 @triton.jit
-def _load_block(K, V, TABLE_ENTRY, stride_kb, stride_kt, head_offset, t, d, BS: tl.constexpr,
-                dmask, CAST_FP32: tl.constexpr):
-    """K and V tiles [BS_P, D_P] of one KV head in the block the table entry points to."""
-    block = tl.load(TABLE_ENTRY).to(tl.int64)
-    offs = block * stride_kb + t[:, None] * stride_kt + head_offset + d[None, :]
-    kv_mask = (t[:, None] < BS) & dmask[None, :]
+def _load_tile(K, V, TABLE_ROW, stride_kb, stride_kt, head_offset, pos, limit, d, dmask,
+               BS: tl.constexpr, CAST_FP32: tl.constexpr):
+    """K and V tiles [TILE, D_P] of one KV head at sequence positions `pos` [TILE] of a row.
+
+    Each position finds its block in the row's table, so a tile may span several blocks
+    (or part of one): the tile size is a speed knob independent of the block size.
+    Positions >= limit read as zeros.
+    """
+    pmask = pos < limit
+    block = tl.load(TABLE_ROW + pos // BS, mask=pmask, other=0).to(tl.int64)
+    offs = block[:, None] * stride_kb + (pos % BS)[:, None] * stride_kt + head_offset + d[None, :]
+    kv_mask = pmask[:, None] & dmask[None, :]
     k = tl.load(K + offs, mask=kv_mask, other=0.0)
     v = tl.load(V + offs, mask=kv_mask, other=0.0)
     if CAST_FP32:
@@ -68,12 +74,14 @@ def _decode_kernel(
     stride_btr,
     stride_or, stride_oh, stride_os,
     stride_lr, stride_lh,
-    scale, window, blocks_per_split,
-    GROUP: tl.constexpr, GROUP_P: tl.constexpr, BS: tl.constexpr, BS_P: tl.constexpr,
+    scale, window, tokens_per_split,
+    GROUP: tl.constexpr, GROUP_P: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
     D: tl.constexpr, D_P: tl.constexpr, HAS_ALIBI: tl.constexpr, CAST_FP32: tl.constexpr,
+    STORE_LSE: tl.constexpr,
 ):
     """Program (row, KV head, split): all GROUP query heads of the KV head at once, so each
-    KV block is read once; the split covers `blocks_per_split` blocks of the row."""
+    key and value is read once; the split covers `tokens_per_split` visible positions of the
+    row, TILE at a time."""
     r = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -81,7 +89,7 @@ def _decode_kernel(
     q_pos = seq_len - 1
     g = tl.arange(0, GROUP_P)
     d = tl.arange(0, D_P)
-    t = tl.arange(0, BS_P)
+    t = tl.arange(0, TILE)
     heads = kvh * GROUP + g
     gmask = g < GROUP
     dmask = d < D
@@ -89,29 +97,29 @@ def _decode_kernel(
                 mask=gmask[:, None] & dmask[None, :], other=0.0)
     if CAST_FP32:
         q = q.to(tl.float32)
-    first = tl.where(window > 0, tl.maximum(q_pos - window + 1, 0) // BS, 0)
-    start = first + split * blocks_per_split
-    end = tl.minimum(start + blocks_per_split, tl.cdiv(seq_len, BS))
+    first = tl.where(window > 0, tl.maximum(q_pos - window + 1, 0), 0)  # oldest visible
+    start = first + split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, seq_len)
     if HAS_ALIBI:
         slopes = tl.load(SLOPES + heads, mask=gmask, other=0.0).to(tl.float32)
     m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_P], tl.float32)
     acc = tl.zeros([GROUP_P, D_P], tl.float32)
-    for b in range(start, end):
-        k, v = _load_block(K, V, BT + r * stride_btr + b, stride_kb, stride_kt, kvh * stride_kh,
-                           t, d, BS, dmask, CAST_FP32)
+    for t0 in range(start, end, TILE):
+        pos = t0 + t
+        k, v = _load_tile(K, V, BT + r * stride_btr, stride_kb, stride_kt, kvh * stride_kh,
+                          pos, end, d, dmask, BS, CAST_FP32)
         s = _dot(q, tl.trans(k), CAST_FP32) * scale
-        pos = b * BS + t
-        valid = (t < BS) & (pos < seq_len) & ((window <= 0) | (pos > q_pos - window))
         if HAS_ALIBI:
             s += slopes[:, None] * pos[None, :].to(tl.float32)
-        s = tl.where(valid[None, :], s, float("-inf"))
+        s = tl.where((pos < end)[None, :], s, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, CAST_FP32)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-    tl.store(O_PART + r * stride_or + heads[:, None] * stride_oh + split * stride_os + d[None, :],
-             out, mask=gmask[:, None] & dmask[None, :])
-    tl.store(LSE_PART + r * stride_lr + heads * stride_lh + split, lse, mask=gmask)
+    o_ptr = O_PART + r * stride_or + heads[:, None] * stride_oh + split * stride_os + d[None, :]
+    tl.store(o_ptr, out.to(O_PART.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
+    if STORE_LSE:
+        tl.store(LSE_PART + r * stride_lr + heads * stride_lh + split, lse, mask=gmask)
 
 
 @triton.jit
@@ -137,6 +145,18 @@ def _merge_splits_kernel(
     tl.store(OUT + r * stride_outr + h * stride_outh + d, out.to(OUT.dtype.element_ty), mask=d < D)
 
 
+# Launch shapes: the largest tiles that ptxas fits without spilling registers for head
+# dim 128 on sm_80 and sm_90 (tests/compile_triton.py prints its report).
+DECODE_TILE, DECODE_WARPS = 64, 8  # tokens per decode loop step (any block size)
+
+
+def extend_launch(dtype: torch.dtype) -> tuple[int, int, int]:
+    """(query columns, tokens per loop step, warps) of one extend program."""
+    if INTERPRETING:
+        return 16, 16, 4
+    return (64, 16, 8) if dtype == torch.float32 else (64, 64, 8)
+
+
 def decode_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -147,27 +167,35 @@ def decode_attention(
     sliding_window: int | None = None,
     alibi_slopes: torch.Tensor | None = None,
     num_splits: int | None = None,
-    max_blocks: int | None = None,
+    max_seq_len: int | None = None,
+    tile: int = DECODE_TILE,
+    num_warps: int = DECODE_WARPS,
 ) -> torch.Tensor:
     """One new token per row over its cached tokens (itself included).
 
     query [R, Hq, D]; k_cache, v_cache [NB, bs, Hkv, D]; block_tables [R, nb] int32;
     seq_lens [R] (tokens cached, the query's own included) -> out [R, Hq, D].
-    num_splits: KV splits per row (default: enough to fill the GPU for long contexts).
-    max_blocks: host-known bound on blocks per row (default block_tables.shape[1]).
+    num_splits: KV splits per row (default: enough to fill the GPU for long contexts); with
+    one split the kernel writes `out` itself, else a merge kernel combines the splits.
+    max_seq_len: host-known bound on seq_lens (default: what the table can hold).
+    tile, num_warps: launch shape (tokens per loop step, a power of two >= 16).
     """
     rows, heads, dim = query.shape
     _, bs, kv_heads, _ = k_cache.shape
     group = heads // kv_heads
-    nb = max_blocks or block_tables.shape[1]
+    max_tokens = max(1, max_seq_len or block_tables.shape[1] * bs)
     if num_splits is None:
-        num_splits = _default_splits(rows * kv_heads, nb, query.device)
-    num_splits = max(1, min(num_splits, nb))
-    per_split = triton.cdiv(nb, num_splits)
-    num_splits = triton.cdiv(nb, per_split)
-    o_part = torch.empty(rows, heads, num_splits, dim, dtype=torch.float32, device=query.device)
-    lse_part = torch.empty(rows, heads, num_splits, dtype=torch.float32, device=query.device)
-    slopes = alibi_slopes.contiguous() if alibi_slopes is not None else o_part  # else unused
+        num_splits = _default_splits(rows * kv_heads, max_tokens, query.device)
+    per_split = triton.cdiv(triton.cdiv(max_tokens, max(1, num_splits)), tile) * tile
+    num_splits = triton.cdiv(max_tokens, per_split)
+    out = torch.empty(rows, heads, dim, dtype=query.dtype, device=query.device)
+    if num_splits == 1:
+        o_part, lse_part = out.unsqueeze(2), out  # lse_part unused
+    else:
+        o_part = torch.empty(rows, heads, num_splits, dim, dtype=torch.float32,
+                             device=query.device)
+        lse_part = torch.empty(rows, heads, num_splits, dtype=torch.float32, device=query.device)
+    slopes = alibi_slopes.contiguous() if alibi_slopes is not None else out  # else unused
     query, seq_lens = query.contiguous(), seq_lens.contiguous()
     _decode_kernel[(rows, kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens, slopes, o_part, lse_part,
@@ -177,26 +205,29 @@ def decode_attention(
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1),
         scale, sliding_window or 0, per_split,
-        GROUP=group, GROUP_P=_p2(group), BS=bs, BS_P=_p2(bs), D=dim, D_P=_p2(dim),
+        GROUP=group, GROUP_P=_p2(group), BS=bs, TILE=tile, D=dim, D_P=_p2(dim),
         HAS_ALIBI=alibi_slopes is not None, CAST_FP32=INTERPRETING or query.dtype == torch.float32,
+        STORE_LSE=num_splits > 1, num_warps=num_warps,
     )
-    out = torch.empty(rows, heads, dim, dtype=query.dtype, device=query.device)
-    _merge_splits_kernel[(rows, heads)](
-        o_part, lse_part, out,
-        o_part.stride(0), o_part.stride(1), o_part.stride(2),
-        lse_part.stride(0), lse_part.stride(1),
-        out.stride(0), out.stride(1),
-        SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits), D=dim, D_P=_p2(dim),
-    )
+    if num_splits > 1:
+        _merge_splits_kernel[(rows, heads)](
+            o_part, lse_part, out,
+            o_part.stride(0), o_part.stride(1), o_part.stride(2),
+            lse_part.stride(0), lse_part.stride(1),
+            out.stride(0), out.stride(1),
+            SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits), D=dim,
+            D_P=_p2(dim),
+        )
     return out
 
 
-def _default_splits(programs: int, blocks: int, device: torch.device) -> int:
-    """Splits so that rows x KV heads x splits covers the GPU about twice (at least 8 blocks each)."""
+def _default_splits(programs: int, tokens: int, device: torch.device) -> int:
+    """Splits so that rows x KV heads x splits covers the GPU about twice, with at least 256
+    tokens per split (one split when the rows alone fill it)."""
     if device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(triton.cdiv(2 * sms, programs), blocks // 8))
+    return max(1, min(triton.cdiv(2 * sms, programs), tokens // 256))
 
 
 @triton.jit
@@ -207,17 +238,18 @@ def _extend_kernel(
     stride_btr, stride_pr,
     stride_or, stride_ot, stride_oh,
     q_len, scale, window,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BS: tl.constexpr, BS_P: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
     D: tl.constexpr, D_P: tl.constexpr, HAS_ALIBI: tl.constexpr, CAST_FP32: tl.constexpr,
 ):
-    """Program (row, query head, tile of BLOCK_M query columns) over the row's blocks."""
+    """Program (row, query head, BLOCK_M query columns) over the positions its queries see,
+    TILE at a time."""
     r = tl.program_id(0)
     h = tl.program_id(1)
     tile = tl.program_id(2)
     kvh = h // GROUP
     cols = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     d = tl.arange(0, D_P)
-    t = tl.arange(0, BS_P)
+    t = tl.arange(0, TILE)
     cmask = cols < q_len
     dmask = d < D
     ctx = tl.load(CTX + r).to(tl.int32)
@@ -236,12 +268,12 @@ def _extend_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_P], tl.float32)
-    for b in range(lo // BS, tl.cdiv(hi, BS)):
-        k, v = _load_block(K, V, BT + r * stride_btr + b, stride_kb, stride_kt, kvh * stride_kh,
-                           t, d, BS, dmask, CAST_FP32)
+    for t0 in range(lo, hi, TILE):
+        pos = t0 + t
+        k, v = _load_tile(K, V, BT + r * stride_btr, stride_kb, stride_kt, kvh * stride_kh,
+                          pos, hi, d, dmask, BS, CAST_FP32)
         s = _dot(q, tl.trans(k), CAST_FP32) * scale
-        pos = b * BS + t
-        valid = (t[None, :] < BS) & (pos[None, :] <= qpos[:, None]) & is_query[:, None]
+        valid = (pos[None, :] <= qpos[:, None]) & is_query[:, None]
         valid = valid & ((window <= 0) | (pos[None, :] > qpos[:, None] - window))
         if HAS_ALIBI:
             s += slope * pos[None, :].to(tl.float32)
@@ -273,7 +305,8 @@ def extend_attention(
     rows, q_len, heads, dim = query.shape
     _, bs, kv_heads, _ = k_cache.shape
     out = torch.empty_like(query)
-    block_m = 16 if INTERPRETING else 64
+    block_m, tile, num_warps = extend_launch(query.dtype)
+    cast_fp32 = INTERPRETING or query.dtype == torch.float32
     slopes = alibi_slopes.contiguous() if alibi_slopes is not None else out  # else unused
     context_lens, seq_lens = context_lens.contiguous(), seq_lens.contiguous()
     _extend_kernel[(rows, heads, triton.cdiv(q_len, block_m))](
@@ -283,7 +316,8 @@ def extend_attention(
         block_tables.stride(0), query_pos.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
         q_len, scale, sliding_window or 0,
-        GROUP=heads // kv_heads, BLOCK_M=block_m, BS=bs, BS_P=_p2(bs), D=dim, D_P=_p2(dim),
-        HAS_ALIBI=alibi_slopes is not None, CAST_FP32=INTERPRETING or query.dtype == torch.float32,
+        GROUP=heads // kv_heads, BLOCK_M=block_m, BS=bs, TILE=tile, D=dim, D_P=_p2(dim),
+        HAS_ALIBI=alibi_slopes is not None, CAST_FP32=cast_fp32,
+        num_warps=num_warps,
     )
     return out
