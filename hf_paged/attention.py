@@ -1,11 +1,38 @@
-"""The "paged" attention implementation and its mask function, as Transformers calls them."""
+"""The "paged" attention implementation and its mask function, as Transformers calls them.
+
+Transformers builds a forward's mask once, asking the cache for its sizes right before
+calling the mask function: `PagedCache.get_mask_sizes` announces itself (`announce`), and
+`paged_mask` claims the announcement. A forward on a PagedCache needs no mask (the cache's
+metadata has the lengths; a 2D padding mask not yet handed to the cache is handed over);
+any other forward gets Transformers' own SDPA mask and attention, unchanged.
+"""
 
 from __future__ import annotations
 
+import contextvars
+import weakref
+
 import torch
-import torch.nn.functional as F
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
 
 ATTENTION_NAME = "paged"
+
+_announced = contextvars.ContextVar("hf_paged_announced", default=None)
+
+
+def announce(cache) -> None:
+    """Called by PagedCache.get_mask_sizes: this forward's mask is for `cache`."""
+    _announced.set(weakref.ref(cache))
+
+
+def claim():
+    """The PagedCache announced for the mask being built, or None; clears the announcement."""
+    ref = _announced.get()
+    if ref is None:
+        return None
+    _announced.set(None)
+    return ref()
 
 
 def paged_attention_forward(
@@ -23,41 +50,16 @@ def paged_attention_forward(
 
     With a `PagedCache`, `key`/`value` are the layer's pool views and the cache's
     per-forward metadata says where each row's tokens are. Without one (training, or a
-    model loaded with attn_implementation="paged" but run on another cache) it is plain
-    SDPA over the given key/value.
+    model loaded with attn_implementation="paged" but run on another cache) it is
+    Transformers' SDPA attention with the SDPA mask `paged_mask` built.
     """
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     owner = getattr(key, "_hf_paged_cache", None)
     cache = owner() if owner is not None else None
     if cache is not None:
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         return cache.attend(query, module.layer_idx, scale, sliding_window), None
-    return _contiguous_attention(module, query, key, value, attention_mask, scale, dropout,
-                                 sliding_window), None
-
-
-def _contiguous_attention(module, query, key, value, padding_mask, scale, dropout, sliding_window):
-    """SDPA over contiguous key/value [B, Hkv, kv, D], queries being the last q positions.
-
-    padding_mask: [B, kv] bool (True = real token) or None.
-    """
-    q_len, kv_len = query.shape[2], key.shape[2]
-    mask = None
-    if padding_mask is not None or sliding_window is not None or q_len > 1:
-        p = torch.arange(kv_len - q_len, kv_len, device=query.device).unsqueeze(1)  # [q, 1]
-        t = torch.arange(kv_len, device=query.device)
-        mask = t <= p
-        if sliding_window is not None:
-            mask = mask & (t > p - sliding_window)
-        mask = mask[None, None]
-        if padding_mask is not None:
-            mask = mask & padding_mask[:, None, None, -kv_len:].bool()
-            mask = mask | ~mask.any(-1, keepdim=True)  # fully padded query rows: keep finite
-    out = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, scale=scale,
-        dropout_p=dropout if module.training else 0.0,
-        enable_gqa=query.shape[1] != key.shape[1],
-    )
-    return out.transpose(1, 2)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                  scaling=scaling, sliding_window=sliding_window, **kwargs)
 
 
 def paged_mask(
@@ -69,10 +71,12 @@ def paged_mask(
     attention_mask: torch.Tensor | None = None,
     **kwargs,
 ) -> torch.Tensor | None:
-    """Mask interface: passes the 2D padding mask [B, kv] through (no 4D mask is built).
-
-    The paged path takes lengths from the cache; the contiguous fallback builds its own mask.
-    """
-    if attention_mask is None:
+    """Mask interface: None for a forward on a PagedCache (which takes over a 2D padding mask
+    [B, seen + q] it was not given yet), Transformers' SDPA mask for any other forward."""
+    cache = claim()
+    if cache is not None:
+        if attention_mask is not None and attention_mask.dim() == 2:
+            cache.adopt_mask(attention_mask)
         return None
-    return attention_mask[:, -kv_length:]
+    return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset,
+                     attention_mask=attention_mask, **kwargs)

@@ -6,6 +6,7 @@ import weakref
 import torch
 from transformers.cache_utils import Cache
 
+from . import attention
 from .block_table import BlockTables
 from .config import PagedCacheConfig
 from .errors import HFPagedError
@@ -14,6 +15,12 @@ from .kv_pool import KVPool
 from .metadata import DeviceBlockTable, ForwardMetadata, build_metadata, to_device
 from .models import kv_layout
 from .stats import MemoryStats, measure
+
+
+def has_inner_padding(mask: torch.Tensor) -> bool:
+    """Whether a 2D attention mask [R, L] has a zero after a real token in some row."""
+    mask = mask.bool()
+    return bool((mask.cummax(1).values & ~mask).any())
 
 
 class PagedCache(Cache):
@@ -95,6 +102,7 @@ class PagedCache(Cache):
         return self._seen
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        attention.announce(self)  # the mask function that follows is for this cache
         return self._seen + query_length, 0
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
@@ -146,6 +154,11 @@ class PagedCache(Cache):
         """
         self._pending_mask = attention_mask
 
+    def adopt_mask(self, attention_mask: torch.Tensor) -> None:
+        """A direct forward's 2D padding mask, unless the next forward was described already."""
+        if self._pending_mask is None and self._pending_packed is None:
+            self._pending_mask = attention_mask
+
     def expect_packed(self, counts: list[int], width: int) -> None:
         """Announces a packed forward: one input row holding `counts[r]` real tokens of each
         sequence back to back, standing for a left-padded batch `width` columns wide."""
@@ -158,6 +171,13 @@ class PagedCache(Cache):
         (a packed forward passes [1, Hkv, N, D], N real tokens of all rows).
         """
         if layer_idx == 0:
+            if attention.claim() is not None:
+                raise HFPagedError(
+                    "A PagedCache was passed to a model whose attention implementation is not "
+                    "'paged' (its mask was built for another one). Load the model with "
+                    "attn_implementation='paged' (or call model.set_attn_implementation('paged')), "
+                    "or use generate(..., cache_implementation='paged'), which switches it."
+                )
             if self.pool is None:
                 self._bind_pool(None, key_states.dtype, key_states.device)
             self._begin_forward(key_states.shape[0], key_states.shape[2])
@@ -167,16 +187,18 @@ class PagedCache(Cache):
         k_cache, v_cache = self._views[layer_idx]
         key = key_states.transpose(1, 2).reshape(-1, self.num_kv_heads, self.head_dim)
         value = value_states.transpose(1, 2).reshape(-1, self.num_kv_heads, self.head_dim)
-        if meta.token_index is not None and not meta.packed:
-            key = key.index_select(0, meta.token_index)
-            value = value.index_select(0, meta.token_index)
+        real = meta.input_index if meta.input_index is not None else meta.token_index
+        if real is not None and not meta.packed:
+            key = key.index_select(0, real)
+            value = value.index_select(0, real)
         with torch.no_grad():  # the pool holds plain values; no autograd history
             self.backend.write_kv(k_cache, v_cache, key.to(k_cache.dtype),
                                   value.to(v_cache.dtype), meta.slot_mapping)
         return k_cache, v_cache
 
-    def _new_token_counts(self, rows: int, q_len: int) -> tuple[list[int], int, int, bool]:
-        """(real tokens per row, query columns, padded columns advanced, packed) of this forward."""
+    def _new_token_counts(self, rows: int, q_len: int):
+        """(real tokens per row, query columns, padded columns advanced, packed, input_index)
+        of this forward; input_index as in ForwardMetadata."""
         mask, self._pending_mask = self._pending_mask, None
         packed, self._pending_packed = self._pending_packed, None
         if packed is not None:
@@ -187,20 +209,41 @@ class PagedCache(Cache):
                     f"model ran on input of shape [{rows}, {q_len}]."
                 )
             self._past_padding = True
-            return counts, max(counts), width, True
+            return counts, max(counts), width, True, None
         # Left padding only precedes real tokens: once a forward is all real, the mask
         # need not be read again (no host sync on decode steps).
         if mask is None or (q_len == 1 and self._past_padding):
             self._past_padding = True
-            return [q_len] * rows, q_len, q_len, False
-        if mask.dim() != 2 or mask.shape[0] != rows:
+            return [q_len] * rows, q_len, q_len, False, None
+        if mask.dim() != 2 or mask.shape[0] != rows or mask.shape[1] < q_len:
             raise ValueError(
-                f"PagedCache expects a 2D attention mask of shape [{rows}, seen + q]; got "
+                f"PagedCache expects a 2D attention mask of shape [{rows}, seen + {q_len}]; got "
                 f"{tuple(mask.shape)}."
             )
-        counts = mask[:, -q_len:].sum(-1).tolist()
+        if self.sliding_window is not None and self._window_can_pass(mask.shape[1]) \
+                and has_inner_padding(mask):
+            raise HFPagedError(
+                "PagedCache: this attention mask has zeros after real tokens, and the model's "
+                f"sliding window ({self.sliding_window}) is shorter than the sequence may grow. "
+                "Transformers counts masked columns inside the window, the paged cache stores "
+                "real tokens only, so the two would differ; only left padding is supported here."
+            )
+        real = mask[:, -q_len:].bool()
+        counts_t = real.sum(-1)
+        left_padded = real == (torch.arange(q_len, device=real.device) >= q_len - counts_t[:, None])
+        *counts, irregular = torch.cat([counts_t, (~left_padded).any().view(1)]).tolist()
         self._past_padding = all(c == q_len for c in counts)
-        return counts, q_len, q_len, False
+        if not irregular:
+            return counts, q_len, q_len, False, None
+        # Zeros between real tokens (a padded turn continued, a masked-out span): store the
+        # real tokens in order and attend on them right-aligned.
+        return counts, max(max(counts), 1), q_len, False, real.reshape(-1).nonzero().squeeze(1)
+
+    def _window_can_pass(self, columns: int) -> bool:
+        """Whether a sequence of this cache may grow longer than the sliding window."""
+        if self.max_cache_len is None:
+            return True
+        return max(columns, self.max_cache_len) > self.sliding_window
 
     def _begin_forward(self, rows: int, q_len: int) -> None:
         """Allocates this forward's slots and builds the metadata all layers share."""
@@ -209,7 +252,7 @@ class PagedCache(Cache):
                 "This PagedCache's pool was handed to a newer cache of the same model; "
                 "create a new cache (or call generate again) instead of reusing this one."
             )
-        counts, q_cols, advance, packed = self._new_token_counts(rows, q_len)
+        counts, q_cols, advance, packed, input_index = self._new_token_counts(rows, q_len)
         rows = len(counts)
         if self.device_table is None:
             self.tables.resize(rows)
@@ -233,7 +276,8 @@ class PagedCache(Cache):
             self.backend.copy_blocks(self.pool.kv, src, dst)
         self.device_table.apply(plan.entries)
         self.meta = build_metadata(self.device_table, context, counts, q_cols,
-                                   max(self.tables.lengths), self.block_size, packed=packed)
+                                   max(self.tables.lengths), self.block_size, packed=packed,
+                                   input_index=input_index)
         self.device_table.lengths = self.meta.seq_lens
         self._seen += advance
         self.peak_blocks = max(self.peak_blocks, self.pool.blocks.num_used)
@@ -266,13 +310,15 @@ class PagedCache(Cache):
         """
         meta = self.meta
         k_cache, v_cache = self._views[layer_idx]
-        if not meta.packed:
+        if not meta.packed and meta.input_index is None:
             return self.backend.attention(query, k_cache, v_cache, meta, scale, sliding_window,
                                           alibi_slopes)
         rows, q_cols = meta.query_pos.shape
         heads, dim = query.shape[1], query.shape[3]
-        tokens = query[0].transpose(0, 1)  # [N, Hq, D]
-        if meta.token_index is not None:  # spread into the padded [R * q] layout
+        tokens = query.transpose(1, 2).reshape(-1, heads, dim)  # [R_in * q_in, Hq, D]
+        if meta.input_index is not None:
+            tokens = tokens.index_select(0, meta.input_index)  # [N, Hq, D], real tokens only
+        if meta.token_index is not None:  # spread into the right-aligned [R * q] layout
             padded = tokens.new_zeros(rows * q_cols, heads, dim)
             tokens = padded.index_copy_(0, meta.token_index, tokens)
         padded_query = tokens.view(rows, q_cols, heads, dim).transpose(1, 2)
@@ -281,7 +327,12 @@ class PagedCache(Cache):
         out = out.reshape(rows * q_cols, heads, dim)
         if meta.token_index is not None:
             out = out.index_select(0, meta.token_index)
-        return out.unsqueeze(0)
+        if meta.packed:
+            return out.unsqueeze(0)
+        # Back to the input's layout; its padding columns get zeros.
+        q_in = query.shape[2]
+        full = out.new_zeros(rows * q_in, heads, dim).index_copy_(0, meta.input_index, out)
+        return full.view(rows, q_in, heads, dim)
 
     # -- structure changes from generate -----------------------------------------------------------
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

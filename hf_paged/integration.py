@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import threading
 import warnings
 
 from transformers import GenerationMixin
@@ -32,7 +33,7 @@ from transformers.models.llama.modeling_llama import LlamaForCausalLM
 from transformers.models.mistral.modeling_mistral import MistralForCausalLM
 
 from .attention import ATTENTION_NAME, paged_attention_forward, paged_mask
-from .cache import PagedCache
+from .cache import PagedCache, has_inner_padding
 from .models import kv_layout
 from .models.falcon import paged_falcon_attention
 from .config import PagedCacheConfig
@@ -46,8 +47,12 @@ SUPPORTED_ARCHITECTURES = tuple(cls.__name__ for cls in SUPPORTED_MODELS)
 
 # Set while a generate() call that got cache_implementation="paged" as a keyword runs.
 _paged_keyword = contextvars.ContextVar("hf_paged_keyword", default=False)
-# (config, attention implementation) pairs to restore when the current generate() returns.
+# Configs the current generate() switched to the paged attention, released when it returns.
 _swapped = contextvars.ContextVar("hf_paged_swapped", default=None)
+# id(config) -> [config, its own attention implementation, generate() calls using "paged"]:
+# concurrent calls on one model share the switch, and the last one out restores it.
+_switched: dict[int, list] = {}
+_switch_lock = threading.Lock()
 
 _originals: dict[tuple[type, str], object] = {}
 
@@ -56,23 +61,54 @@ def is_supported(model) -> bool:
     return isinstance(model, SUPPORTED_MODELS)
 
 
+def _user_stacklevel() -> int:
+    """warnings.warn stacklevel of the first caller outside hf_paged, transformers and torch."""
+    import os
+    import sys
+
+    skip = tuple(os.path.dirname(m.__file__) for m in (sys.modules["hf_paged"],
+                                                        sys.modules["transformers"],
+                                                        sys.modules["torch"]))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _warn_stock(model, why: str) -> None:
+    warnings.warn(f"hf-paged: {why}; {type(model).__name__} runs this call with Transformers' "
+                  "default cache instead.", UserWarning, stacklevel=_user_stacklevel())
+
+
 def _warn_unsupported(model) -> None:
-    warnings.warn(
-        f"hf-paged: cache_implementation='paged' is not supported for "
-        f"{type(model).__name__}; it runs with Transformers' default cache instead. "
-        f"Supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}.",
-        UserWarning,
-        stacklevel=4,
-    )
+    _warn_stock(model, f"cache_implementation='paged' supports {', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
 def _use_paged_attention(model) -> None:
     config = model.config
-    if config._attn_implementation != ATTENTION_NAME:
-        swapped = _swapped.get()
+    swapped = _swapped.get()  # None outside generate(): nothing will switch it back
+    with _switch_lock:
+        entry = _switched.get(id(config))
+        if entry is None:
+            if config._attn_implementation == ATTENTION_NAME:
+                return  # loaded with attn_implementation="paged", or switched for good
+            if swapped is None:
+                config._attn_implementation_internal = ATTENTION_NAME
+                return
+            entry = _switched[id(config)] = [config, config._attn_implementation_internal, 0]
+            config._attn_implementation_internal = ATTENTION_NAME
         if swapped is not None:
-            swapped.append((config, config._attn_implementation_internal))
-        config._attn_implementation_internal = ATTENTION_NAME
+            entry[2] += 1
+            swapped.append(entry)
+
+
+def _release_paged_attention(entries: list) -> None:
+    with _switch_lock:
+        for entry in entries:
+            entry[2] -= 1
+            if entry[2] == 0:
+                config, implementation, _ = _switched.pop(id(entry[0]))
+                config._attn_implementation_internal = implementation
 
 
 def build_cache(model, generation_config, max_cache_length: int | None) -> PagedCache:
@@ -80,7 +116,9 @@ def build_cache(model, generation_config, max_cache_length: int | None) -> Paged
 
     A sized pool (num_blocks / max_kv_bytes) is kept on the model and reused by later calls
     with the same sizing; only the latest sizing is kept, so an old pool is freed once no
-    cache uses it. An unsized pool belongs to its call alone.
+    cache uses it. An assistant's cache keeps its pool apart, so that a model assisting
+    itself (assistant_early_exit, or passed as its own assistant_model) does not take the
+    main cache's pool mid-call. An unsized pool belongs to its call alone.
     """
     cache_config = PagedCacheConfig.from_any(generation_config.cache_config)
     text_config = model.config.get_text_config(decoder=True)
@@ -95,10 +133,11 @@ def build_cache(model, generation_config, max_cache_length: int | None) -> Paged
     if cache_config.is_sized:
         key = (cache_config.block_size, cache_config.num_blocks, cache_config.max_kv_bytes,
                dtype, str(device))
-        kept_key, pool = model.__dict__.get("_hf_paged_pool", (None, None))
+        slot = "_hf_paged_assistant_pool" if generation_config.is_assistant else "_hf_paged_pool"
+        kept_key, pool = model.__dict__.get(slot, (None, None))
         if kept_key != key:
             pool = KVPool.for_config(cache_config, *kv_layout(text_config), dtype, device)
-            model.__dict__["_hf_paged_pool"] = (key, pool)
+            model.__dict__[slot] = (key, pool)
     return PagedCache(text_config, cache_config, dtype=dtype, device=device, pool=pool,
                       max_cache_len=max_cache_length)
 
@@ -117,8 +156,7 @@ def _generate(original):
         finally:
             _paged_keyword.reset(keyword_token)
             _swapped.reset(swapped_token)
-            for config, implementation in reversed(swapped):
-                config._attn_implementation_internal = implementation
+            _release_paged_attention(swapped)
 
     return generate
 
@@ -158,6 +196,24 @@ def _prepare_cache_for_generation(original):
             return stock()
         if cache is not None and not paged:
             return stock()  # a user cache together with cache_implementation: Transformers' error
+        mask = model_kwargs.get("attention_mask")
+        window = getattr(self.config.get_text_config(decoder=True), "sliding_window", None)
+        if (not paged and window is not None and mask is not None and mask.dim() == 2
+                and (max_cache_length or 0) > window and has_inner_padding(mask)):
+            _warn_stock(self, "an attention mask with zeros after real tokens and a sliding "
+                              "window shorter than the sequence count masked columns in the "
+                              "window only in Transformers' own caches")
+            generation_config.cache_implementation = None
+            return stock()
+        if generation_config.output_attentions:
+            # Attention weights are never materialized by the paged kernels.
+            if paged:
+                raise ValueError("output_attentions=True cannot be served from a PagedCache: "
+                                 "the paged attention does not materialize attention weights.")
+            _warn_stock(self, "output_attentions=True needs attention weights, which the paged "
+                              "attention does not materialize")
+            generation_config.cache_implementation = None
+            return stock()
         if generation_config.use_cache is False:
             return None
         if paged:  # the user's cache, or an assistant's own cache coming back

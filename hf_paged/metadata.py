@@ -76,6 +76,10 @@ class ForwardMetadata:
     max_seq_len:  longest row after this forward (host int)
     packed:       the forward's input holds only real tokens, rows back to back ([1, N]);
                   token_index then places them in the [R * q] layout
+    input_index:  [N] int64 row of the flattened [R * q_in] input holding each real token,
+                  when the input's padding is not just a left prefix of each row (the
+                  attention then runs on the right-aligned [R, q] layout and maps back);
+                  None otherwise
     """
 
     block_tables: torch.Tensor
@@ -89,6 +93,7 @@ class ForwardMetadata:
     max_seq_len: int
     block_size: int
     packed: bool = False
+    input_index: torch.Tensor | None = None
     _masks: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -122,8 +127,10 @@ def build_metadata(
     max_seq_len: int,
     block_size: int,
     packed: bool = False,
+    input_index: torch.Tensor | None = None,
 ) -> ForwardMetadata:
-    """Metadata for a forward adding `counts[r]` real tokens (right-aligned in `q_len` columns)."""
+    """Metadata for a forward adding `counts[r]` real tokens (right-aligned in `q_len` columns;
+    `input_index` locates them in an input laid out otherwise, see ForwardMetadata)."""
     device = table.device
     rows = len(counts)
     num_cols = max(-(-max_seq_len // block_size), 1)
@@ -164,4 +171,5 @@ def build_metadata(
         max_seq_len=max_seq_len,
         block_size=block_size,
         packed=packed,
+        input_index=input_index,
     )

@@ -64,9 +64,15 @@ def paged_prefill(model, input_ids: torch.Tensor, generation_config, model_kwarg
         return None
     cache: PagedCache = model_kwargs["past_key_values"]
     device = model.device
+    user_positions = model_kwargs.get("position_ids")
+    user_positions = user_positions[::e] if user_positions is not None else None
     if padded:
         tokens = ids[mask].unsqueeze(0)  # [1, N], row-major
-        positions = (mask.long().cumsum(1) - 1)[mask].unsqueeze(0)  # [1, N], 0.. per row
+        if user_positions is not None:  # [B, L] (or [1, L] shared by all rows)
+            positions = user_positions.expand(ids.shape[0], -1)[mask.to(user_positions.device)]
+            positions = positions.unsqueeze(0)
+        else:
+            positions = (mask.long().cumsum(1) - 1)[mask].unsqueeze(0)  # [1, N], 0.. per row
         last = counts.cumsum(0) - 1  # [B] index of each row's last token in the pack
         cache.expect_packed(counts_list, ids.shape[1])
         outputs = model(input_ids=tokens.to(device), position_ids=positions.to(device),
@@ -74,9 +80,7 @@ def paged_prefill(model, input_ids: torch.Tensor, generation_config, model_kwarg
                         return_dict=True)
         outputs.logits = outputs.logits.transpose(0, 1)  # [1, B, V] -> [B, 1, V]
     else:
-        positions = model_kwargs.get("position_ids")
-        positions = positions[::e] if positions is not None else None
-        outputs = model(input_ids=ids, position_ids=positions, past_key_values=cache,
+        outputs = model(input_ids=ids, position_ids=user_positions, past_key_values=cache,
                         use_cache=True, logits_to_keep=1, return_dict=True)
     if e > 1:
         cache.batch_repeat_interleave(e)  # rows share the prompt blocks

@@ -9,7 +9,7 @@ from transformers import (
     StoppingCriteriaList, TextStreamer,
 )
 
-from hf_paged import PagedCache
+from hf_paged import HFPagedError, PagedCache
 from conftest import EOS, assert_same, both, left_padded_batch
 
 LENGTHS = [1, 9, 23, 47, 71, 100]  # left-padded batch of 6, lengths 1..100
@@ -191,3 +191,77 @@ def test_continue_from_returned_cache(llama):
     out = llama.generate(input_ids=seq, attention_mask=ext, max_new_tokens=6, do_sample=False,
                          past_key_values=first.past_key_values)
     assert_same(ref, out)
+
+
+@pytest.mark.parametrize("extra", [dict(prefill_chunk_size=5),
+                                   dict(output_hidden_states=True, return_dict_in_generate=True),
+                                   {}])
+def test_mask_zeros_between_real_tokens(model, extra):
+    """Zeros inside a prompt's mask (not only left padding): the masked tokens are not
+    stored and the real ones keep their order, on packed and unpacked prefills alike."""
+    ids, mask = left_padded_batch([12, 20, 5], seed=8)
+    mask[:2, -6:-4] = 0
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, **extra)
+    if getattr(model.config, "sliding_window", None) is None:
+        assert_same(*both(model, **kwargs))
+        return
+    # Transformers counts the masked columns inside the window; the paged cache, storing
+    # real tokens only, cannot: generate says so and runs with the default cache.
+    ref = model.generate(**kwargs)
+    with pytest.warns(UserWarning, match="sliding window"):
+        out = model.generate(**kwargs, cache_implementation="paged")
+    assert_same(ref, out)
+    own = model.config._attn_implementation_internal
+    model.config._attn_implementation_internal = "paged"
+    try:
+        cache = PagedCache(model.config)
+        with pytest.raises(HFPagedError, match="sliding window"):
+            model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+        assert cache.memory_stats().tokens_stored == 0  # nothing was stored
+    finally:
+        model.config._attn_implementation_internal = own
+
+
+def test_continue_with_padded_turn(llama):
+    """A continuation whose new columns hold pad tokens between real ones (a row padded after
+    its answer, then a new turn) matches DynamicCache's continuation."""
+    from conftest import PAD
+
+    ids, mask = left_padded_batch([12, 20], seed=8)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                  return_dict_in_generate=True)
+    first_ref, first = both(llama, **kwargs)
+    turn = torch.randint(3, 96, (2, 4), generator=torch.Generator().manual_seed(0))
+    ids2 = torch.cat([first.sequences, torch.full((2, 2), PAD), turn], 1)
+    ones, zeros = torch.ones(2, 9, dtype=mask.dtype), torch.zeros(2, 2, dtype=mask.dtype)
+    mask2 = torch.cat([mask, ones[:, :5], zeros, ones[:, :4]], 1)
+    kwargs = dict(input_ids=ids2, attention_mask=mask2, max_new_tokens=6, do_sample=False)
+    ref = llama.generate(**kwargs, past_key_values=first_ref.past_key_values)
+    out = llama.generate(**kwargs, past_key_values=first.past_key_values)
+    assert isinstance(first.past_key_values, PagedCache)
+    assert_same(ref, out)
+    # only real tokens are stored (not the 2 pads per row), all but each row's last token
+    assert first.past_key_values.memory_stats().tokens_stored == int(mask2.sum()) + 2 * 6 - 2
+
+
+def test_user_position_ids_on_left_padded_batch(llama):
+    ids, mask = left_padded_batch([5, 9], seed=1)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0) * 3 + 2  # strided, offset
+    ref, out = both(llama, input_ids=ids, attention_mask=mask, position_ids=positions,
+                    max_new_tokens=8, do_sample=False, return_dict_in_generate=True,
+                    output_logits=True)
+    assert_same(ref, out)
+    torch.testing.assert_close(out.logits[0], ref.logits[0], rtol=1e-4, atol=1e-4)
+
+
+def test_output_attentions_falls_back_to_stock_with_a_warning(model):
+    ids, mask = left_padded_batch([4, 9], seed=2)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
+                  output_attentions=True, return_dict_in_generate=True)
+    ref = model.generate(**kwargs)
+    with pytest.warns(UserWarning, match="output_attentions") as record:
+        out = model.generate(**kwargs, cache_implementation="paged")
+    assert record[0].filename == __file__  # points at the caller, not at library internals
+    assert_same(ref, out)
+    assert [[a.shape for a in step] for step in out.attentions] == \
+        [[a.shape for a in step] for step in ref.attentions]

@@ -13,7 +13,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import hf_paged
-from conftest import left_padded_batch, make_model
+from conftest import assert_same, left_padded_batch, make_model
 
 PROMPTS = ["w5 w6 w7", "w10 w11 w12 w13 w14 w15 w16 w17 w18", "w40", "w3 w9 w27 w81 w33"]
 
@@ -136,3 +136,71 @@ def test_falcon_from_pretrained_with_paged_attention(tmp_path):
     out = loaded.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
                           cache_implementation="paged")
     assert torch.equal(ref, out)
+
+
+def test_concurrent_generate_calls_on_one_model(llama):
+    """Threads generating on one model at once: the attention switch is shared, and the last
+    call out restores it (no call sees the stock attention mid-generation)."""
+    import threading
+
+    ids, mask = left_padded_batch([6, 17], seed=4)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    ref = llama.generate(**kwargs)
+    before = llama.config._attn_implementation
+    results, errors = [], []
+
+    def work(paged):
+        try:
+            extra = {"cache_implementation": "paged"} if paged else {}
+            results.append(torch.equal(llama.generate(**kwargs, **extra), ref))
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=work, args=(i % 3 != 2,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and results == [True] * 6
+    assert llama.config._attn_implementation == before
+
+
+def test_sized_pool_with_the_model_assisting_itself(llama):
+    ids, mask = left_padded_batch([9], seed=5)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    ref = llama.generate(**kwargs, assistant_model=llama)
+    for cache_config in ({"num_blocks": 64, "block_size": 4}, {"max_kv_bytes": 2**20}):
+        out = llama.generate(**kwargs, assistant_model=llama, cache_implementation="paged",
+                             cache_config=cache_config)
+        assert_same(ref, out)
+
+
+def test_paged_attention_model_with_other_caches(tmp_path):
+    """attn_implementation="paged" on Transformers' own caches is Transformers' SDPA,
+    StaticCache and left padding included."""
+    stock = make_model("llama_gqa")
+    paged = make_model("llama_gqa")
+    paged.config._attn_implementation_internal = "paged"
+    ids, mask = left_padded_batch([5, 9], seed=1)
+    for implementation in ("dynamic", "static"):
+        kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                      cache_implementation=implementation)
+        assert_same(stock.generate(**kwargs), paged.generate(**kwargs))
+
+
+def test_direct_forward_with_paged_cache():
+    """model(...) on a PagedCache: left padding is taken from the mask, and a model whose
+    attention is not 'paged' gets a clear error instead of a shape error inside SDPA."""
+    from hf_paged import HFPagedError, PagedCache
+
+    stock = make_model("llama_gqa")
+    ids, mask = left_padded_batch([4, 9], seed=3)
+    with pytest.raises(HFPagedError, match="attn_implementation='paged'"):
+        stock(input_ids=ids, attention_mask=mask, past_key_values=PagedCache(stock.config))
+    ref = stock(input_ids=ids, attention_mask=mask).logits
+    stock.config._attn_implementation_internal = "paged"
+    cache = PagedCache(stock.config)
+    out = stock(input_ids=ids, attention_mask=mask, past_key_values=cache).logits
+    real = mask.bool()
+    torch.testing.assert_close(out[real], ref[real], rtol=1e-4, atol=1e-4)
+    assert cache.memory_stats().tokens_stored == int(mask.sum())

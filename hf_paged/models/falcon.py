@@ -13,6 +13,7 @@ import math
 import torch
 from transformers.models.falcon.modeling_falcon import apply_rotary_pos_emb, build_alibi_tensor
 
+from .. import attention
 from ..cache import PagedCache
 
 
@@ -50,6 +51,7 @@ def paged_falcon_attention(original):
                             layer_past=layer_past, use_cache=use_cache,
                             output_attentions=output_attentions,
                             position_embeddings=position_embeddings, **kwargs)
+        attention.claim()  # Falcon reads the cache here whatever its mask function was
         query, key, value = split_qkv(self, self.query_key_value(hidden_states))
         batch, _, q_len, dim = query.shape
         slopes = None
