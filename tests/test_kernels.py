@@ -109,6 +109,7 @@ EXTEND_CASES = [
     ([5, 12], [3, 9], 8),           # extend after context (chunked prefill, verification)
     ([30], [4], 4),                 # one row, partial blocks
     ([0, 96], [97, 1], 32),
+    ([0, 40], [70, 5], 64),         # blocks larger than a kernel tile
 ]
 
 
