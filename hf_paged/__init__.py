@@ -8,13 +8,17 @@ from .block_table import BlockTables
 from .cache import PagedCache
 from .stats import MemoryStats
 from .config import PagedCacheConfig
-from .errors import HFPagedError, KVCacheExhaustedError, UnsupportedModelError
+from .errors import (
+    BackwardNotSupportedError, HFPagedError, KVCacheExhaustedError, KVPoolAllocationError,
+    UnsupportedModelError,
+)
 from .integration import SUPPORTED_ARCHITECTURES, disable, enable, is_enabled
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "BlockPool", "BlockTables", "HFPagedError", "KVCacheExhaustedError", "MemoryStats",
+    "BackwardNotSupportedError", "BlockPool", "BlockTables", "HFPagedError",
+    "KVCacheExhaustedError", "KVPoolAllocationError", "MemoryStats",
     "PagedCache", "PagedCacheConfig", "SUPPORTED_ARCHITECTURES", "UnsupportedModelError",
     "disable", "enable", "is_enabled",
 ]

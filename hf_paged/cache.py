@@ -9,12 +9,33 @@ from transformers.cache_utils import Cache
 from . import attention
 from .block_table import BlockTables
 from .config import PagedCacheConfig
-from .errors import HFPagedError
+from .errors import BackwardNotSupportedError, HFPagedError
 from .kernels.backends import select_backend
 from .kv_pool import KVPool
 from .metadata import DeviceBlockTable, ForwardMetadata, build_metadata, to_device
 from .models import kv_layout
 from .stats import MemoryStats, measure
+
+
+class _NoBackward(torch.autograd.Function):
+    """Identity on a paged attention output that fails loudly in backward.
+
+    The pool holds detached keys and values (and the GPU kernels have no backward), so
+    gradients through a paged forward would silently miss the key/value paths.
+    """
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise BackwardNotSupportedError(
+            "Gradients cannot flow through a forward on a PagedCache: it stores keys and values "
+            "without autograd history. Run such forwards under torch.no_grad() / "
+            "torch.inference_mode() (generate() does), or use a DynamicCache (or no cache) for "
+            "forwards you differentiate."
+        )
 
 
 def has_inner_padding(mask: torch.Tensor) -> bool:
@@ -308,6 +329,13 @@ class PagedCache(Cache):
         query [R, Hq, q, D] -> [R, q, Hq, D]; packed: [1, Hq, N, D] -> [1, N, Hq, D].
         alibi_slopes [Hq]: adds slope * key position to the scores (Falcon-RW).
         """
+        out = self._attend(query.to(self.pool.dtype), layer_idx, scale, sliding_window,
+                           alibi_slopes).to(query.dtype)
+        if torch.is_grad_enabled() and query.requires_grad:
+            out = _NoBackward.apply(out, query)
+        return out
+
+    def _attend(self, query, layer_idx, scale, sliding_window, alibi_slopes):
         meta = self.meta
         k_cache, v_cache = self._views[layer_idx]
         if not meta.packed and meta.input_index is None:
@@ -356,8 +384,7 @@ class PagedCache(Cache):
         keep = self._seen + tokens_to_remove if tokens_to_remove <= 0 else tokens_to_remove
         if keep >= self._seen:
             return
-        if keep < 0:
-            raise ValueError(f"crop({tokens_to_remove}) removes more than the {self._seen} cached columns.")
+        keep = max(keep, 0)  # as DynamicCache: removing more than is cached empties it
         removed = self._seen - keep
         if self.device_table is not None:
             lengths = [max(n - removed, 0) for n in self.tables.lengths]

@@ -76,4 +76,9 @@ class PagedCacheConfig:
         settings = dict(value)
         if "backend" not in settings and os.environ.get(BACKEND_ENV_VAR):
             settings["backend"] = os.environ[BACKEND_ENV_VAR]
+            if settings["backend"] not in KNOWN_BACKENDS:
+                raise ValueError(
+                    f"The environment variable {BACKEND_ENV_VAR} must be one of "
+                    f"{KNOWN_BACKENDS}; got {settings['backend']!r}."
+                )
         return cls(**settings)

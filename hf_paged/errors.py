@@ -29,3 +29,11 @@ class KVCacheExhaustedError(HFPagedError, RuntimeError):
 
 class UnsupportedModelError(HFPagedError, ValueError):
     """A paged cache was asked of a model architecture hf-paged does not patch."""
+
+
+class KVPoolAllocationError(HFPagedError, MemoryError):
+    """The device could not hold a KV pool of the size asked for (or grown to)."""
+
+
+class BackwardNotSupportedError(HFPagedError, RuntimeError):
+    """Gradients were asked through a forward on a PagedCache."""

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
 
 from .block_pool import BlockPool
 from .config import PagedCacheConfig
-from .errors import KVCacheExhaustedError
+from .errors import KVCacheExhaustedError, KVPoolAllocationError
 
 
 class KVPool:
@@ -34,8 +35,8 @@ class KVPool:
         self.block_size = block_size
         self.dtype, self.device = dtype, torch.device(device)
         self.growable = growable
+        self.kv = self._zeros(num_blocks)  # first: an impossible size fails before the free list
         self.blocks = BlockPool(num_blocks, block_size)
-        self.kv = self._zeros(num_blocks)
         self.version = 0  # bumped when `kv` is reallocated, so views can be refreshed
         self._owner: weakref.ref | None = None
 
@@ -61,11 +62,18 @@ class KVPool:
     def _zeros(self, num_blocks: int) -> torch.Tensor:
         # Zeros, not empty: masked-out keys are still multiplied by 0 and must not be NaN.
         # Made outside inference mode so calls under no_grad and inference_mode can share it.
-        with torch.inference_mode(False):
-            return torch.zeros(
-                self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
-                dtype=self.dtype, device=self.device,
-            )
+        shape = (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        try:
+            with torch.inference_mode(False):
+                return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        except (RuntimeError, MemoryError) as err:  # out of memory, or a size torch refuses
+            size = math.prod(shape) * torch.tensor([], dtype=self.dtype).element_size()
+            raise KVPoolAllocationError(
+                f"Could not allocate a KV pool of {num_blocks} block(s) of {self.block_size} "
+                f"tokens ({size / 2**30:.2f} GiB) on {self.device}: {err}. Lower "
+                "cache_config['num_blocks'] / ['max_kv_bytes'] / ['block_size'], the batch size "
+                "or max_new_tokens."
+            ) from err
 
     # -- sizes -----------------------------------------------------------------------
     @property

@@ -213,20 +213,63 @@ def test_cache_made_by_hand_takes_dtype_from_the_model(dtype):
     assert cache.pool.kv.dtype == dtype and cache.memory_stats().tokens_stored > 0
 
 
-def test_forward_with_grad_enabled():
+def test_forward_with_grad_enabled_works_and_backward_says_why():
+    """A forward with grad on gives the stock logits; backward through it raises a named
+    error instead of gradients that silently miss the key/value paths."""
+    from hf_paged import BackwardNotSupportedError
+
     model = make_model("llama_gqa")
     ids, mask = left_padded_batch([4, 9], seed=1)
+    ref = model(input_ids=ids, attention_mask=mask).logits
     cache = PagedCache(model.config)
     model.set_attn_implementation("paged")
     try:
-        cache.expect_forward(mask)
-        out = model(input_ids=ids, attention_mask=mask, past_key_values=cache,
-                    position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
-        out.logits[mask.bool()].sum().backward()
+        out = model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+        with pytest.raises(BackwardNotSupportedError, match="torch.no_grad"):
+            out.logits[mask.bool()].sum().backward()
     finally:
         model.set_attn_implementation("sdpa")
     assert out.logits.requires_grad and not cache.pool.kv.requires_grad
-    assert model.model.layers[0].self_attn.q_proj.weight.grad is not None
+    real = mask.bool()
+    torch.testing.assert_close(out.logits[real], ref[real], rtol=1e-4, atol=1e-4)
+
+
+def test_pool_dtype_other_than_the_model():
+    """A cache made by hand with a lower-precision pool stores K/V in it; attention runs in
+    the pool's dtype and returns the model's."""
+    model = make_model("llama_gqa")
+    ids, mask = left_padded_batch([4, 9], seed=1)
+    cache = PagedCache(model.config, dtype=torch.bfloat16)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                         past_key_values=cache, return_dict_in_generate=True, output_logits=True)
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                         return_dict_in_generate=True, output_logits=True)
+    assert cache.pool.kv.dtype == torch.bfloat16 and out.logits[0].dtype == torch.float32
+    torch.testing.assert_close(out.logits[0], ref.logits[0], rtol=0.05, atol=0.05)
+
+
+def test_crop_past_the_start_empties_like_dynamic_cache(llama):
+    from transformers import DynamicCache
+
+    ids, _ = left_padded_batch([6], seed=2)
+    cache, ref = PagedCache(llama.config), DynamicCache()
+    for c in (cache, ref):
+        c.crop(-1)  # empty: nothing to do
+        llama.generate(input_ids=ids, max_new_tokens=3, past_key_values=c, do_sample=False)
+        c.crop(-100)
+    assert cache.get_seq_length() == ref.get_seq_length() == 0
+    assert cache.memory_stats().tokens_stored == 0
+
+
+def test_unallocatable_pool_is_a_named_error(llama):
+    from hf_paged import KVPoolAllocationError
+
+    ids, _ = left_padded_batch([6], seed=2)
+    with pytest.raises(KVPoolAllocationError, match="num_blocks"):
+        llama.generate(input_ids=ids, max_new_tokens=2, cache_implementation="paged",
+                       cache_config={"num_blocks": 10**12})
+    out = llama.generate(input_ids=ids, max_new_tokens=2, cache_implementation="paged")
+    assert out.shape == (1, 8)
 
 
 def test_falcon_flash_attention_class_is_patched_too():

@@ -202,6 +202,24 @@ def test_triton_on_cpu_without_interpreter_says_why(monkeypatch):
         select_backend("triton", "cpu")
 
 
+def test_torch_backend_gives_zeros_on_padding_columns():
+    """Padding columns (a row with fewer new tokens, or none) come out as zeros, as the
+    kernels give them, never another row's values."""
+    from hf_paged.kernels.backends import TorchBackend
+    from hf_paged.metadata import DeviceBlockTable, build_metadata
+
+    lengths = [3, 9, 5]
+    counts = [0, 4, 5]  # row 0: all padding in this forward
+    k, v, table, seq = paged_inputs(lengths, 4, 2, 16, torch.float32, device="cpu")
+    dev = DeviceBlockTable(3, table.shape[1], torch.device("cpu"))
+    dev.table.copy_(table)
+    ctx = seq - torch.tensor(counts)
+    meta = build_metadata(dev, ctx, counts, 5, int(seq.max()), 4)
+    q = torch.randn(3, 4, 5, 16)
+    out = TorchBackend().attention(q, k, v, meta, 0.25)
+    assert torch.all(out[~meta.is_query] == 0) and out[meta.is_query].abs().sum() > 0
+
+
 def test_backend_from_environment(monkeypatch, llama):
     monkeypatch.setenv("HF_PAGED_BACKEND", "torch")
     ids, _ = left_padded_batch([5], seed=1)
@@ -209,7 +227,7 @@ def test_backend_from_environment(monkeypatch, llama):
                          return_dict_in_generate=True)
     assert out.past_key_values.backend.name == "torch"
     monkeypatch.setenv("HF_PAGED_BACKEND", "bogus")
-    with pytest.raises(ValueError, match="backend"):
+    with pytest.raises(ValueError, match="HF_PAGED_BACKEND"):
         llama.generate(ids, max_new_tokens=2, cache_implementation="paged")
 
 

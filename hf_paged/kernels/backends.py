@@ -30,11 +30,12 @@ class TorchBackend:
                   alibi_slopes=None):
         """query [R, Hq, q, D] -> [R, q, Hq, D] (padded layout, see ForwardMetadata)."""
         mask = meta.attention_mask(sliding_window, alibi_slopes)
-        # Gathering into a reused buffer cannot carry autograd; with grad on, gather afresh.
-        workspace = (None if torch.is_grad_enabled()
-                     else self._gather_workspace(meta.block_tables.numel(), k_cache))
-        return reference.paged_attention(query, k_cache, v_cache, meta.block_tables, mask,
-                                         scale, workspace)
+        workspace = self._gather_workspace(meta.block_tables.numel(), k_cache)
+        out = reference.paged_attention(query, k_cache, v_cache, meta.block_tables, mask,
+                                        scale, workspace)
+        if meta.is_query is not None:  # padding columns: zeros, as the kernels give
+            out = out.masked_fill(~meta.is_query[:, :, None, None], 0.0)
+        return out
 
     def _gather_workspace(self, num_blocks: int, like: torch.Tensor) -> torch.Tensor:
         """[2, >= num_blocks, bs, Hkv, D] for gathered K and V, grown in 25% steps.
