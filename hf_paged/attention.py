@@ -21,18 +21,20 @@ ATTENTION_NAME = "paged"
 _announced = contextvars.ContextVar("hf_paged_announced", default=None)
 
 
-def announce(cache) -> None:
-    """Called by PagedCache.get_mask_sizes: this forward's mask is for `cache`."""
-    _announced.set(weakref.ref(cache))
+def announce(cache, kv_length: int) -> None:
+    """Called by PagedCache.get_mask_sizes: the mask of kv_length keys built next is for `cache`."""
+    _announced.set((weakref.ref(cache), kv_length))
 
 
-def claim():
-    """The PagedCache announced for the mask being built, or None; clears the announcement."""
-    ref = _announced.get()
-    if ref is None:
+def claim(kv_length: int | None = None):
+    """The PagedCache announced for the mask being built (of `kv_length` keys, when given),
+    or None; clears the announcement either way, so a stale one cannot misroute a later mask."""
+    announced = _announced.get()
+    if announced is None:
         return None
     _announced.set(None)
-    return ref()
+    ref, length = announced
+    return ref() if kv_length is None or kv_length == length else None
 
 
 def paged_attention_forward(
@@ -73,7 +75,7 @@ def paged_mask(
 ) -> torch.Tensor | None:
     """Mask interface: None for a forward on a PagedCache (which takes over a 2D padding mask
     [B, seen + q] it was not given yet), Transformers' SDPA mask for any other forward."""
-    cache = claim()
+    cache = claim(kv_length)
     if cache is not None:
         if attention_mask is not None and attention_mask.dim() == 2:
             cache.adopt_mask(attention_mask)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import weakref
+from typing import NamedTuple
+
 import torch
 from transformers.cache_utils import Cache
 
@@ -38,10 +40,28 @@ class _NoBackward(torch.autograd.Function):
         )
 
 
-def has_inner_padding(mask: torch.Tensor) -> bool:
-    """Whether a 2D attention mask [R, L] has a zero after a real token in some row."""
+_UNSET = object()  # no mask announced for the next forward
+
+
+def inner_padding(mask: torch.Tensor) -> torch.Tensor:
+    """0-d bool tensor: whether a 2D attention mask [R, L] has a zero after a real token."""
     mask = mask.bool()
-    return bool((mask.cummax(1).values & ~mask).any())
+    return (mask.cummax(1).values & ~mask).any()
+
+
+def has_inner_padding(mask: torch.Tensor) -> bool:
+    return bool(inner_padding(mask))
+
+
+class _Step(NamedTuple):
+    """One forward's new tokens, as `PagedCache._plan_step` reads them."""
+
+    counts: list[int]  # real new tokens per row
+    q_cols: int  # query columns of the metadata layout (right-aligned real tokens)
+    advance: int  # input columns the forward covers (padding included)
+    packed: bool  # input holds only real tokens, back to back ([1, N])
+    input_index: torch.Tensor | None  # see ForwardMetadata.input_index
+    past_padding: bool  # no later column can be left padding
 
 
 class PagedCache(Cache):
@@ -83,9 +103,10 @@ class PagedCache(Cache):
         self.meta: ForwardMetadata | None = None
         self._seen = 0  # padded columns processed, what generate calls the sequence length
         self.peak_blocks = 0
-        self._pending_mask: torch.Tensor | None = None
+        self._pending_mask: torch.Tensor | None | object = _UNSET  # None: told "no padding"
         self._pending_packed: tuple[list[int], int] | None = None
         self._past_padding = False  # True once no later column can be left padding
+        self._irregular_until = 0  # columns up to the last forward with inner padding
         self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._views_version = -1
         self._detached = False
@@ -123,8 +144,9 @@ class PagedCache(Cache):
         return self._seen
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        attention.announce(self)  # the mask function that follows is for this cache
-        return self._seen + query_length, 0
+        kv_length = self._seen + query_length
+        attention.announce(self, kv_length)  # the mask function that follows is for this cache
+        return kv_length, 0
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
         return self._seen
@@ -177,7 +199,7 @@ class PagedCache(Cache):
 
     def adopt_mask(self, attention_mask: torch.Tensor) -> None:
         """A direct forward's 2D padding mask, unless the next forward was described already."""
-        if self._pending_mask is None and self._pending_packed is None:
+        if self._pending_mask is _UNSET and self._pending_packed is None:
             self._pending_mask = attention_mask
 
     def expect_packed(self, counts: list[int], width: int) -> None:
@@ -217,11 +239,10 @@ class PagedCache(Cache):
                                   value.to(v_cache.dtype), meta.slot_mapping)
         return k_cache, v_cache
 
-    def _new_token_counts(self, rows: int, q_len: int):
-        """(real tokens per row, query columns, padded columns advanced, packed, input_index)
-        of this forward; input_index as in ForwardMetadata."""
-        mask, self._pending_mask = self._pending_mask, None
-        packed, self._pending_packed = self._pending_packed, None
+    def _plan_step(self, rows: int, q_len: int) -> _Step:
+        """What this forward adds, from the announced mask or packing; changes no state."""
+        mask = None if self._pending_mask is _UNSET else self._pending_mask
+        packed = self._pending_packed
         if packed is not None:
             counts, width = packed
             if sum(counts) != q_len or rows != 1:
@@ -229,36 +250,39 @@ class PagedCache(Cache):
                     f"PagedCache: a packed forward of {sum(counts)} tokens was announced but the "
                     f"model ran on input of shape [{rows}, {q_len}]."
                 )
-            self._past_padding = True
-            return counts, max(counts), width, True, None
+            return _Step(counts, max(counts), width, True, None, True)
         # Left padding only precedes real tokens: once a forward is all real, the mask
         # need not be read again (no host sync on decode steps).
         if mask is None or (q_len == 1 and self._past_padding):
-            self._past_padding = True
-            return [q_len] * rows, q_len, q_len, False, None
+            return _Step([q_len] * rows, q_len, q_len, False, None, True)
         if mask.dim() != 2 or mask.shape[0] != rows or mask.shape[1] < q_len:
             raise ValueError(
                 f"PagedCache expects a 2D attention mask of shape [{rows}, seen + {q_len}]; got "
                 f"{tuple(mask.shape)}."
             )
-        if self.sliding_window is not None and self._window_can_pass(mask.shape[1]) \
-                and has_inner_padding(mask):
+        real = mask[:, -q_len:].bool()
+        counts_t = real.sum(-1)
+        left_padded = real == (torch.arange(q_len, device=real.device) >= q_len - counts_t[:, None])
+        flags = [(~left_padded).any().view(1)]
+        check_window = self.sliding_window is not None and self._window_can_pass(mask.shape[1])
+        if check_window:
+            flags.append(inner_padding(mask).view(1))
+        values = torch.cat([counts_t, *flags]).tolist()  # the one host sync of this step
+        counts, irregular = values[:rows], values[rows]
+        if check_window and values[rows + 1]:
             raise HFPagedError(
                 "PagedCache: this attention mask has zeros after real tokens, and the model's "
                 f"sliding window ({self.sliding_window}) is shorter than the sequence may grow. "
                 "Transformers counts masked columns inside the window, the paged cache stores "
                 "real tokens only, so the two would differ; only left padding is supported here."
             )
-        real = mask[:, -q_len:].bool()
-        counts_t = real.sum(-1)
-        left_padded = real == (torch.arange(q_len, device=real.device) >= q_len - counts_t[:, None])
-        *counts, irregular = torch.cat([counts_t, (~left_padded).any().view(1)]).tolist()
-        self._past_padding = all(c == q_len for c in counts)
+        all_real = all(c == q_len for c in counts)
         if not irregular:
-            return counts, q_len, q_len, False, None
+            return _Step(counts, q_len, q_len, False, None, all_real)
         # Zeros between real tokens (a padded turn continued, a masked-out span): store the
         # real tokens in order and attend on them right-aligned.
-        return counts, max(max(counts), 1), q_len, False, real.reshape(-1).nonzero().squeeze(1)
+        input_index = real.reshape(-1).nonzero().squeeze(1)
+        return _Step(counts, max(counts), q_len, False, input_index, all_real)
 
     def _window_can_pass(self, columns: int) -> bool:
         """Whether a sequence of this cache may grow longer than the sliding window."""
@@ -273,7 +297,12 @@ class PagedCache(Cache):
                 "This PagedCache's pool was handed to a newer cache of the same model; "
                 "create a new cache (or call generate again) instead of reusing this one."
             )
-        counts, q_cols, advance, packed, input_index = self._new_token_counts(rows, q_len)
+        try:
+            step = self._plan_step(rows, q_len)
+        except (ValueError, HFPagedError):
+            self._pending_mask, self._pending_packed = _UNSET, None  # not for a later forward
+            raise
+        counts = step.counts
         rows = len(counts)
         if self.device_table is None:
             self.tables.resize(rows)
@@ -290,17 +319,22 @@ class PagedCache(Cache):
                 [n - self.sliding_window + 1 for n in self.tables.lengths])
         needed = self.tables.blocks_needed(counts)
         self.pool.ensure_free(needed, limit=self._block_limit(rows))
+        # Committed from here on; before, an error leaves the step to be retried as announced.
+        self._pending_mask, self._pending_packed = _UNSET, None
+        self._past_padding = step.past_padding
+        if step.input_index is not None:
+            self._irregular_until = self._seen + step.advance
         context = self.device_table.lengths
         plan = self.tables.append(counts, needed)
         if plan.copies:
             src, dst = to_device(plan.copies, self.pool.device).T
             self.backend.copy_blocks(self.pool.kv, src, dst)
         self.device_table.apply(plan.entries)
-        self.meta = build_metadata(self.device_table, context, counts, q_cols,
-                                   max(self.tables.lengths), self.block_size, packed=packed,
-                                   input_index=input_index)
+        self.meta = build_metadata(self.device_table, context, counts, step.q_cols,
+                                   max(self.tables.lengths), self.block_size,
+                                   packed=step.packed, input_index=step.input_index)
         self.device_table.lengths = self.meta.seq_lens
-        self._seen += advance
+        self._seen += step.advance
         self.peak_blocks = max(self.peak_blocks, self.pool.blocks.num_used)
         if self._views_version != self.pool.version:
             self._refresh_views()
@@ -385,6 +419,12 @@ class PagedCache(Cache):
         if keep >= self._seen:
             return
         keep = max(keep, 0)  # as DynamicCache: removing more than is cached empties it
+        if keep < self._irregular_until:
+            raise HFPagedError(
+                f"crop({tokens_to_remove}) reaches into columns of a forward that had padding "
+                "between real tokens, where rows lost different numbers of real tokens; only "
+                "columns after it can be cropped."
+            )
         removed = self._seen - keep
         if self.device_table is not None:
             lengths = [max(n - removed, 0) for n in self.tables.lengths]
@@ -408,8 +448,9 @@ class PagedCache(Cache):
         self.device_table = None
         self.meta = None
         self._seen = 0
-        self._pending_mask = self._pending_packed = None
+        self._pending_mask, self._pending_packed = _UNSET, None
         self._past_padding = False
+        self._irregular_until = 0
         self.peak_blocks = self.pool.blocks.num_used if self.pool is not None else 0
 
     def _detach(self) -> None:

@@ -66,9 +66,8 @@ def _user_stacklevel() -> int:
     import os
     import sys
 
-    skip = tuple(os.path.dirname(m.__file__) for m in (sys.modules["hf_paged"],
-                                                        sys.modules["transformers"],
-                                                        sys.modules["torch"]))
+    skip = tuple(os.path.dirname(sys.modules[name].__file__) + os.sep
+                 for name in ("hf_paged", "transformers", "torch"))
     frame, level = sys._getframe(1), 1
     while frame is not None and frame.f_code.co_filename.startswith(skip):
         frame, level = frame.f_back, level + 1
@@ -218,6 +217,8 @@ def _prepare_cache_for_generation(original):
             return None
         if paged:  # the user's cache, or an assistant's own cache coming back
             cache._is_user_defined = True
+            if max_cache_length:  # this call's bound on sequence length
+                cache.max_cache_len = max(cache.max_cache_len or 0, max_cache_length)
         else:
             cache = build_cache(self, generation_config, max_cache_length)
             model_kwargs["past_key_values"] = cache

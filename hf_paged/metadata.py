@@ -71,8 +71,8 @@ class ForwardMetadata:
     query_pos:    [R, q] int64    sequence position of each query column (pads: below context)
     is_query:     [R, q] bool     False on left-padding columns; None when there is none
     slot_mapping: [N] int64       flat pool slot of each real new token
-    token_index:  [N] int64       row of the flattened [R * q] inputs holding each real token,
-                                  None when every input token is real
+    token_index:  [N] int64       row of the flattened [R * q] right-aligned layout holding
+                                  each real token, None when every column is real
     max_seq_len:  longest row after this forward (host int)
     packed:       the forward's input holds only real tokens, rows back to back ([1, N]);
                   token_index then places them in the [R * q] layout

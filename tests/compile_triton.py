@@ -59,12 +59,15 @@ def cases():
     for dt, (group, bs, d, alibi) in configs.items():
         cast = dt == "fp32"
         block_m, tile, warps = attn.extend_launch(getattr(torch, TORCH_DTYPES[dt]))
-        yield (f"decode {dt} group={group} bs={bs} d={d} alibi={alibi}", attn._decode_kernel,
-               dict(Q=dt, K=dt, V=dt, BT="i32", SEQ="i64", SLOPES="fp32", O_PART="fp32",
-                    LSE_PART="fp32"),
-               dict(GROUP=group, GROUP_P=attn._p2(group), BS=bs, TILE=attn.DECODE_TILE, D=d,
-                    D_P=attn._p2(d), HAS_ALIBI=alibi, CAST_FP32=cast, STORE_LSE=True),
-               attn.DECODE_WARPS)
+        for single in (False, True):  # split-KV partials, or one split writing the output
+            yield (f"decode {dt} group={group} bs={bs} d={d} alibi={alibi} single={single}",
+                   attn._decode_kernel,
+                   dict(Q=dt, K=dt, V=dt, BT="i32", SEQ="i64", SLOPES="fp32",
+                        O_PART=dt if single else "fp32", LSE_PART="fp32"),
+                   dict(GROUP=group, GROUP_P=attn._p2(group), BS=bs, TILE=attn.DECODE_TILE,
+                        D=d, D_P=attn._p2(d), HAS_ALIBI=alibi, CAST_FP32=cast,
+                        STORE_LSE=not single),
+                   attn.DECODE_WARPS)
         yield (f"extend {dt} group={group} bs={bs} d={d} alibi={alibi}", attn._extend_kernel,
                dict(Q=dt, K=dt, V=dt, BT="i32", QPOS="i64", CTX="i64", SEQ="i64",
                     SLOPES="fp32", OUT=dt),

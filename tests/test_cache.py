@@ -283,3 +283,59 @@ def test_falcon_flash_attention_class_is_patched_too():
     out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
                          cache_implementation="paged")
     assert torch.equal(ref, out)
+
+
+def test_step_failing_for_blocks_can_be_retried_as_announced(monkeypatch):
+    """A forward that fails for lack of blocks leaves the cache as it was, the padding it was
+    told about included: retrying the same forward gives the stock result."""
+    from hf_paged import KVCacheExhaustedError
+    from hf_paged.kv_pool import KVPool
+
+    model = make_model("llama_gqa")
+    ids, mask = left_padded_batch([4, 9], seed=1)
+    ref = model(input_ids=ids, attention_mask=mask).logits
+    cache = PagedCache(model.config)
+    real_ensure_free = KVPool.ensure_free
+    calls = []
+
+    def fail_once(self, needed, limit=None):
+        calls.append(needed)
+        if len(calls) == 1:
+            raise KVCacheExhaustedError(needed, 0, 0, cache.block_size)
+        return real_ensure_free(self, needed, limit)
+
+    monkeypatch.setattr(KVPool, "ensure_free", fail_once)
+    model.set_attn_implementation("paged")
+    try:
+        with torch.no_grad():
+            cache.expect_forward(mask)
+            with pytest.raises(KVCacheExhaustedError):
+                model(input_ids=ids, past_key_values=cache)
+            assert cache.get_seq_length() == 0 and cache.memory_stats().tokens_stored == 0
+            out = model(input_ids=ids, past_key_values=cache).logits  # no mask given again
+    finally:
+        model.set_attn_implementation("sdpa")
+    real = mask.bool()
+    torch.testing.assert_close(out[real], ref[real], rtol=1e-4, atol=1e-4)
+    assert cache.memory_stats().tokens_stored == int(mask.sum())
+
+
+def test_crop_into_a_forward_with_inner_padding_is_refused(llama):
+    from conftest import PAD
+    from hf_paged import HFPagedError
+
+    ids, mask = left_padded_batch([5, 8], seed=2)
+    first = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3,
+                           cache_implementation="paged", return_dict_in_generate=True)
+    cache = first.past_key_values
+    ids2 = torch.cat([first.sequences, torch.full((2, 2), PAD), ids[:, -2:]], 1)
+    mask2 = torch.cat([mask, torch.ones(2, 3, dtype=mask.dtype),
+                       torch.zeros(2, 2, dtype=mask.dtype), torch.ones(2, 2, dtype=mask.dtype)], 1)
+    llama.generate(input_ids=ids2, attention_mask=mask2, max_new_tokens=4, past_key_values=cache)
+    seen, stored = cache.get_seq_length(), cache.memory_stats().tokens_stored
+    cache.crop(-2)  # only columns after the padded turn: fine
+    assert cache.get_seq_length() == seen - 2
+    assert cache.memory_stats().tokens_stored == stored - 4
+    with pytest.raises(HFPagedError, match="padding between real tokens"):
+        cache.crop(-4)
+    assert cache.get_seq_length() == seen - 2  # unchanged by the refused crop

@@ -138,31 +138,49 @@ def test_falcon_from_pretrained_with_paged_attention(tmp_path):
     assert torch.equal(ref, out)
 
 
-def test_concurrent_generate_calls_on_one_model(llama):
-    """Threads generating on one model at once: the attention switch is shared, and the last
-    call out restores it (no call sees the stock attention mid-generation)."""
+@pytest.mark.parametrize("kind", ["llama_gqa", "falcon_mq"])
+def test_concurrent_generate_calls_on_one_model(kind):
+    """Threads generating on one model at once, paged and stock calls overlapping (they all
+    meet at their first step): the attention switch is shared, the last call out restores it,
+    and stock calls on the switched model still give stock results."""
     import threading
 
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    model = make_model(kind)
     ids, mask = left_padded_batch([6, 17], seed=4)
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
-    ref = llama.generate(**kwargs)
-    before = llama.config._attn_implementation
+    ref = model.generate(**kwargs)
+    before = model.config._attn_implementation
+    meet = threading.Barrier(6, timeout=60)
     results, errors = [], []
+
+    class MeetOnce(LogitsProcessor):
+        def __init__(self):
+            self.first = True
+
+        def __call__(self, input_ids, scores):
+            if self.first:
+                self.first = False
+                meet.wait()
+            return scores
 
     def work(paged):
         try:
             extra = {"cache_implementation": "paged"} if paged else {}
-            results.append(torch.equal(llama.generate(**kwargs, **extra), ref))
+            out = model.generate(**kwargs, **extra,
+                                 logits_processor=LogitsProcessorList([MeetOnce()]))
+            results.append(torch.equal(out, ref))
         except Exception as err:  # noqa: BLE001 - reported below
             errors.append(err)
 
-    threads = [threading.Thread(target=work, args=(i % 3 != 2,)) for i in range(6)]
+    threads = [threading.Thread(target=work, args=(i % 2 == 0,)) for i in range(6)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     assert not errors and results == [True] * 6
-    assert llama.config._attn_implementation == before
+    assert model.config._attn_implementation == before
 
 
 def test_sized_pool_with_the_model_assisting_itself(llama):
@@ -175,25 +193,35 @@ def test_sized_pool_with_the_model_assisting_itself(llama):
         assert_same(ref, out)
 
 
-def test_paged_attention_model_with_other_caches(tmp_path):
-    """attn_implementation="paged" on Transformers' own caches is Transformers' SDPA,
-    StaticCache and left padding included."""
-    stock = make_model("llama_gqa")
-    paged = make_model("llama_gqa")
+@pytest.mark.parametrize("kind", ["llama_gqa", "mistral_sw", "falcon_mq", "falcon_alibi"])
+def test_paged_attention_model_with_other_caches(kind):
+    """attn_implementation="paged" on Transformers' own caches gives Transformers' results,
+    StaticCache and left padding included: SDPA's, and for Falcon (which picks its branch by
+    that name) its eager attention's."""
+    stock = make_model(kind)
+    if kind.startswith("falcon"):
+        stock.config._attn_implementation_internal = "eager"
+    paged = make_model(kind)
     paged.config._attn_implementation_internal = "paged"
     ids, mask = left_padded_batch([5, 9], seed=1)
-    for implementation in ("dynamic", "static"):
+    # Falcon-RW alibi with a StaticCache fails in Transformers itself, whatever the attention.
+    for implementation in ("dynamic",) if kind == "falcon_alibi" else ("dynamic", "static"):
         kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
-                      cache_implementation=implementation)
-        assert_same(stock.generate(**kwargs), paged.generate(**kwargs))
+                      cache_implementation=implementation, return_dict_in_generate=True,
+                      output_logits=True)
+        ref, out = stock.generate(**kwargs), paged.generate(**kwargs)
+        assert_same(ref, out)
+        torch.testing.assert_close(out.logits[0], ref.logits[0], rtol=1e-4, atol=1e-4)
 
 
-def test_direct_forward_with_paged_cache():
+@pytest.mark.parametrize("kind", ["llama_gqa", "falcon_mq", "falcon_new"])
+def test_direct_forward_with_paged_cache(kind):
     """model(...) on a PagedCache: left padding is taken from the mask, and a model whose
-    attention is not 'paged' gets a clear error instead of a shape error inside SDPA."""
+    attention is not 'paged' gets a clear error instead of a shape error inside SDPA (or,
+    for Falcon, pad tokens stored as real ones)."""
     from hf_paged import HFPagedError, PagedCache
 
-    stock = make_model("llama_gqa")
+    stock = make_model(kind)
     ids, mask = left_padded_batch([4, 9], seed=3)
     with pytest.raises(HFPagedError, match="attn_implementation='paged'"):
         stock(input_ids=ids, attention_mask=mask, past_key_values=PagedCache(stock.config))

@@ -84,8 +84,9 @@ def test_triton_decode(block_size, heads, kv_heads, head_dim, dtype, batch):
     scale = head_dim ** -0.5
     ref = reference_attention(q[:, :, None], k, v, table, (seq - 1)[:, None], None, scale,
                               None, None)[:, 0]
-    for splits, tile in ((1, 64), (3, 16)):
-        out = decode_attention(q, k, v, table, seq, scale, num_splits=splits, tile=tile)
+    for splits, tile, bound in ((1, 64, None), (3, 16, None), (None, 64, max(lengths))):
+        out = decode_attention(q, k, v, table, seq, scale, num_splits=splits, tile=tile,
+                               max_seq_len=bound)
         torch.testing.assert_close(out.float(), ref, **TOLERANCE[dtype])
 
 
@@ -99,7 +100,8 @@ def test_triton_decode_window_and_alibi(window, alibi):
     slopes = torch.rand(4, device=DEVICE) if alibi else None
     ref = reference_attention(q[:, :, None], k, v, table, (seq - 1)[:, None], None, 0.125,
                               window, slopes)[:, 0]
-    out = decode_attention(q, k, v, table, seq, 0.125, window, slopes, num_splits=2)
+    # tile 16: with window 40 the visible span crosses a split boundary
+    out = decode_attention(q, k, v, table, seq, 0.125, window, slopes, num_splits=2, tile=16)
     torch.testing.assert_close(out, ref, **TOLERANCE[torch.float32])
 
 
@@ -217,7 +219,9 @@ def test_torch_backend_gives_zeros_on_padding_columns():
     meta = build_metadata(dev, ctx, counts, 5, int(seq.max()), 4)
     q = torch.randn(3, 4, 5, 16)
     out = TorchBackend().attention(q, k, v, meta, 0.25)
-    assert torch.all(out[~meta.is_query] == 0) and out[meta.is_query].abs().sum() > 0
+    assert torch.all(out[~meta.is_query] == 0)
+    ref = reference_attention(q, k, v, table, meta.query_pos, meta.is_query, 0.25, None, None)
+    torch.testing.assert_close(out[meta.is_query], ref[meta.is_query])
 
 
 def test_backend_from_environment(monkeypatch, llama):
@@ -409,6 +413,6 @@ def test_triton_kernels_compile_for_sm80_and_sm90_without_spills():
                             text=True, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     lines = [line for line in result.stdout.splitlines() if line.startswith("sm_")]
-    assert len(lines) == 18, result.stdout
+    assert len(lines) == 24, result.stdout
     spilling = [line for line in lines if "STACK:0 " not in line]
     assert not spilling, "register spills:\n" + "\n".join(spilling)

@@ -11,6 +11,7 @@ float32 first (`CAST_FP32`).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -184,6 +185,8 @@ def decode_attention(
     _, bs, kv_heads, _ = k_cache.shape
     group = heads // kv_heads
     max_tokens = max(1, max_seq_len or block_tables.shape[1] * bs)
+    if sliding_window:  # splits start at each row's oldest visible token
+        max_tokens = min(max_tokens, sliding_window)
     if num_splits is None:
         num_splits = _default_splits(rows * kv_heads, max_tokens, query.device)
     per_split = triton.cdiv(triton.cdiv(max_tokens, max(1, num_splits)), tile) * tile
@@ -226,8 +229,14 @@ def _default_splits(programs: int, tokens: int, device: torch.device) -> int:
     tokens per split (one split when the rows alone fill it)."""
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(triton.cdiv(2 * sms, programs), tokens // 256))
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return max(1, min(triton.cdiv(2 * _sm_count(index), programs), tokens // 256))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    """Multiprocessors of CUDA device `index` (asked once: the query is not free per layer)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 @triton.jit

@@ -13,7 +13,6 @@ import math
 import torch
 from transformers.models.falcon.modeling_falcon import apply_rotary_pos_emb, build_alibi_tensor
 
-from .. import attention
 from ..cache import PagedCache
 
 
@@ -47,11 +46,15 @@ def paged_falcon_attention(original):
     def forward(self, hidden_states, alibi, attention_mask, position_ids=None, layer_past=None,
                 use_cache=False, output_attentions=False, position_embeddings=None, **kwargs):
         if not isinstance(layer_past, PagedCache):
+            if attention_mask is not None and attention_mask.dtype == torch.bool:
+                # Under "paged", Falcon takes its eager branch, which adds the mask to the
+                # scores; paged_mask gave Transformers' boolean SDPA mask for this cache.
+                attention_mask = torch.zeros_like(attention_mask, dtype=hidden_states.dtype) \
+                    .masked_fill(~attention_mask, torch.finfo(hidden_states.dtype).min)
             return original(self, hidden_states, alibi, attention_mask, position_ids=position_ids,
                             layer_past=layer_past, use_cache=use_cache,
                             output_attentions=output_attentions,
                             position_embeddings=position_embeddings, **kwargs)
-        attention.claim()  # Falcon reads the cache here whatever its mask function was
         query, key, value = split_qkv(self, self.query_key_value(hidden_states))
         batch, _, q_len, dim = query.shape
         slopes = None

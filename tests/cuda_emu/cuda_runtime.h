@@ -4,11 +4,13 @@
 // Each thread block runs its threads as fibers on one OS thread. A fiber runs until it
 // reaches __syncthreads() or a warp shuffle, then yields; a barrier opens once every live
 // thread of its block (or lane of its warp) waits at it. Threads of a block that wait at
-// different barriers, or fewer than 32 lanes shuffling, are reported as errors rather than
-// deadlocking. Blocks run one after another, so `__shared__` maps to `static`; dynamic
-// shared memory is filled with NaN bytes before each block, so reading a slot nobody wrote
-// shows up in the results. Launches check CUDA's limits (threads per block, grid extents,
-// dynamic shared memory above 48 KiB only after cudaFuncSetAttribute, at most 227 KiB).
+// different __syncthreads() calls (told apart by source line), and shuffles in a warp of
+// fewer than 32 threads, are reported as errors rather than deadlocking. Blocks run one
+// after another, so `__shared__` maps to `static` (static shared arrays keep the previous
+// block's values); dynamic shared memory is filled with NaN bytes before each block, so
+// reading a slot nobody wrote shows up in the results. Launches check CUDA's limits
+// (threads per block, grid extents, dynamic shared memory above 48 KiB only after
+// cudaFuncSetAttribute, at most 227 KiB).
 #pragma once
 
 #include <ucontext.h>
@@ -85,6 +87,7 @@ struct Fiber {
   ucontext_t ctx;
   std::vector<char> stack;
   Wait wait = Wait::kNone;
+  int site = 0;  // source line of the __syncthreads() it waits at
   dim3 thread;
 };
 
@@ -111,10 +114,11 @@ inline Index& index() {
   return i;
 }
 
-inline void yield(Wait why) {
+inline void yield(Wait why, int site = 0) {
   Block* b = block();
   Fiber& f = b->fibers[b->current];
   f.wait = why;
+  f.site = site;
   swapcontext(&f.ctx, &b->scheduler);
   index().thread = f.thread;  // back on this fiber
 }
@@ -128,13 +132,17 @@ inline void* dynamic_shared() { return block()->smem.data(); }
 #define blockDim (::hf_emu::index().block_dim)
 #define gridDim (::hf_emu::index().grid_dim)
 
-inline void __syncthreads() { hf_emu::yield(hf_emu::Wait::kBlock); }
+#define __syncthreads() ::hf_emu::yield(::hf_emu::Wait::kBlock, __LINE__)
 
 template <typename T>
 inline T __shfl_xor_sync(unsigned mask, T value, int lane_mask) {
   hf_emu::Block* b = hf_emu::block();
   if (mask != 0xffffffffu) hf_emu::fail(cudaErrorLaunchFailure, "emulator: partial shuffle masks");
   const int me = b->current;
+  if (me - me % 32 + 32 > static_cast<int>(b->threads)) {
+    hf_emu::fail(cudaErrorLaunchFailure, "emulator: shuffle in a warp of fewer than 32 threads");
+    return value;
+  }
   int& parity = b->shuffle_parity[me];
   b->shuffle[parity][me] = static_cast<float>(value);
   hf_emu::yield(hf_emu::Wait::kWarp);  // every lane of the warp has written
@@ -216,12 +224,21 @@ bool run_block(Block& b, Call& call) {
         opened = true;
       }
     }
-    int at_block = 0, live = 0;
+    int at_block = 0, live = 0, site = -1;
+    bool one_site = true;
     for (unsigned t = 0; t < b.threads; ++t) {
       if (b.fibers[t].wait != Wait::kDone) ++live, all_done = false;
-      if (b.fibers[t].wait == Wait::kBlock) ++at_block;
+      if (b.fibers[t].wait == Wait::kBlock) {
+        ++at_block;
+        one_site = one_site && (site < 0 || site == b.fibers[t].site);
+        site = b.fibers[t].site;
+      }
     }
     if (all_done) return true;
+    if (!opened && at_block == live && !one_site) {
+      fail(cudaErrorLaunchFailure, "emulator: threads of a block wait at different __syncthreads()");
+      return false;
+    }
     if (!opened && at_block == live) {
       for (auto& f : b.fibers)
         if (f.wait == Wait::kBlock) f.wait = Wait::kNone;
@@ -239,7 +256,8 @@ template <typename... P, typename... A>
 void launch(dim3 grid, dim3 threads, size_t smem, cudaStream_t, void (*kernel)(P...),
             A&&... args) {
   const unsigned n = threads.x * threads.y * threads.z;
-  if (n == 0 || n > 1024 || grid.x == 0 || grid.y > 65535 || grid.z > 65535) {
+  if (n == 0 || n > 1024 || threads.z > 64 || grid.x == 0 || grid.x > 2147483647u ||
+      grid.y == 0 || grid.y > 65535 || grid.z == 0 || grid.z > 65535) {
     fail(cudaErrorInvalidConfiguration, "emulator: invalid launch configuration");
     return;
   }
