@@ -56,6 +56,22 @@ def _load_tile(K, V, TABLE_ROW, stride_kb, stride_kt, head_offset, pos, limit, d
 
 
 @triton.jit
+def _attend_tile(q, K, V, TABLE_ROW, stride_kb, stride_kt, head_offset, pos, limit, valid,
+                 slopes, scale, m_i, l_i, acc, d, dmask, BS: tl.constexpr,
+                 HAS_ALIBI: tl.constexpr, CAST_FP32: tl.constexpr):
+    """Scores of queries q [M, D_P] against positions `pos` [TILE] (ALiBi: + slopes * pos,
+    slopes broadcastable to [M, 1]), masked by `valid` ([M or 1, TILE]), folded into the
+    running softmax (m_i, l_i, acc)."""
+    k, v = _load_tile(K, V, TABLE_ROW, stride_kb, stride_kt, head_offset, pos, limit, d, dmask,
+                      BS, CAST_FP32)
+    s = _dot(q, tl.trans(k), CAST_FP32) * scale
+    if HAS_ALIBI:
+        s += slopes * pos[None, :].to(tl.float32)
+    s = tl.where(valid, s, float("-inf"))
+    return _online_softmax_step(s, m_i, l_i, acc, v, CAST_FP32)
+
+
+@triton.jit
 def _online_softmax_step(s, m_i, l_i, acc, v, FP32: tl.constexpr):
     """One tile of the streaming softmax: s [M, N] scores (-inf = masked), v [N, D]."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -101,20 +117,17 @@ def _decode_kernel(
     first = tl.where(window > 0, tl.maximum(q_pos - window + 1, 0), 0)  # oldest visible
     start = first + split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
+    slopes = 0.0
     if HAS_ALIBI:
-        slopes = tl.load(SLOPES + heads, mask=gmask, other=0.0).to(tl.float32)
+        slopes = tl.load(SLOPES + heads, mask=gmask, other=0.0).to(tl.float32)[:, None]
     m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_P], tl.float32)
     acc = tl.zeros([GROUP_P, D_P], tl.float32)
     for t0 in range(start, end, TILE):
         pos = t0 + t
-        k, v = _load_tile(K, V, BT + r * stride_btr, stride_kb, stride_kt, kvh * stride_kh,
-                          pos, end, d, dmask, BS, CAST_FP32)
-        s = _dot(q, tl.trans(k), CAST_FP32) * scale
-        if HAS_ALIBI:
-            s += slopes[:, None] * pos[None, :].to(tl.float32)
-        s = tl.where((pos < end)[None, :], s, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, CAST_FP32)
+        m_i, l_i, acc = _attend_tile(q, K, V, BT + r * stride_btr, stride_kb, stride_kt,
+                                     kvh * stride_kh, pos, end, (pos < end)[None, :], slopes,
+                                     scale, m_i, l_i, acc, d, dmask, BS, HAS_ALIBI, CAST_FP32)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
     o_ptr = O_PART + r * stride_or + heads[:, None] * stride_oh + split * stride_os + d[None, :]
@@ -269,6 +282,7 @@ def _extend_kernel(
                 mask=is_query[:, None] & dmask[None, :], other=0.0)
     if CAST_FP32:
         q = q.to(tl.float32)
+    slope = 0.0
     if HAS_ALIBI:
         slope = tl.load(SLOPES + h).to(tl.float32)
     hi = tl.minimum(tl.max(tl.where(is_query, qpos, -1), 0) + 1, seq_len)
@@ -279,15 +293,11 @@ def _extend_kernel(
     acc = tl.zeros([BLOCK_M, D_P], tl.float32)
     for t0 in range(lo, hi, TILE):
         pos = t0 + t
-        k, v = _load_tile(K, V, BT + r * stride_btr, stride_kb, stride_kt, kvh * stride_kh,
-                          pos, hi, d, dmask, BS, CAST_FP32)
-        s = _dot(q, tl.trans(k), CAST_FP32) * scale
         valid = (pos[None, :] <= qpos[:, None]) & is_query[:, None]
         valid = valid & ((window <= 0) | (pos[None, :] > qpos[:, None] - window))
-        if HAS_ALIBI:
-            s += slope * pos[None, :].to(tl.float32)
-        s = tl.where(valid, s, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, CAST_FP32)
+        m_i, l_i, acc = _attend_tile(q, K, V, BT + r * stride_btr, stride_kb, stride_kt,
+                                     kvh * stride_kh, pos, hi, valid, slope, scale, m_i, l_i,
+                                     acc, d, dmask, BS, HAS_ALIBI, CAST_FP32)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # padding columns come out as zeros
     tl.store(OUT + r * stride_or + cols[:, None] * stride_ot + h * stride_oh + d[None, :],
              out.to(OUT.dtype.element_ty), mask=cmask[:, None] & dmask[None, :])
