@@ -3,8 +3,9 @@
 Transformers builds a forward's mask once, asking the cache for its sizes right before
 calling the mask function: `PagedCache.get_mask_sizes` announces itself (`announce`), and
 `paged_mask` claims the announcement. A forward on a PagedCache needs no mask (the cache's
-metadata has the lengths; a 2D padding mask not yet handed to the cache is handed over);
-any other forward gets Transformers' own SDPA mask and attention, unchanged.
+metadata has the lengths; the 2D padding mask, or its absence, is handed to the cache);
+any other forward gets Transformers' own SDPA mask and attention, unchanged. A 4D mask
+prepared by the caller skips mask creation and reaches the attention, which honours it.
 """
 
 from __future__ import annotations
@@ -58,8 +59,10 @@ def paged_attention_forward(
     owner = getattr(key, "_hf_paged_cache", None)
     cache = owner() if owner is not None else None
     if cache is not None:
+        # A mask reaching here was prepared by the caller (4D): paged_mask gives None.
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        return cache.attend(query, module.layer_idx, scale, sliding_window), None
+        return cache.attend(query, module.layer_idx, scale, sliding_window,
+                            caller_mask=attention_mask), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                   scaling=scaling, sliding_window=sliding_window, **kwargs)
 
@@ -77,8 +80,8 @@ def paged_mask(
     [B, seen + q] it was not given yet), Transformers' SDPA mask for any other forward."""
     cache = claim(kv_length)
     if cache is not None:
-        if attention_mask is not None and attention_mask.dim() == 2:
-            cache.adopt_mask(attention_mask)
+        cache.adopt_mask(attention_mask if attention_mask is not None
+                         and attention_mask.dim() == 2 else None)
         return None
     return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset,
                      attention_mask=attention_mask, **kwargs)

@@ -7,6 +7,9 @@ the first write into a shared, partly filled block copies it first (copy-on-writ
 Every change to the tables is returned as a plan the cache mirrors on the device.
 Leading blocks no query will read again (outside a sliding window) can be released; their
 entries become `FREED` and stay in place, so logical indices do not move.
+
+Several `BlockTables` may draw from one `BlockPool` side by side (one per cache or
+request); each holds only the blocks it took or forked itself.
 """
 
 from __future__ import annotations
@@ -45,6 +48,10 @@ class BlockTables:
         self.tables: list[list[int]] = [[] for _ in range(num_rows)]
         self.lengths: list[int] = [0] * num_rows
         self.freed: list[int] = [0] * num_rows  # leading FREED entries per row
+        # Distinct blocks these tables hold. Every holder of such a block is one of these
+        # rows (blocks are never shared across owners), so a block leaves this count
+        # exactly when the pool frees it.
+        self.num_held = 0
 
     @property
     def num_rows(self) -> int:
@@ -90,6 +97,7 @@ class BlockTables:
                 needed, self.pool.num_free, self.pool.num_blocks, self.block_size
             )
         fresh = self.pool.allocate(needed)
+        self.num_held += needed
         plan = AppendPlan()
         bs = self.block_size
         for row, c in enumerate(counts):
@@ -101,7 +109,7 @@ class BlockTables:
                 plan.copies.append((src, dst))
                 table[-1] = dst
                 plan.entries.append((row, len(table) - 1, dst))
-                self.pool.decref([src])
+                self.num_held -= self.pool.decref([src])
             for _ in range(-(-(self.lengths[row] + c) // bs) - len(table)):
                 b = fresh.pop()
                 plan.entries.append((row, len(table), b))
@@ -130,8 +138,9 @@ class BlockTables:
         # Take the new references before dropping the old ones.
         for i in moved + list(range(kept, len(src_rows))):
             self.pool.incref(_live(self.tables[i]))
-        for i in moved + list(range(kept, len(old_tables))):
-            self.pool.decref(_live(old_tables[i]))
+        dropped = [b for i in moved + list(range(kept, len(old_tables)))
+                   for b in _live(old_tables[i])]
+        self.num_held -= self.pool.decref(dropped)
 
     def truncate(self, new_lengths: Sequence[int]) -> None:
         """Keeps the first `new_lengths[r]` tokens of each row, releasing blocks past them."""
@@ -151,7 +160,7 @@ class BlockTables:
         for row, n in enumerate(new_lengths):
             keep = -(-n // bs)
             table = self.tables[row]
-            self.pool.decref(_live(table[keep:]))
+            self.num_held -= self.pool.decref(_live(table[keep:]))
             del table[keep:]
             self.lengths[row] = n
             self.freed[row] = min(self.freed[row], keep)
@@ -168,16 +177,23 @@ class BlockTables:
             upto = min(p // self.block_size, len(table))
             if upto > self.freed[row]:
                 dead = table[self.freed[row]:upto]
-                self.pool.decref(_live(dead))
+                self.num_held -= self.pool.decref(_live(dead))
                 table[self.freed[row]:upto] = [FREED] * len(dead)
                 released += len(dead)
                 self.freed[row] = upto
         return released
 
-    def release(self) -> None:
-        """Frees every row's blocks and forgets the rows."""
-        for t in self.tables:
-            self.pool.decref(_live(t))
+    def release(self, later: bool = False) -> None:
+        """Frees every row's blocks and forgets the rows.
+
+        later: hand the blocks back through `BlockPool.release_later` (from a finalizer).
+        """
+        blocks = [b for t in self.tables for b in _live(t)]
+        if later:
+            self.pool.release_later(blocks)
+        else:
+            self.pool.decref(blocks)
+        self.num_held = 0
         self.tables, self.lengths, self.freed = [], [], []
 
     def resize(self, num_rows: int) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import weakref
-from typing import NamedTuple
 
 import torch
 from transformers.cache_utils import Cache
@@ -11,9 +10,10 @@ from transformers.cache_utils import Cache
 from . import attention
 from .block_table import BlockTables
 from .config import PagedCacheConfig
-from .errors import BackwardNotSupportedError, HFPagedError
-from .kernels.backends import select_backend
+from .errors import BackwardNotSupportedError, HFPagedError, KVCacheExhaustedError
+from .kernels.backends import TorchBackend, select_backend
 from .kv_pool import KVPool
+from .masking import HiddenSlots, StepPlan, check_mask_shape, plan_from_mask, plan_unmasked
 from .metadata import DeviceBlockTable, ForwardMetadata, build_metadata, to_device
 from .models import kv_layout
 from .stats import MemoryStats, measure
@@ -53,24 +53,21 @@ def has_inner_padding(mask: torch.Tensor) -> bool:
     return bool(inner_padding(mask))
 
 
-class _Step(NamedTuple):
-    """One forward's new tokens, as `PagedCache._plan_step` reads them."""
-
-    counts: list[int]  # real new tokens per row
-    q_cols: int  # query columns of the metadata layout (right-aligned real tokens)
-    advance: int  # input columns the forward covers (padding included)
-    packed: bool  # input holds only real tokens, back to back ([1, N])
-    input_index: torch.Tensor | None  # see ForwardMetadata.input_index
-    past_padding: bool  # no later column can be left padding
+def _ceil_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
 
 
 class PagedCache(Cache):
     """KV cache in fixed-size blocks drawn on demand from a `KVPool`.
 
-    Each batch row has a block table; only real tokens are stored (left padding is
-    skipped), rows forked by beam search share blocks copy-on-write. `update` returns
-    the layer's pool views `[NB, bs, Hkv, D]`, which the "paged" attention reads through
-    `self.meta`, the metadata built once per forward.
+    Each batch row has a block table; left padding is not stored, rows forked by beam
+    search share blocks copy-on-write. Columns a mask hides after a row's first real token
+    are stored as hidden slots (see `masking.py`). `update` returns the layer's pool views
+    `[NB, bs, Hkv, D]`, which the "paged" attention reads through `self.meta`, the metadata
+    built once per forward.
+
+    Caches sharing one sized pool (concurrent generate calls) each own their blocks; a
+    cache that is garbage-collected gives its blocks back to the pool.
 
     `get_seq_length` reports padded columns seen, as Transformers' caches do, so that
     generate slices its inputs the usual way.
@@ -87,7 +84,9 @@ class PagedCache(Cache):
         max_cache_len: int | None = None,
     ):
         """config: the model's config. dtype, device: the pool's; when neither they nor a
-        pool are given, the pool is made at the first forward with the keys' dtype and device."""
+        pool are given, the pool is made at the first forward with the keys' dtype and device.
+        max_cache_len: the longest sequence the cache will hold, when known; an unsized pool
+        then never uses blocks longer than that (rounded up to a power of two, at least 16)."""
         super().__init__(layers=[])
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         self.cache_config = PagedCacheConfig.from_any(cache_config)
@@ -95,21 +94,26 @@ class PagedCache(Cache):
         self.num_heads = getattr(text_config, "num_attention_heads", self.num_kv_heads)
         self.sliding_window = getattr(text_config, "sliding_window", None)
         self.block_size = self.cache_config.block_size
+        if pool is None and not self.cache_config.is_sized and max_cache_len:
+            self.block_size = min(self.block_size, max(_ceil_pow2(max_cache_len + 1), 16))
         self.max_cache_len = max_cache_len
         self.pool: KVPool | None = None
         self.backend = None
+        self._reference = None  # reference backend for forwards the kernels do not cover
         self.tables: BlockTables | None = None
+        self.hidden = HiddenSlots()
         self.device_table: DeviceBlockTable | None = None
         self.meta: ForwardMetadata | None = None
         self._seen = 0  # padded columns processed, what generate calls the sequence length
         self.peak_blocks = 0
         self._pending_mask: torch.Tensor | None | object = _UNSET  # None: told "no padding"
+        self._pending_from_generate = False
         self._pending_packed: tuple[list[int], int] | None = None
-        self._past_padding = False  # True once no later column can be left padding
-        self._irregular_until = 0  # columns up to the last forward with inner padding
+        # Width of the mask the running generate call started with: later columns are the
+        # ones generate appends, always real, so its decode steps need not read the mask.
+        self._call_columns: int | None = None
         self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._views_version = -1
-        self._detached = False
         # With a sliding window, blocks no query can see again are released, unless the
         # cache must be able to roll back (assisted decoding records past states).
         self._recording = False
@@ -119,7 +123,7 @@ class PagedCache(Cache):
     def _bind_pool(self, pool: KVPool | None, dtype: torch.dtype, device) -> None:
         if pool is None:
             pool = KVPool.for_config(self.cache_config, self.num_layers, self.num_kv_heads,
-                                     self.head_dim, dtype, device)
+                                     self.head_dim, dtype, device, block_size=self.block_size)
         if pool.block_size != self.block_size:
             raise ValueError(
                 f"PagedCache: pool block_size {pool.block_size} != cache_config block_size "
@@ -128,8 +132,9 @@ class PagedCache(Cache):
         self.backend = select_backend(self.cache_config.backend, pool.device, pool.dtype,
                                       self.block_size, self.num_heads, self.num_kv_heads)
         self.pool = pool
-        pool.attach(self)
         self.tables = BlockTables(pool.blocks)
+        # Blocks go back to the (possibly shared) pool when this cache is collected.
+        weakref.finalize(self, self.tables.release, later=True)
 
     # -- generate's view of the cache -----------------------------------------------------
     def __len__(self) -> int:
@@ -190,17 +195,30 @@ class PagedCache(Cache):
         return self._recording
 
     # -- writing ------------------------------------------------------------------------------
-    def expect_forward(self, attention_mask: torch.Tensor | None) -> None:
-        """Tells the next forward which of its new columns are padding.
+    def begin_generate(self, attention_mask: torch.Tensor | None) -> None:
+        """A generate call starts on this cache with `attention_mask` [R, L] (or None).
+
+        Its first forward reads the whole mask; its later single-token steps cover only
+        columns generate appended (always real), so they do not read it again.
+        """
+        self._call_columns = attention_mask.shape[-1] if attention_mask is not None else None
+
+    def expect_forward(self, attention_mask: torch.Tensor | None, *,
+                       from_generate: bool = False) -> None:
+        """Tells the next forward which of its columns are real tokens.
 
         attention_mask: [R, seen + q] 2D mask (1 = real token) or None for no padding.
+        from_generate: the mask is generate's own (see `begin_generate`).
         """
         self._pending_mask = attention_mask
+        self._pending_from_generate = from_generate
 
-    def adopt_mask(self, attention_mask: torch.Tensor) -> None:
-        """A direct forward's 2D padding mask, unless the next forward was described already."""
+    def adopt_mask(self, attention_mask: torch.Tensor | None) -> None:
+        """A direct forward's 2D padding mask (None: none given), unless the next forward
+        was described already."""
         if self._pending_mask is _UNSET and self._pending_packed is None:
             self._pending_mask = attention_mask
+            self._pending_from_generate = False
 
     def expect_packed(self, counts: list[int], width: int) -> None:
         """Announces a packed forward: one input row holding `counts[r]` real tokens of each
@@ -228,74 +246,52 @@ class PagedCache(Cache):
         if meta is None:
             raise HFPagedError("PagedCache.update: layer 0 must be updated first in each forward.")
         k_cache, v_cache = self._views[layer_idx]
+        if meta.num_new == 0:
+            return k_cache, v_cache
         key = key_states.transpose(1, 2).reshape(-1, self.num_kv_heads, self.head_dim)
         value = value_states.transpose(1, 2).reshape(-1, self.num_kv_heads, self.head_dim)
-        real = meta.input_index if meta.input_index is not None else meta.token_index
-        if real is not None and not meta.packed:
-            key = key.index_select(0, real)
-            value = value.index_select(0, real)
+        if meta.token_index is not None and not meta.packed:
+            key = key.index_select(0, meta.token_index)
+            value = value.index_select(0, meta.token_index)
         with torch.no_grad():  # the pool holds plain values; no autograd history
             self.backend.write_kv(k_cache, v_cache, key.to(k_cache.dtype),
                                   value.to(v_cache.dtype), meta.slot_mapping)
         return k_cache, v_cache
 
-    def _plan_step(self, rows: int, q_len: int) -> _Step:
+    def _plan_step(self, rows: int, q_len: int) -> StepPlan:
         """What this forward adds, from the announced mask or packing; changes no state."""
-        mask = None if self._pending_mask is _UNSET else self._pending_mask
+        lengths = self.tables.lengths if self.device_table is not None else [0] * rows
         packed = self._pending_packed
         if packed is not None:
             counts, width = packed
-            if sum(counts) != q_len or rows != 1:
+            if sum(counts) != q_len or rows != 1 or self._seen:
                 raise ValueError(
-                    f"PagedCache: a packed forward of {sum(counts)} tokens was announced but the "
-                    f"model ran on input of shape [{rows}, {q_len}]."
+                    f"PagedCache: a packed forward of {sum(counts)} tokens was announced for an "
+                    f"empty cache, but the model ran on input of shape [{rows}, {q_len}] after "
+                    f"{self._seen} cached columns."
                 )
-            return _Step(counts, max(counts), width, True, None, True)
-        # Left padding only precedes real tokens: once a forward is all real, the mask
-        # need not be read again (no host sync on decode steps).
-        if mask is None or (q_len == 1 and self._past_padding):
-            return _Step([q_len] * rows, q_len, q_len, False, None, True)
-        if mask.dim() != 2 or mask.shape[0] != rows or mask.shape[1] < q_len:
-            raise ValueError(
-                f"PagedCache expects a 2D attention mask of shape [{rows}, seen + {q_len}]; got "
-                f"{tuple(mask.shape)}."
-            )
-        real = mask[:, -q_len:].bool()
-        counts_t = real.sum(-1)
-        left_padded = real == (torch.arange(q_len, device=real.device) >= q_len - counts_t[:, None])
-        flags = [(~left_padded).any().view(1)]
-        check_window = self.sliding_window is not None and self._window_can_pass(mask.shape[1])
-        if check_window:
-            flags.append(inner_padding(mask).view(1))
-        values = torch.cat([counts_t, *flags]).tolist()  # the one host sync of this step
-        counts, irregular = values[:rows], values[rows]
-        if check_window and values[rows + 1]:
-            raise HFPagedError(
-                "PagedCache: this attention mask has zeros after real tokens, and the model's "
-                f"sliding window ({self.sliding_window}) is shorter than the sequence may grow. "
-                "Transformers counts masked columns inside the window, the paged cache stores "
-                "real tokens only, so the two would differ; only left padding is supported here."
-            )
-        all_real = all(c == q_len for c in counts)
-        if not irregular:
-            return _Step(counts, q_len, q_len, False, None, all_real)
-        # Zeros between real tokens (a padded turn continued, a masked-out span): store the
-        # real tokens in order and attend on them right-aligned.
-        input_index = real.reshape(-1).nonzero().squeeze(1)
-        return _Step(counts, max(counts), q_len, False, input_index, all_real)
-
-    def _window_can_pass(self, columns: int) -> bool:
-        """Whether a sequence of this cache may grow longer than the sliding window."""
-        if self.max_cache_len is None:
-            return True
-        return max(columns, self.max_cache_len) > self.sliding_window
+            return StepPlan(list(counts), width, packed=True)
+        if self._pending_mask is _UNSET:
+            # No mask function ran: the caller passed a prepared 4D mask (honoured by the
+            # attention), or drives the cache by hand. Every new column is stored.
+            return StepPlan([q_len] * rows, q_len)
+        mask = self._pending_mask
+        if mask is None:
+            return plan_unmasked(lengths, self._seen, q_len, self.hidden)
+        check_mask_shape(mask, rows, self._seen, q_len)
+        if (q_len == 1 and self._pending_from_generate and self._call_columns is not None
+                and self._seen >= self._call_columns):
+            return StepPlan([1] * rows, 1)  # a column generate appended: real in every row
+        return plan_from_mask(mask, lengths, self._seen, self.hidden)
 
     def _begin_forward(self, rows: int, q_len: int) -> None:
         """Allocates this forward's slots and builds the metadata all layers share."""
-        if self._detached:
-            raise HFPagedError(
-                "This PagedCache's pool was handed to a newer cache of the same model; "
-                "create a new cache (or call generate again) instead of reusing this one."
+        if self.device_table is not None and rows != self.tables.num_rows and \
+                self._pending_packed is None:
+            self._pending_mask, self._pending_packed = _UNSET, None
+            raise ValueError(
+                f"PagedCache holds {self.tables.num_rows} sequence(s) but the forward has {rows} "
+                "rows; call reset() before reusing the cache for another batch."
             )
         try:
             step = self._plan_step(rows, q_len)
@@ -306,36 +302,39 @@ class PagedCache(Cache):
         rows = len(counts)
         if self.device_table is None:
             self.tables.resize(rows)
+            self.hidden.resize(rows)
             cols = -(-(self.max_cache_len or 1) // self.block_size) + 1
             self.device_table = DeviceBlockTable(rows, cols, self.pool.device)
-        elif rows != self.tables.num_rows:
-            raise ValueError(
-                f"PagedCache holds {self.tables.num_rows} sequence(s) but the forward has {rows} "
-                "rows; call reset() before reusing the cache for another batch."
-            )
         if self.sliding_window is not None and not self._recording:
-            # The next query sits at position n and sees keys > n - window.
+            # The next query sits at slot n and sees slots > n - window.
             self.tables.release_before(
                 [n - self.sliding_window + 1 for n in self.tables.lengths])
         needed = self.tables.blocks_needed(counts)
-        self.pool.ensure_free(needed, limit=self._block_limit(rows))
-        # Committed from here on; before, an error leaves the step to be retried as announced.
+        try:
+            self.pool.ensure_free(needed, limit=self._block_limit(rows),
+                                  held=self.tables.num_held)
+            plan = self.tables.append(counts, needed)
+        except KVCacheExhaustedError as err:  # nothing was taken: the step can be retried
+            raise KVCacheExhaustedError(err.needed, err.free, err.num_blocks, err.block_size,
+                                        held=self.tables.num_held) from None
+        # Committed from here on.
         self._pending_mask, self._pending_packed = _UNSET, None
-        self._past_padding = step.past_padding
-        if step.input_index is not None:
-            self._irregular_until = self._seen + step.advance
+        self.hidden.apply(step)
         context = self.device_table.lengths
-        plan = self.tables.append(counts, needed)
         if plan.copies:
             src, dst = to_device(plan.copies, self.pool.device).T
             self.backend.copy_blocks(self.pool.kv, src, dst)
         self.device_table.apply(plan.entries)
-        self.meta = build_metadata(self.device_table, context, counts, step.q_cols,
-                                   max(self.tables.lengths), self.block_size,
-                                   packed=step.packed, input_index=step.input_index)
+        self._seen += step.width
+        max_len = max(self.tables.lengths)
+        num_cols = max(-(-max_len // self.block_size), 1)
+        self.meta = build_metadata(
+            self.device_table, context, counts, max(counts) if step.packed else q_len, max_len,
+            self.block_size, packed=step.packed,
+            key_hidden=self.hidden.slot_mask(num_cols * self.block_size, self.pool.device),
+            columns=self._seen)
         self.device_table.lengths = self.meta.seq_lens
-        self._seen += step.advance
-        self.peak_blocks = max(self.peak_blocks, self.pool.blocks.num_used)
+        self.peak_blocks = max(self.peak_blocks, self.tables.num_held)
         if self._views_version != self.pool.version:
             self._refresh_views()
 
@@ -357,51 +356,67 @@ class PagedCache(Cache):
     # -- reading ---------------------------------------------------------------------------------
     def attend(self, query: torch.Tensor, layer_idx: int, scale: float,
                sliding_window: int | None = None,
-               alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+               alibi_slopes: torch.Tensor | None = None,
+               caller_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of this forward's queries over layer `layer_idx`.
 
         query [R, Hq, q, D] -> [R, q, Hq, D]; packed: [1, Hq, N, D] -> [1, N, Hq, D].
         alibi_slopes [Hq]: adds slope * key position to the scores (Falcon-RW).
+        caller_mask: a 4D mask the caller passed to the model's forward, over columns
+        ([R or 1, 1 or Hq, q, columns], bool or additive float); it replaces the causal and
+        sliding-window masks, as in SDPA.
         """
         out = self._attend(query.to(self.pool.dtype), layer_idx, scale, sliding_window,
-                           alibi_slopes).to(query.dtype)
+                           alibi_slopes, caller_mask).to(query.dtype)
         if torch.is_grad_enabled() and query.requires_grad:
             out = _NoBackward.apply(out, query)
         return out
 
-    def _attend(self, query, layer_idx, scale, sliding_window, alibi_slopes):
+    def _attend(self, query, layer_idx, scale, sliding_window, alibi_slopes, caller_mask):
         meta = self.meta
         k_cache, v_cache = self._views[layer_idx]
-        if not meta.packed and meta.input_index is None:
-            return self.backend.attention(query, k_cache, v_cache, meta, scale, sliding_window,
-                                          alibi_slopes)
+        if meta.max_seq_len == 0:  # every row is still all padding: no key to attend to
+            return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+        backend = self.backend
+        if caller_mask is not None:
+            if alibi_slopes is not None:
+                raise ValueError("A 4D attention mask cannot be combined with ALiBi here "
+                                 "(Transformers' Falcon does not accept one either).")
+            if any(self.tables.freed):
+                raise HFPagedError(
+                    "A 4D attention mask cannot be honoured after blocks left the sliding "
+                    "window; call activate_past_recording() before the first forward."
+                )
+        if (caller_mask is not None or meta.needs_reference) and backend.name != "torch":
+            if self._reference is None:
+                self._reference = TorchBackend()
+            backend = self._reference
+        extra = {} if caller_mask is None else {"caller_mask": caller_mask}
+        if not meta.packed:
+            return backend.attention(query, k_cache, v_cache, meta, scale, sliding_window,
+                                     alibi_slopes, **extra)
         rows, q_cols = meta.query_pos.shape
         heads, dim = query.shape[1], query.shape[3]
-        tokens = query.transpose(1, 2).reshape(-1, heads, dim)  # [R_in * q_in, Hq, D]
-        if meta.input_index is not None:
-            tokens = tokens.index_select(0, meta.input_index)  # [N, Hq, D], real tokens only
+        tokens = query.transpose(1, 2).reshape(-1, heads, dim)  # [N, Hq, D]
         if meta.token_index is not None:  # spread into the right-aligned [R * q] layout
             padded = tokens.new_zeros(rows * q_cols, heads, dim)
             tokens = padded.index_copy_(0, meta.token_index, tokens)
         padded_query = tokens.view(rows, q_cols, heads, dim).transpose(1, 2)
-        out = self.backend.attention(padded_query, k_cache, v_cache, meta, scale, sliding_window,
-                                     alibi_slopes)
+        out = backend.attention(padded_query, k_cache, v_cache, meta, scale, sliding_window,
+                                alibi_slopes)
         out = out.reshape(rows * q_cols, heads, dim)
         if meta.token_index is not None:
             out = out.index_select(0, meta.token_index)
-        if meta.packed:
-            return out.unsqueeze(0)
-        # Back to the input's layout; its padding columns get zeros.
-        q_in = query.shape[2]
-        full = out.new_zeros(rows * q_in, heads, dim).index_copy_(0, meta.input_index, out)
-        return full.view(rows, q_in, heads, dim)
+        return out.unsqueeze(0)
 
     # -- structure changes from generate -----------------------------------------------------------
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Row i continues old row beam_idx[i]: tables are shared, nothing is copied."""
         if self.device_table is None:
             return
-        self.tables.fork_rows(beam_idx.tolist())
+        src_rows = beam_idx.tolist()
+        self.tables.fork_rows(src_rows)
+        self.hidden.fork(src_rows)
         self.device_table.fork(beam_idx)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
@@ -419,17 +434,11 @@ class PagedCache(Cache):
         if keep >= self._seen:
             return
         keep = max(keep, 0)  # as DynamicCache: removing more than is cached empties it
-        if keep < self._irregular_until:
-            raise HFPagedError(
-                f"crop({tokens_to_remove}) reaches into columns of a forward that had padding "
-                "between real tokens, where rows lost different numbers of real tokens; only "
-                "columns after it can be cropped."
-            )
         removed = self._seen - keep
         if self.device_table is not None:
             lengths = [max(n - removed, 0) for n in self.tables.lengths]
             if self.sliding_window is not None and any(
-                    n - self.sliding_window + 1 < f * self.block_size
+                    f and n - self.sliding_window + 1 < f * self.block_size
                     for n, f in zip(lengths, self.tables.freed)):
                 raise HFPagedError(
                     f"crop({tokens_to_remove}) would need tokens this cache already released "
@@ -437,26 +446,21 @@ class PagedCache(Cache):
                     "generating if you will crop."
                 )
             self.tables.truncate(lengths)
+            self.hidden.truncate(lengths)
             self.device_table.lengths = to_device(lengths, self.device_table.device)
         self._seen = keep
-        self._past_padding = False
 
     def reset(self) -> None:
-        """Frees every block; the pool stays allocated for reuse."""
+        """Frees this cache's blocks; the pool stays allocated for reuse."""
         if self.tables is not None:
             self.tables.release()
+        self.hidden.resize(0)
         self.device_table = None
         self.meta = None
         self._seen = 0
         self._pending_mask, self._pending_packed = _UNSET, None
-        self._past_padding = False
-        self._irregular_until = 0
-        self.peak_blocks = self.pool.blocks.num_used if self.pool is not None else 0
-
-    def _detach(self) -> None:
-        self.tables = BlockTables(self.pool.blocks)  # the pool's blocks now belong to another cache
-        self.reset()
-        self._detached = True
+        self._call_columns = None
+        self.peak_blocks = 0
 
     # -- accounting -----------------------------------------------------------------------------------
     def memory_stats(self) -> MemoryStats:

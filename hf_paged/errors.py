@@ -14,14 +14,21 @@ class KVCacheExhaustedError(HFPagedError, RuntimeError):
     consistent: the cache can be `reset()` and reused, or the call retried with a larger pool.
     """
 
-    def __init__(self, needed: int, free: int, num_blocks: int, block_size: int):
+    def __init__(self, needed: int, free: int, num_blocks: int, block_size: int,
+                 held: int | None = None):
         self.needed = needed
         self.free = free
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.held = held  # blocks the failing cache holds (None: not known)
+        others = ""
+        if held is not None and num_blocks - free - held > 0:
+            others = (f" This cache holds {held} of them; {num_blocks - free - held} are held by "
+                      "other live caches sharing the pool (concurrent calls, or returned "
+                      "caches still referenced: reset() or drop them to return their blocks).")
         super().__init__(
             f"KV cache exhausted: this step needs {needed} free block(s) of {block_size} tokens "
-            f"but only {free} of the pool's {num_blocks} block(s) are free. Raise "
+            f"but only {free} of the pool's {num_blocks} block(s) are free.{others} Raise "
             "cache_config['num_blocks'] or cache_config['max_kv_bytes'] (or leave both unset "
             "to let the pool grow on demand), or lower the batch size / max_new_tokens."
         )

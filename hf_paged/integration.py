@@ -33,12 +33,12 @@ from transformers.models.llama.modeling_llama import LlamaForCausalLM
 from transformers.models.mistral.modeling_mistral import MistralForCausalLM
 
 from .attention import ATTENTION_NAME, paged_attention_forward, paged_mask
-from .cache import PagedCache, has_inner_padding
+from .cache import PagedCache
 from .models import kv_layout
 from .models.falcon import paged_falcon_attention
 from .config import PagedCacheConfig
 from .errors import UnsupportedModelError
-from .kv_pool import KVPool
+from .kv_pool import kept_pool
 from . import prefill as paged_prefill
 
 CACHE_IMPLEMENTATION = "paged"
@@ -113,11 +113,9 @@ def _release_paged_attention(entries: list) -> None:
 def build_cache(model, generation_config, max_cache_length: int | None) -> PagedCache:
     """A `PagedCache` for `model`.
 
-    A sized pool (num_blocks / max_kv_bytes) is kept on the model and reused by later calls
-    with the same sizing; only the latest sizing is kept, so an old pool is freed once no
-    cache uses it. An assistant's cache keeps its pool apart, so that a model assisting
-    itself (assistant_early_exit, or passed as its own assistant_model) does not take the
-    main cache's pool mid-call. An unsized pool belongs to its call alone.
+    A sized pool (num_blocks / max_kv_bytes) is kept for the model and shared by the caches
+    of every call with that sizing, concurrent calls and assistant caches included, each
+    owning its own blocks. An unsized pool belongs to its call alone.
     """
     cache_config = PagedCacheConfig.from_any(generation_config.cache_config)
     text_config = model.config.get_text_config(decoder=True)
@@ -130,13 +128,7 @@ def build_cache(model, generation_config, max_cache_length: int | None) -> Paged
         )
     pool = None
     if cache_config.is_sized:
-        key = (cache_config.block_size, cache_config.num_blocks, cache_config.max_kv_bytes,
-               dtype, str(device))
-        slot = "_hf_paged_assistant_pool" if generation_config.is_assistant else "_hf_paged_pool"
-        kept_key, pool = model.__dict__.get(slot, (None, None))
-        if kept_key != key:
-            pool = KVPool.for_config(cache_config, *kv_layout(text_config), dtype, device)
-            model.__dict__[slot] = (key, pool)
+        pool = kept_pool(model, cache_config, *kv_layout(text_config), dtype, device)
     return PagedCache(text_config, cache_config, dtype=dtype, device=device, pool=pool,
                       max_cache_len=max_cache_length)
 
@@ -195,15 +187,6 @@ def _prepare_cache_for_generation(original):
             return stock()
         if cache is not None and not paged:
             return stock()  # a user cache together with cache_implementation: Transformers' error
-        mask = model_kwargs.get("attention_mask")
-        window = getattr(self.config.get_text_config(decoder=True), "sliding_window", None)
-        if (not paged and window is not None and mask is not None and mask.dim() == 2
-                and (max_cache_length or 0) > window and has_inner_padding(mask)):
-            _warn_stock(self, "an attention mask with zeros after real tokens and a sliding "
-                              "window shorter than the sequence count masked columns in the "
-                              "window only in Transformers' own caches")
-            generation_config.cache_implementation = None
-            return stock()
         if generation_config.output_attentions:
             # Attention weights are never materialized by the paged kernels.
             if paged:
@@ -224,6 +207,7 @@ def _prepare_cache_for_generation(original):
             model_kwargs["past_key_values"] = cache
             if generation_config.is_assistant:  # its rejected candidates get cropped
                 cache.activate_past_recording()
+        cache.begin_generate(model_kwargs.get("attention_mask"))
         _use_paged_attention(self)
         return None
 
@@ -236,7 +220,7 @@ def _prepare_inputs_for_generation(original):
         model_inputs = original(self, *args, **kwargs)
         cache = model_inputs.get("past_key_values")
         if isinstance(cache, PagedCache):
-            cache.expect_forward(model_inputs.get("attention_mask"))
+            cache.expect_forward(model_inputs.get("attention_mask"), from_generate=True)
         return model_inputs
 
     return prepare

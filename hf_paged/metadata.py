@@ -12,6 +12,7 @@ from typing import Sequence
 
 import torch
 
+from .errors import HFPagedError
 from .kernels.reference import key_mask
 
 
@@ -74,12 +75,13 @@ class ForwardMetadata:
     token_index:  [N] int64       row of the flattened [R * q] right-aligned layout holding
                                   each real token, None when every column is real
     max_seq_len:  longest row after this forward (host int)
+    num_new:      real new tokens, N (host int)
     packed:       the forward's input holds only real tokens, rows back to back ([1, N]);
                   token_index then places them in the [R * q] layout
-    input_index:  [N] int64 row of the flattened [R * q_in] input holding each real token,
-                  when the input's padding is not just a left prefix of each row (the
-                  attention then runs on the right-aligned [R, q] layout and maps back);
-                  None otherwise
+    key_hidden:   [R, T] bool, True on stored slots no query may see (see masking.py);
+                  None when there are none (only the reference backend reads it)
+    columns:      columns generate has seen after this forward; slot t of row r holds
+                  column t + columns - seq_lens[r]
     """
 
     block_tables: torch.Tensor
@@ -92,13 +94,20 @@ class ForwardMetadata:
     token_index: torch.Tensor | None
     max_seq_len: int
     block_size: int
+    num_new: int = 0
     packed: bool = False
-    input_index: torch.Tensor | None = None
+    key_hidden: torch.Tensor | None = None
+    columns: int = 0
     _masks: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_keys(self) -> int:
         return self.block_tables.shape[1] * self.block_size
+
+    @property
+    def needs_reference(self) -> bool:
+        """Hidden slots are read by the reference backend only."""
+        return self.key_hidden is not None
 
     def attention_mask(self, sliding_window: int | None,
                        alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
@@ -110,13 +119,55 @@ class ForwardMetadata:
         key = (sliding_window, alibi_slopes is not None)
         mask = self._masks.get(key)
         if mask is None:
-            mask = key_mask(self.query_pos, self.is_query, self.num_keys, sliding_window)
+            mask = key_mask(self.query_pos, self.is_query, self.num_keys, sliding_window,
+                            self.key_hidden)
             if alibi_slopes is not None:
-                t = torch.arange(self.num_keys, device=mask.device, dtype=alibi_slopes.dtype)
-                bias = alibi_slopes.view(1, -1, 1, 1) * t
-                mask = bias.masked_fill(~mask, float("-inf"))
+                mask = self._alibi_bias(alibi_slopes).masked_fill(~mask, float("-inf"))
             self._masks[key] = mask
         return mask
+
+    def _alibi_bias(self, slopes: torch.Tensor) -> torch.Tensor:
+        """slope * key position [R or 1, H, 1, T]. Positions count visible tokens, as
+        Falcon's alibi counts real tokens of the mask (hidden slots are skipped)."""
+        if self.key_hidden is None:
+            t = torch.arange(self.num_keys, device=slopes.device, dtype=slopes.dtype)
+            return slopes.view(1, -1, 1, 1) * t
+        t = ((~self.key_hidden).cumsum(-1) - 1).to(slopes.dtype)  # [R, T]
+        return slopes.view(1, -1, 1, 1) * t[:, None, None, :]
+
+    def caller_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """A caller's 4D mask over columns, [R or 1, 1 or H, q, columns] (bool, True = attend,
+        or an additive float bias), moved onto slots: [R, 1 or H, q, T], unstored slots
+        masked. Raises if the mask lets a query see a column that has no slot."""
+        cached = self._masks.get("caller")
+        if cached is not None and cached[0] is mask:
+            return cached[1]
+        rows, q_len = self.query_pos.shape
+        if (mask.dim() != 4 or mask.shape[0] not in (1, rows) or mask.shape[2] != q_len
+                or mask.shape[3] != self.columns):
+            raise ValueError(
+                f"A 4D attention mask on a PagedCache forward must have shape [batch, 1 or "
+                f"heads, new columns, all columns] = [{rows}, 1, {q_len}, {self.columns}]; got "
+                f"{tuple(mask.shape)}."
+            )
+        mask = mask.expand(rows, -1, -1, -1)
+        visible = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+        skip = self.columns - self.seq_lens  # [R] leading columns without a slot
+        unstored = torch.arange(self.columns, device=mask.device) < skip.unsqueeze(1)
+        if (visible & unstored[:, None, None, :]).any():
+            raise HFPagedError(
+                "This 4D attention mask lets queries see columns that were left padding when "
+                "they were cached; the PagedCache did not store them. Mask those columns, or "
+                "use a cache that was filled without padding."
+            )
+        slots = torch.arange(self.num_keys, device=mask.device)
+        cols = (slots.unsqueeze(0) + skip.unsqueeze(1)).clamp(max=self.columns - 1)  # [R, T]
+        index = cols[:, None, None, :].expand(rows, mask.shape[1], q_len, self.num_keys)
+        out = mask.gather(-1, index)
+        stored = (slots.unsqueeze(0) < self.seq_lens.unsqueeze(1))[:, None, None, :]
+        out = out & stored if out.dtype == torch.bool else out.masked_fill(~stored, float("-inf"))
+        self._masks["caller"] = (mask, out)
+        return out
 
 
 def build_metadata(
@@ -127,10 +178,10 @@ def build_metadata(
     max_seq_len: int,
     block_size: int,
     packed: bool = False,
-    input_index: torch.Tensor | None = None,
+    key_hidden: torch.Tensor | None = None,
+    columns: int = 0,
 ) -> ForwardMetadata:
-    """Metadata for a forward adding `counts[r]` real tokens (right-aligned in `q_len` columns;
-    `input_index` locates them in an input laid out otherwise, see ForwardMetadata)."""
+    """Metadata for a forward adding `counts[r]` tokens, right-aligned in `q_len` columns."""
     device = table.device
     rows = len(counts)
     num_cols = max(-(-max_seq_len // block_size), 1)
@@ -170,6 +221,8 @@ def build_metadata(
         token_index=token_index,
         max_seq_len=max_seq_len,
         block_size=block_size,
+        num_new=sum(counts),
         packed=packed,
-        input_index=input_index,
+        key_hidden=key_hidden,
+        columns=columns,
     )

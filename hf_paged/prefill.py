@@ -8,6 +8,7 @@ With a paged cache we instead
   the prompt's blocks (refcounted, copy-on-write), and E-1 prefills are skipped;
 - pack a left-padded batch: the real tokens of all rows go back to back in one [1, N]
   row with per-row positions, the cache's metadata keeping rows apart in attention.
+  A mask with zeros after real tokens is not packed: those columns become hidden slots.
 
 Logits are taken at each row's last token, so generate sees the usual [B*E, 1, V].
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .cache import PagedCache
+from .cache import PagedCache, inner_padding
 
 # model_kwargs keys these forwards know how to honour; anything else takes the stock path.
 _HANDLED_KWARGS = {"attention_mask", "position_ids", "use_cache", "past_key_values",
@@ -54,9 +55,16 @@ def paged_prefill(model, input_ids: torch.Tensor, generation_config, model_kwarg
     e = expansion(generation_config, input_ids.shape[0])
     ids = input_ids[::e]
     mask = model_kwargs.get("attention_mask")
-    mask = mask[::e].bool() if mask is not None else None
-    counts = mask.sum(1) if mask is not None else None
-    counts_list = counts.tolist() if counts is not None else None
+    counts = counts_list = None
+    if mask is not None:
+        mask = mask[::e].bool()
+        counts = mask.sum(1)
+        values = torch.cat([counts, inner_padding(mask).view(1)]).tolist()
+        counts_list = values[:-1]
+        if values[-1]:
+            # Zeros after real tokens: generate's own prefill stores them as hidden slots,
+            # and a row ending in padding takes its logits there, as Transformers does.
+            return None
     padded = counts_list is not None and min(counts_list) < ids.shape[1]
     if padded and min(counts_list) == 0:
         return None  # an all-padding row has no last token to take logits from

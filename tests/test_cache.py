@@ -59,8 +59,12 @@ def test_sized_pool_is_reused_and_unsized_calls_are_not_limited(batch):
     model = make_model("llama_gqa")
     sized = {"num_blocks": 40, "block_size": 8}
     a = paged_generate(model, batch, 4, cache_config=sized).past_key_values
+    pool, held = a.pool, a.memory_stats().blocks_in_use
+    assert pool.blocks.num_used == held
+    del a  # a dropped cache gives its blocks back to the shared pool
+    assert pool.blocks.num_used == 0
     b = paged_generate(model, batch, 4, cache_config=sized).past_key_values
-    assert a.pool is b.pool and b.memory_stats().num_blocks == 40
+    assert b.pool is pool and b.memory_stats().num_blocks == 40
     # An unsized call needs more than 40 blocks of 8 and must not be held to the earlier cap.
     c = paged_generate(model, batch, 60).past_key_values
     assert c.pool is not b.pool and c.memory_stats().blocks_in_use > 40 // 2
@@ -298,11 +302,11 @@ def test_step_failing_for_blocks_can_be_retried_as_announced(monkeypatch):
     real_ensure_free = KVPool.ensure_free
     calls = []
 
-    def fail_once(self, needed, limit=None):
+    def fail_once(self, needed, limit=None, held=None):
         calls.append(needed)
         if len(calls) == 1:
             raise KVCacheExhaustedError(needed, 0, 0, cache.block_size)
-        return real_ensure_free(self, needed, limit)
+        return real_ensure_free(self, needed, limit, held)
 
     monkeypatch.setattr(KVPool, "ensure_free", fail_once)
     model.set_attn_implementation("paged")
@@ -320,22 +324,32 @@ def test_step_failing_for_blocks_can_be_retried_as_announced(monkeypatch):
     assert cache.memory_stats().tokens_stored == int(mask.sum())
 
 
-def test_crop_into_a_forward_with_inner_padding_is_refused(llama):
+@pytest.mark.parametrize("kind", ["llama_gqa", "mistral_sw"])
+def test_crop_into_a_forward_with_inner_padding(kind):
+    """Masked columns are hidden slots, so crop removes exactly the columns it is asked to,
+    padded ones included; generation continues as on a cropped DynamicCache."""
     from conftest import PAD
-    from hf_paged import HFPagedError
 
+    model = make_model(kind)
     ids, mask = left_padded_batch([5, 8], seed=2)
-    first = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3,
-                           cache_implementation="paged", return_dict_in_generate=True)
-    cache = first.past_key_values
-    ids2 = torch.cat([first.sequences, torch.full((2, 2), PAD), ids[:, -2:]], 1)
+    caches = [DynamicCache(config=model.config), PagedCache(model.config)]
+    firsts = []
+    for cache in caches:
+        cache.activate_past_recording()  # a sliding window would otherwise forbid the crop
+        firsts.append(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3,
+                                     do_sample=False, past_key_values=cache))
+    assert_same(*firsts)
+    ids2 = torch.cat([firsts[0], torch.full((2, 2), PAD), ids[:, -2:]], 1)
     mask2 = torch.cat([mask, torch.ones(2, 3, dtype=mask.dtype),
                        torch.zeros(2, 2, dtype=mask.dtype), torch.ones(2, 2, dtype=mask.dtype)], 1)
-    llama.generate(input_ids=ids2, attention_mask=mask2, max_new_tokens=4, past_key_values=cache)
-    seen, stored = cache.get_seq_length(), cache.memory_stats().tokens_stored
-    cache.crop(-2)  # only columns after the padded turn: fine
-    assert cache.get_seq_length() == seen - 2
-    assert cache.memory_stats().tokens_stored == stored - 4
-    with pytest.raises(HFPagedError, match="padding between real tokens"):
-        cache.crop(-4)
-    assert cache.get_seq_length() == seen - 2  # unchanged by the refused crop
+    for cache in caches:
+        model.generate(input_ids=ids2, attention_mask=mask2, max_new_tokens=4,
+                       past_key_values=cache)
+        cache.crop(-7)  # into the padded turn: 3 generated, 2 real, then 2 padding columns
+    assert caches[0].get_seq_length() == caches[1].get_seq_length() == ids2.shape[1] - 4
+    keep = caches[0].get_seq_length()
+    ids3 = torch.cat([ids2[:, :keep], torch.tensor([[50, 51], [52, 53]])], 1)
+    mask3 = torch.cat([mask2[:, :keep], torch.ones(2, 2, dtype=mask.dtype)], 1)
+    outs = [model.generate(input_ids=ids3, attention_mask=mask3, max_new_tokens=5,
+                           do_sample=False, past_key_values=c) for c in caches]
+    assert_same(*outs)

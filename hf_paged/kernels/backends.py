@@ -27,9 +27,16 @@ class TorchBackend:
     copy_blocks = staticmethod(reference.copy_blocks)
 
     def attention(self, query, k_cache, v_cache, meta, scale, sliding_window=None,
-                  alibi_slopes=None):
-        """query [R, Hq, q, D] -> [R, q, Hq, D] (padded layout, see ForwardMetadata)."""
-        mask = meta.attention_mask(sliding_window, alibi_slopes)
+                  alibi_slopes=None, caller_mask=None):
+        """query [R, Hq, q, D] -> [R, q, Hq, D] (padded layout, see ForwardMetadata).
+
+        caller_mask: a caller's 4D mask over columns (see `ForwardMetadata.caller_mask`),
+        used instead of the causal / sliding-window mask, as SDPA uses it.
+        """
+        if caller_mask is not None:
+            mask = meta.caller_mask(caller_mask)
+        else:
+            mask = meta.attention_mask(sliding_window, alibi_slopes)
         workspace = self._gather_workspace(meta.block_tables.numel(), k_cache)
         out = reference.paged_attention(query, k_cache, v_cache, meta.block_tables, mask,
                                         scale, workspace)

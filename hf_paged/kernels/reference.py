@@ -52,19 +52,23 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor,
 
 
 def key_mask(
-    query_pos: torch.Tensor, is_query: torch.Tensor | None, num_keys: int, sliding_window: int | None
+    query_pos: torch.Tensor, is_query: torch.Tensor | None, num_keys: int,
+    sliding_window: int | None, key_hidden: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Which keys each query sees: [R, q] positions -> [R, 1, q, T] bool.
 
     Key t is visible to a query at position p when t <= p and, with a sliding window W,
-    t > p - W (Transformers' convention). Rows of `is_query` that are False are padding:
-    they see key 0 only, so their (discarded) output stays finite.
+    t > p - W (Transformers' convention), unless `key_hidden` [R, T] marks it. Rows of
+    `is_query` that are False are padding: they see key 0 only, so their (discarded)
+    output stays finite.
     """
     t = torch.arange(num_keys, device=query_pos.device)
     p = query_pos.unsqueeze(-1)
     mask = t <= p
     if sliding_window is not None:
         mask &= t > p - sliding_window
+    if key_hidden is not None:
+        mask &= ~key_hidden.unsqueeze(1)
     if is_query is not None:
         mask |= (~is_query).unsqueeze(-1) & (t == 0)
     return mask.unsqueeze(1)

@@ -69,7 +69,9 @@ def paged_falcon_attention(original):
                 slopes = slopes.to(device=query.device, dtype=query.dtype)
                 self.__dict__["_hf_paged_slopes"] = slopes
         layer_past.update(key, value, self.layer_idx)
-        out = layer_past.attend(query, self.layer_idx, self.inv_norm_factor, alibi_slopes=slopes)
+        # A mask here was prepared by the caller (4D): for a PagedCache, paged_mask gives None.
+        out = layer_past.attend(query, self.layer_idx, self.inv_norm_factor, alibi_slopes=slopes,
+                                caller_mask=attention_mask)
         out = out.reshape(batch, q_len, self.num_heads * dim)
         return self.dense(out), None
 
