@@ -136,6 +136,20 @@ class PagedCache(Cache):
         # Blocks go back to the (possibly shared) pool when this cache is collected.
         weakref.finalize(self, self.tables.release, later=True)
 
+    def __getstate__(self):
+        """Pickling (and deepcopy) carry the pool along; per-forward state is rebuilt."""
+        state = self.__dict__.copy()
+        state.update(backend=None, _reference=None, meta=None, _views=[], _views_version=-1)
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        if self.pool is not None:
+            self.backend = select_backend(self.cache_config.backend, self.pool.device,
+                                          self.pool.dtype, self.block_size, self.num_heads,
+                                          self.num_kv_heads)
+            weakref.finalize(self, self.tables.release, later=True)
+
     # -- generate's view of the cache -----------------------------------------------------
     def __len__(self) -> int:
         return self.num_layers

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import os
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
@@ -13,19 +14,26 @@ BACKEND_ENV_VAR = "HF_PAGED_BACKEND"
 
 
 def _positive_int(name: str, value: Any, allow_none: bool) -> int | None:
+    """`value` as a positive int; integral numbers of other types (numpy, 0-d tensors) count."""
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    try:
+        number = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        number = None
+    if number is None or number <= 0:
         allowed = "a positive integer" + (" or None" if allow_none else "")
         raise ValueError(f"cache_config[{name!r}] must be {allowed}; got {value!r}.")
-    return value
+    return number
 
 
 @dataclass(frozen=True)
 class PagedCacheConfig:
     """Settings of one paged cache.
 
-    block_size:   tokens per block (vLLM's default is 16).
+    block_size:   tokens per block (vLLM's default is 16). An unsized pool never uses blocks
+                  longer than its call's longest sequence (rounded up to a power of two, at
+                  least 16 tokens), so a large value cannot inflate a short call.
     num_blocks:   fixed pool size in blocks; the pool is allocated once and reused.
     max_kv_bytes: fixed pool size in bytes (K+V over all layers); converted to blocks.
     backend:      attention backend ("auto" picks the best available one).
@@ -38,9 +46,9 @@ class PagedCacheConfig:
     backend: str = "auto"
 
     def __post_init__(self):
-        _positive_int("block_size", self.block_size, allow_none=False)
-        _positive_int("num_blocks", self.num_blocks, allow_none=True)
-        _positive_int("max_kv_bytes", self.max_kv_bytes, allow_none=True)
+        for name in ("block_size", "num_blocks", "max_kv_bytes"):
+            value = _positive_int(name, getattr(self, name), allow_none=name != "block_size")
+            object.__setattr__(self, name, value)
         if self.num_blocks is not None and self.max_kv_bytes is not None:
             raise ValueError(
                 "cache_config accepts one of 'num_blocks' and 'max_kv_bytes', not both; got "

@@ -353,3 +353,29 @@ def test_crop_into_a_forward_with_inner_padding(kind):
     outs = [model.generate(input_ids=ids3, attention_mask=mask3, max_new_tokens=5,
                            do_sample=False, past_key_values=c) for c in caches]
     assert_same(*outs)
+
+
+@pytest.mark.parametrize("value", ["numpy", "tensor"])
+def test_integral_block_size_of_other_types(llama, batch, value):
+    import numpy as np
+
+    block_size = np.int64(8) if value == "numpy" else torch.tensor(8)
+    ref = llama.generate(**batch, max_new_tokens=4, do_sample=False)
+    out = paged_generate(llama, batch, 4, cache_config={"block_size": block_size,
+                                                        "num_blocks": np.int32(200)})
+    assert torch.equal(ref, out.sequences)
+    stats = out.past_key_values.memory_stats()
+    assert stats.block_size == 8 and stats.num_blocks == 200
+
+
+def test_huge_block_size_is_bounded_by_the_call(llama):
+    """A 14-token call with block_size=10**6 gets blocks no longer than it can use."""
+    ids, mask = left_padded_batch([6, 9], seed=3)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    ref = llama.generate(**kwargs)
+    out = llama.generate(**kwargs, cache_implementation="paged", return_dict_in_generate=True,
+                         cache_config={"block_size": 10**6})
+    assert torch.equal(ref, out.sequences)
+    stats = out.past_key_values.memory_stats()
+    assert stats.block_size == 16  # the call holds at most 13 tokens per row
+    assert stats.pool_bytes <= 2 * 16 * stats.bytes_per_token

@@ -13,6 +13,7 @@ import math
 import torch
 from transformers.models.falcon.modeling_falcon import apply_rotary_pos_emb, build_alibi_tensor
 
+from ..attention import ATTENTION_NAME
 from ..cache import PagedCache
 
 
@@ -46,9 +47,11 @@ def paged_falcon_attention(original):
     def forward(self, hidden_states, alibi, attention_mask, position_ids=None, layer_past=None,
                 use_cache=False, output_attentions=False, position_embeddings=None, **kwargs):
         if not isinstance(layer_past, PagedCache):
-            if attention_mask is not None and attention_mask.dtype == torch.bool:
+            if (attention_mask is not None and attention_mask.dtype == torch.bool
+                    and self.config._attn_implementation == ATTENTION_NAME):
                 # Under "paged", Falcon takes its eager branch, which adds the mask to the
                 # scores; paged_mask gave Transformers' boolean SDPA mask for this cache.
+                # (Under "sdpa" the boolean mask is what Transformers passes to SDPA.)
                 attention_mask = torch.zeros_like(attention_mask, dtype=hidden_states.dtype) \
                     .masked_fill(~attention_mask, torch.finfo(hidden_states.dtype).min)
             return original(self, hidden_states, alibi, attention_mask, position_ids=position_ids,

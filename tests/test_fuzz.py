@@ -1,0 +1,163 @@
+"""Differential fuzz: random generate calls, paged vs DynamicCache, token for token.
+
+Each case draws a model layout, block size, pool sizing, batch with random padding (left,
+inner, right, all-padding rows), decoding mode, EOS token and, for some, a second turn on the
+returned cache or assisted decoding. `HF_PAGED_FUZZ_CASES` sets how many cases run (default
+40) and `HF_PAGED_FUZZ_SEED` where they start, so a failing case can be rerun alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import warnings
+
+import pytest
+import torch
+
+import hf_paged
+from conftest import MODEL_KINDS, PAD, VOCAB, make_model
+
+NUM_CASES = int(os.environ.get("HF_PAGED_FUZZ_CASES", "40"))
+FIRST_SEED = int(os.environ.get("HF_PAGED_FUZZ_SEED", "0"))
+
+_models: dict = {}
+
+
+def model_for(kind):
+    if kind not in _models:
+        _models[kind] = make_model(kind)
+    return _models[kind]
+
+
+def random_batch(rng: random.Random, rows: int, width: int):
+    """Token ids and a mask with left padding, and sometimes inner zeros, right padding or
+    an all-padding row."""
+    g = torch.Generator().manual_seed(rng.randrange(10**6))
+    ids = torch.randint(3, VOCAB, (rows, width), generator=g)
+    mask = torch.ones(rows, width, dtype=torch.long)
+    for r in range(rows):
+        kind = rng.choices(["left", "inner", "right", "none", "empty"], [6, 2, 1, 2, 0.3])[0]
+        n = rng.randint(1, width)
+        if kind in ("left", "inner"):
+            mask[r, : width - n] = 0
+        if kind == "inner" and n > 2:
+            a = rng.randrange(width - n + 1, width - 1)
+            mask[r, a: a + rng.randint(1, 2)] = 0
+        if kind == "right":
+            mask[r, n:] = 0
+        if kind == "empty":
+            mask[r] = 0
+    ids[mask == 0] = PAD
+    return ids, mask
+
+
+def draw_case(seed: int) -> dict:
+    rng = random.Random(seed)
+    kind = rng.choice(MODEL_KINDS)
+    mode = rng.choice(["greedy", "greedy", "sample", "beam", "beam_sample", "nrs", "assisted",
+                       "lookup"])
+    rows = 1 if mode in ("assisted", "lookup") else rng.randint(1, 4)
+    width = rng.randint(1, 24)
+    options = dict(max_new_tokens=rng.randint(1, 12))
+    if mode in ("sample", "beam_sample", "nrs"):
+        options.update(do_sample=True, top_k=rng.choice([0, 5]))
+    else:
+        options.update(do_sample=False)
+    if mode in ("beam", "beam_sample"):
+        options["num_beams"] = rng.randint(2, 4)
+        options["num_return_sequences"] = rng.randint(1, options["num_beams"])
+    if mode == "nrs":
+        options["num_return_sequences"] = rng.randint(2, 3)
+    if mode == "lookup":
+        options["prompt_lookup_num_tokens"] = rng.randint(1, 4)
+    if rng.random() < 0.3:
+        options["eos_token_id"] = rng.randrange(3, VOCAB)  # rows may stop early
+    cache_config = {"block_size": rng.choice([1, 2, 3, 4, 7, 16, 64])}
+    if rng.random() < 0.3:
+        cache_config["num_blocks"] = 600
+    return dict(seed=seed, kind=kind, mode=mode, rows=rows, width=width, options=options,
+                cache_config=cache_config, second_turn=mode in ("greedy", "sample") and
+                rng.random() < 0.5, assistant=rng.choice(MODEL_KINDS), rng=rng)
+
+
+@contextlib.contextmanager
+def stock_transformers():
+    """Transformers exactly as shipped: the reference must not see any hf-paged patch."""
+    hf_paged.disable()
+    try:
+        yield
+    finally:
+        hf_paged.enable()
+
+
+def generate_both(model, seed, **kwargs):
+    outs = []
+    for paged in (False, True):
+        torch.manual_seed(seed)
+        extra = dict(cache_implementation="paged") if paged else {}
+        if paged and "cache_config" in kwargs:
+            extra["cache_config"] = kwargs["cache_config"]
+        kw = {k: v for k, v in kwargs.items() if k != "cache_config"}
+        if paged and "past_key_values" in kw:
+            kw["past_key_values"] = kwargs["past_key_values"][1]
+            extra = {}
+        elif "past_key_values" in kw:
+            kw["past_key_values"] = kwargs["past_key_values"][0]
+        if paged:
+            outs.append(model.generate(**kw, **extra))
+        else:
+            with stock_transformers():
+                outs.append(model.generate(**kw))
+    return outs
+
+
+def check(case: dict) -> None:
+    model = model_for(case["kind"])
+    rng = case["rng"]
+    ids, mask = random_batch(rng, case["rows"], case["width"])
+    options = dict(case["options"])
+    if case["mode"] == "assisted":
+        options["assistant_model"] = model_for(case["assistant"])
+        if "eos_token_id" not in options and rng.random() < 0.5:
+            options["pad_token_id"] = rng.randrange(3, VOCAB)  # the assistant may see it
+    keep = case["second_turn"]
+    ref, out = generate_both(model, case["seed"], input_ids=ids, attention_mask=mask,
+                             return_dict_in_generate=keep, cache_config=case["cache_config"],
+                             **options)
+    a, b = (ref.sequences, out.sequences) if keep else (ref, out)
+    assert a.shape == b.shape and torch.equal(a, b), f"first call differs: {case_repr(case)}"
+    if not keep:
+        return
+    seq = a
+    new = rng.randint(1, 5)
+    turn = torch.randint(3, VOCAB, (seq.shape[0], new),
+                         generator=torch.Generator().manual_seed(case["seed"]))
+    turn_mask = torch.ones_like(turn)
+    for r in range(seq.shape[0]):
+        turn_mask[r, : rng.randint(0, new)] = 0  # each row's turn is left-padded (maybe empty)
+    turn[turn_mask == 0] = PAD
+    ids2 = torch.cat([seq, turn], 1)
+    if rng.random() < 0.5:
+        grown = torch.ones(seq.shape[0], seq.shape[1] - ids.shape[1], dtype=mask.dtype)
+        mask2 = torch.cat([mask, grown, turn_mask], 1)
+    else:
+        mask2 = (ids2 != PAD).long()  # the usual rebuild: pads after an early stop hide too
+    ref2, out2 = generate_both(model, case["seed"] + 1, input_ids=ids2, attention_mask=mask2,
+                               max_new_tokens=rng.randint(1, 6),
+                               do_sample=options.get("do_sample", False),
+                               eos_token_id=options.get("eos_token_id"),
+                               past_key_values=(ref.past_key_values, out.past_key_values))
+    assert torch.equal(ref2, out2), f"second turn differs: {case_repr(case)}"
+
+
+def case_repr(case):
+    return {k: v for k, v in case.items() if k != "rng"}
+
+
+@pytest.mark.parametrize("seed", range(FIRST_SEED, FIRST_SEED + NUM_CASES))
+def test_fuzz_case(seed):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Transformers' right-padding warning and the like
+        check(draw_case(seed))
