@@ -75,6 +75,13 @@ def paged_falcon_attention(original):
         # A mask here was prepared by the caller (4D): for a PagedCache, paged_mask gives None.
         out = layer_past.attend(query, self.layer_idx, self.inv_norm_factor, alibi_slopes=slopes,
                                 caller_mask=attention_mask)
+        meta = layer_past.meta
+        if slopes is not None and meta.is_query is not None and meta.columns == q_len:
+            # Falcon-RW adds its mask as a float bias (finfo.min), so in Transformers a query
+            # seeing no key (left padding) attends uniformly to every column: the mean of its
+            # row's values. Reproducible in a first forward, where all those values are here.
+            mean = value.mean(2).repeat_interleave(self.num_heads // value.shape[1], 1)
+            out = torch.where(meta.is_query[:, :, None, None], out, mean[:, None].to(out.dtype))
         out = out.reshape(batch, q_len, self.num_heads * dim)
         return self.dense(out), None
 
