@@ -391,7 +391,6 @@ class PagedCache(Cache):
         k_cache, v_cache = self._views[layer_idx]
         if meta.max_seq_len == 0:  # every row is still all padding: no key to attend to
             return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
-        backend = self.backend
         if caller_mask is not None:
             if alibi_slopes is not None:
                 raise ValueError("A 4D attention mask cannot be combined with ALiBi here "
@@ -401,14 +400,12 @@ class PagedCache(Cache):
                     "A 4D attention mask cannot be honoured after blocks left the sliding "
                     "window; call activate_past_recording() before the first forward."
                 )
-        if (caller_mask is not None or meta.needs_reference) and backend.name != "torch":
-            if self._reference is None:
-                self._reference = TorchBackend()
-            backend = self._reference
-        extra = {} if caller_mask is None else {"caller_mask": caller_mask}
+            return self._reference_backend().attention(query, k_cache, v_cache, meta, scale,
+                                                       caller_mask=caller_mask)
+        backend = self._reference_backend() if meta.needs_reference else self.backend
         if not meta.packed:
             return backend.attention(query, k_cache, v_cache, meta, scale, sliding_window,
-                                     alibi_slopes, **extra)
+                                     alibi_slopes)
         rows, q_cols = meta.query_pos.shape
         heads, dim = query.shape[1], query.shape[3]
         tokens = query.transpose(1, 2).reshape(-1, heads, dim)  # [N, Hq, D]
@@ -422,6 +419,15 @@ class PagedCache(Cache):
         if meta.token_index is not None:
             out = out.index_select(0, meta.token_index)
         return out.unsqueeze(0)
+
+    def _reference_backend(self):
+        """The PyTorch reference, for forwards the kernels do not cover (hidden slots, a
+        caller's 4D mask)."""
+        if self.backend.name == "torch":
+            return self.backend
+        if self._reference is None:
+            self._reference = TorchBackend()
+        return self._reference
 
     # -- structure changes from generate -----------------------------------------------------------
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

@@ -12,11 +12,13 @@ class MemoryStats:
     """KV memory of a `PagedCache` at one moment.
 
     tokens_stored:       distinct tokens held in blocks (a shared token counts once; tokens
-                         released outside a sliding window do not count)
+                         released outside a sliding window do not count; hidden slots, the
+                         columns a mask hides after a row's first real token, do)
     logical_tokens:      sequence lengths summed over rows
-    blocks_in_use:       blocks with at least one holder
-    peak_blocks_in_use:  most blocks in use at once since the cache was created or reset
-    num_blocks:          blocks the pool has room for
+    blocks_in_use:       blocks this cache holds
+    peak_blocks_in_use:  most blocks this cache held at once since it was created or reset
+    num_blocks:          blocks the pool has room for (a sized pool is shared with the other
+                         caches of its model)
     shared_blocks:       blocks held by more than one row
     bytes_per_token:     K+V bytes of one token over all layers
     pool_bytes:          bytes allocated for the pool

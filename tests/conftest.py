@@ -80,6 +80,20 @@ def left_padded_batch(lengths, seed: int = 0):
     return ids, mask
 
 
+def grown_mask(mask: torch.Tensor, width: int) -> torch.Tensor:
+    """`mask` [B, L] extended with ones to `width` columns (the tokens generate appended)."""
+    return torch.cat([mask, mask.new_ones(mask.shape[0], width - mask.shape[1])], 1)
+
+
+def assert_continues(model, first, mask, cache, new_tokens: int = 5):
+    """Continuing `cache` from the output `first` of a call on prompts with `mask` gives the
+    tokens of a fresh stock call on the whole sequence."""
+    seq = first.sequences
+    kwargs = dict(input_ids=seq, attention_mask=grown_mask(mask, seq.shape[1]),
+                  max_new_tokens=new_tokens, do_sample=False)
+    assert_same(model.generate(**kwargs), model.generate(**kwargs, past_key_values=cache))
+
+
 def make_tokenizer() -> PreTrainedTokenizerFast:
     """A word-level tokenizer over the model's vocabulary, built offline."""
     from tokenizers import Tokenizer, models, pre_tokenizers

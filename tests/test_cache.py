@@ -8,7 +8,7 @@ from transformers import DynamicCache
 
 import hf_paged
 from hf_paged import KVCacheExhaustedError, PagedCache, PagedCacheConfig
-from conftest import assert_same, both, left_padded_batch, make_model
+from conftest import assert_same, both, grown_mask, left_padded_batch, make_model
 
 LENGTHS = [1, 9, 23, 47, 71, 100]
 
@@ -192,7 +192,7 @@ def test_cache_started_in_inference_mode_continues_under_no_grad(llama):
                                do_sample=False, cache_implementation="paged",
                                return_dict_in_generate=True)
     seq = first.sequences
-    ext = torch.cat([mask, torch.ones(2, seq.shape[1] - ids.shape[1], dtype=mask.dtype)], 1)
+    ext = grown_mask(mask, seq.shape[1])
     ref = llama.generate(input_ids=seq, attention_mask=ext, max_new_tokens=4, do_sample=False)
     with torch.no_grad():
         out = llama.generate(input_ids=seq, attention_mask=ext, max_new_tokens=4,

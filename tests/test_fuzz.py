@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import hf_paged
-from conftest import MODEL_KINDS, PAD, VOCAB, make_model
+from conftest import MODEL_KINDS, PAD, VOCAB, grown_mask, make_model
 
 NUM_CASES = int(os.environ.get("HF_PAGED_FUZZ_CASES", "40"))
 FIRST_SEED = int(os.environ.get("HF_PAGED_FUZZ_SEED", "0"))
@@ -140,8 +140,7 @@ def check(case: dict) -> None:
     turn[turn_mask == 0] = PAD
     ids2 = torch.cat([seq, turn], 1)
     if rng.random() < 0.5:
-        grown = torch.ones(seq.shape[0], seq.shape[1] - ids.shape[1], dtype=mask.dtype)
-        mask2 = torch.cat([mask, grown, turn_mask], 1)
+        mask2 = torch.cat([grown_mask(mask, seq.shape[1]), turn_mask], 1)
     else:
         mask2 = (ids2 != PAD).long()  # the usual rebuild: pads after an early stop hide too
     ref2, out2 = generate_both(model, case["seed"] + 1, input_ids=ids2, attention_mask=mask2,

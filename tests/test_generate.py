@@ -12,7 +12,7 @@ from transformers import (
 )
 
 from hf_paged import HFPagedError, PagedCache
-from conftest import EOS, assert_same, both, left_padded_batch
+from conftest import EOS, assert_continues, assert_same, both, left_padded_batch
 
 LENGTHS = [1, 9, 23, 47, 71, 100]  # left-padded batch of 6, lengths 1..100
 
@@ -187,12 +187,7 @@ def test_continue_from_returned_cache(llama):
     ids, mask = left_padded_batch([12, 20], seed=8)
     first = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
                            cache_implementation="paged", return_dict_in_generate=True)
-    seq = first.sequences
-    ext = torch.cat([mask, torch.ones(2, seq.shape[1] - ids.shape[1], dtype=mask.dtype)], 1)
-    ref = llama.generate(input_ids=seq, attention_mask=ext, max_new_tokens=6, do_sample=False)
-    out = llama.generate(input_ids=seq, attention_mask=ext, max_new_tokens=6, do_sample=False,
-                         past_key_values=first.past_key_values)
-    assert_same(ref, out)
+    assert_continues(llama, first, mask, first.past_key_values, new_tokens=6)
 
 
 @pytest.mark.parametrize("extra", [dict(prefill_chunk_size=5),

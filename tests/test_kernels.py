@@ -186,6 +186,38 @@ def test_generate_with_triton_backend(kind):
                 model.generate(**beams, cache_config={"backend": "triton", "block_size": 4}))
 
 
+@needs_triton
+def test_hidden_slots_and_4d_masks_with_a_kernel_backend():
+    """Forwards the kernels do not cover (hidden slots, a caller's 4D mask) run on the
+    reference, whatever the cache's backend; the rest of the call stays on the kernels."""
+    model = make_model("llama_gqa").to(DEVICE)
+    ids, mask = left_padded_batch([6, 9], seed=3)
+    mask[0, -2:] = 0  # right padding: hidden slots
+    kwargs = dict(input_ids=ids.to(DEVICE), attention_mask=mask.to(DEVICE), max_new_tokens=5,
+                  do_sample=False, return_dict_in_generate=True)
+    ref = model.generate(**kwargs)
+    out = model.generate(**kwargs, cache_implementation="paged",
+                         cache_config={"backend": "triton", "block_size": 4})
+    assert out.past_key_values.backend.name == "triton"
+    assert_same(ref, out)
+    from hf_paged import PagedCache
+
+    packed = torch.ones(1, 1, 6, 6, dtype=torch.bool, device=DEVICE).tril()
+    packed[..., 3:, :3] = False  # two sequences of 3 in one row
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2]], device=DEVICE)
+    row = ids[1:, -6:].to(DEVICE)
+    with torch.no_grad():
+        expected = model(input_ids=row, attention_mask=packed, position_ids=positions).logits
+        model.config._attn_implementation_internal = "paged"
+        try:
+            cache = PagedCache(model.config, {"backend": "triton", "block_size": 4})
+            got = model(input_ids=row, attention_mask=packed, position_ids=positions,
+                        past_key_values=cache).logits
+        finally:
+            model.config._attn_implementation_internal = "sdpa"
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.skipif(GPU, reason="checks the errors a CPU-only machine gives")
 def test_backend_selection_on_cpu():
     assert select_backend("torch", "cpu").name == "torch"

@@ -11,7 +11,9 @@ import torch
 from transformers import DynamicCache, MistralConfig, MistralForCausalLM
 
 from hf_paged import HFPagedError, PagedCache
-from conftest import PAD, VOCAB, _common, assert_same, both, left_padded_batch, make_model
+from conftest import (
+    PAD, VOCAB, _common, assert_same, both, grown_mask, left_padded_batch, make_model,
+)
 
 
 def paged_attention(model):
@@ -52,9 +54,8 @@ def test_continuation_masks_one_new_column_of_one_row(model):
     """A one-token turn whose column is padding for one row: that row must not attend to it."""
     ids, mask, ref, out = first_turn(model, [6, 11])
     seq = ref.sequences
-    grown = torch.ones(2, seq.shape[1] - ids.shape[1], dtype=mask.dtype)
     new = torch.tensor([[PAD], [17]])
-    mask2 = torch.cat([mask, grown, torch.tensor([[0], [1]])], 1)
+    mask2 = torch.cat([grown_mask(mask, seq.shape[1]), torch.tensor([[0], [1]])], 1)
     continue_both(model, ref, out, torch.cat([seq, new], 1), mask2)
 
 
@@ -73,13 +74,13 @@ def test_masked_cached_column_can_be_shown_again(llama):
     """A cached column hidden by one call and shown by the next: the slot was kept."""
     ids, mask, ref, out = first_turn(llama, [6, 11])
     seq = ref.sequences
-    mask_a = torch.cat([mask, torch.ones(2, seq.shape[1] - ids.shape[1], dtype=mask.dtype)], 1)
+    mask_a = grown_mask(mask, seq.shape[1])
     mask_a[1, -2] = 0
     turn = torch.tensor([[40], [41]])
     a, b = continue_both(llama, ref, out, torch.cat([seq, turn], 1),
                          torch.cat([mask_a, torch.ones(2, 1, dtype=mask.dtype)], 1))
     seq2 = a.sequences
-    mask_b = torch.cat([mask_a, torch.ones(2, seq2.shape[1] - mask_a.shape[1], dtype=mask.dtype)], 1)
+    mask_b = grown_mask(mask_a, seq2.shape[1])
     mask_b[1, -9] = 1  # shown again
     continue_both(llama, a, b, torch.cat([seq2, turn], 1),
                   torch.cat([mask_b, torch.ones(2, 1, dtype=mask.dtype)], 1))
@@ -125,9 +126,8 @@ def test_empty_turn_in_batched_continuation(model):
     """One row gets a new turn, the other none (its new columns are all padding)."""
     ids, mask, ref, out = first_turn(model, [6, 11])
     seq = ref.sequences
-    grown = torch.ones(2, seq.shape[1] - ids.shape[1], dtype=mask.dtype)
     turn = torch.tensor([[PAD, PAD, PAD], [30, 31, 32]])
-    mask2 = torch.cat([mask, grown, (turn != PAD).long()], 1)
+    mask2 = torch.cat([grown_mask(mask, seq.shape[1]), (turn != PAD).long()], 1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         continue_both(model, ref, out, torch.cat([seq, turn], 1), mask2)

@@ -14,7 +14,7 @@ import torch
 
 from hf_paged import KVCacheExhaustedError, PagedCache
 from hf_paged.kv_pool import kept_pool
-from conftest import assert_same, left_padded_batch, make_model
+from conftest import assert_continues, assert_same, left_padded_batch, make_model
 
 SIZED = {"num_blocks": 400, "block_size": 4}
 
@@ -122,17 +122,12 @@ def test_returned_caches_hold_their_blocks_until_dropped(models):
     held = [c.memory_stats().blocks_in_use for c in caches]
     assert pool.blocks.num_used == sum(held)
     # Each cache continues on its own blocks (as in a second turn).
-    ids, mask = left_padded_batch(JOBS[0][1], seed=0)
-    seq = outs[0].sequences
-    ext = torch.cat([mask, torch.ones(3, seq.shape[1] - ids.shape[1], dtype=mask.dtype)], 1)
-    ref = llama.generate(input_ids=seq, attention_mask=ext, max_new_tokens=5, do_sample=False)
-    out = llama.generate(input_ids=seq, attention_mask=ext, max_new_tokens=5, do_sample=False,
-                         past_key_values=caches[0])
-    assert_same(ref, out)
+    _, mask = left_padded_batch(JOBS[0][1], seed=0)
+    assert_continues(llama, outs[0], mask, caches[0])
     assert caches[1].memory_stats().blocks_in_use == held[1]  # untouched
     caches[1].reset()
     assert pool.blocks.num_used == caches[0].memory_stats().blocks_in_use
-    del outs, caches, out
+    del outs, caches
     assert pool.blocks.num_used == 0
 
 
@@ -189,12 +184,7 @@ def test_deepcopy_gets_a_pool_of_its_own():
                            return_dict_in_generate=True)
     assert other.past_key_values.pool is not live.past_key_values.pool
     # The original's cache still continues correctly.
-    seq = live.sequences
-    ext = torch.cat([mask, torch.ones(2, seq.shape[1] - ids.shape[1], dtype=mask.dtype)], 1)
-    ref = model.generate(input_ids=seq, attention_mask=ext, max_new_tokens=4, do_sample=False)
-    out = model.generate(input_ids=seq, attention_mask=ext, max_new_tokens=4, do_sample=False,
-                         past_key_values=live.past_key_values)
-    assert_same(ref, out)
+    assert_continues(model, live, mask, live.past_key_values)
 
 
 def test_pool_and_cache_objects_pickle():

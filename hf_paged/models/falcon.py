@@ -76,7 +76,8 @@ def paged_falcon_attention(original):
         out = layer_past.attend(query, self.layer_idx, self.inv_norm_factor, alibi_slopes=slopes,
                                 caller_mask=attention_mask)
         meta = layer_past.meta
-        if slopes is not None and meta.is_query is not None and meta.columns == q_len:
+        if (slopes is not None and meta.is_query is not None and not meta.packed
+                and meta.columns == q_len):
             # Falcon-RW adds its mask as a float bias (finfo.min), so in Transformers a query
             # seeing no key (left padding) attends uniformly to every column: the mean of its
             # row's values. Reproducible in a first forward, where all those values are here.
