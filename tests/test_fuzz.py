@@ -3,7 +3,7 @@
 Each case draws a model layout, block size, pool sizing, batch with random padding (left,
 inner, right, all-padding rows), decoding mode, EOS token and, for some, a second turn on the
 returned cache or assisted decoding. `HF_PAGED_FUZZ_CASES` sets how many cases run (default
-40) and `HF_PAGED_FUZZ_SEED` where they start, so a failing case can be rerun alone.
+100) and `HF_PAGED_FUZZ_SEED` where they start, so a failing case can be rerun alone.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 import hf_paged
 from conftest import MODEL_KINDS, PAD, VOCAB, grown_mask, make_model
 
-NUM_CASES = int(os.environ.get("HF_PAGED_FUZZ_CASES", "40"))
+NUM_CASES = int(os.environ.get("HF_PAGED_FUZZ_CASES", "100"))
 FIRST_SEED = int(os.environ.get("HF_PAGED_FUZZ_SEED", "0"))
 
 _models: dict = {}
