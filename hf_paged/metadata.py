@@ -140,8 +140,9 @@ class ForwardMetadata:
         or an additive float bias), moved onto slots: [R, 1 or H, q, T], unstored slots
         masked. Raises if the mask lets a query see a column that has no slot."""
         cached = self._masks.get("caller")
-        if cached is not None and cached[0] is mask:
+        if cached is not None and cached[0] is mask:  # the same mask reaches every layer
             return cached[1]
+        given = mask
         rows, q_len = self.query_pos.shape
         if (mask.dim() != 4 or mask.shape[0] not in (1, rows) or mask.shape[2] != q_len
                 or mask.shape[3] != self.columns):
@@ -166,7 +167,7 @@ class ForwardMetadata:
         out = mask.gather(-1, index)
         stored = (slots.unsqueeze(0) < self.seq_lens.unsqueeze(1))[:, None, None, :]
         out = out & stored if out.dtype == torch.bool else out.masked_fill(~stored, float("-inf"))
-        self._masks["caller"] = (mask, out)
+        self._masks["caller"] = (given, out)
         return out
 
 
