@@ -107,11 +107,11 @@ class PagedCache(Cache):
         self._seen = 0  # padded columns processed, what generate calls the sequence length
         self.peak_blocks = 0
         self._pending_mask: torch.Tensor | None | object = _UNSET  # None: told "no padding"
-        self._pending_from_generate = False
         self._pending_packed: tuple[list[int], int] | None = None
-        # Width of the mask the running generate call started with: later columns are the
-        # ones generate appends, always real, so its decode steps need not read the mask.
-        self._call_columns: int | None = None
+        # Width of the mask a running generate call started with, when its forwards get
+        # generate's own masks: later columns are the ones generate appends (see
+        # begin_generate).
+        self._generate_columns: int | None = None
         self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._views_version = -1
         # With a sliding window, blocks no query can see again are released, unless the
@@ -209,35 +209,65 @@ class PagedCache(Cache):
         return self._recording
 
     # -- writing ------------------------------------------------------------------------------
-    def begin_generate(self, attention_mask: torch.Tensor | None) -> None:
+    def begin_generate(self, attention_mask: torch.Tensor | None, trusted: bool) -> None:
         """A generate call starts on this cache with `attention_mask` [R, L] (or None).
 
-        Its first forward reads the whole mask; its later single-token steps cover only
-        columns generate appended (always real), so they do not read it again.
+        trusted: its forwards get generate's own masks (see `runs_plain_forward`). Then its
+        single-token steps past column L cover only columns generate appended, always real,
+        and do not read the mask (no host sync); otherwise every forward reads it.
         """
-        self._call_columns = attention_mask.shape[-1] if attention_mask is not None else None
+        self._generate_columns = (attention_mask.shape[-1]
+                                  if trusted and attention_mask is not None else None)
 
-    def expect_forward(self, attention_mask: torch.Tensor | None, *,
-                       from_generate: bool = False) -> None:
-        """Tells the next forward which of its columns are real tokens.
+    def end_generate(self) -> None:
+        self._generate_columns = None
+
+    def expect_forward(self, attention_mask: torch.Tensor | None) -> None:
+        """Tells the next forward which of its columns are real tokens, whatever mask the
+        forward itself gets.
 
         attention_mask: [R, seen + q] 2D mask (1 = real token) or None for no padding.
-        from_generate: the mask is generate's own (see `begin_generate`).
         """
         self._pending_mask = attention_mask
-        self._pending_from_generate = from_generate
 
     def adopt_mask(self, attention_mask: torch.Tensor | None) -> None:
-        """A direct forward's 2D padding mask (None: none given), unless the next forward
-        was described already."""
+        """The 2D padding mask a forward got (None: none), as the "paged" mask function sees
+        it, unless the forward was described already."""
         if self._pending_mask is _UNSET and self._pending_packed is None:
             self._pending_mask = attention_mask
-            self._pending_from_generate = False
 
     def expect_packed(self, counts: list[int], width: int) -> None:
         """Announces a packed forward: one input row holding `counts[r]` real tokens of each
         sequence back to back, standing for a left-padded batch `width` columns wide."""
         self._pending_packed = (list(counts), width)
+
+    def load_prefix(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Stores leading tokens given directly as keys and values, before any forward:
+        PEFT prefix tuning's virtual tokens. Rows with the same prefix share its blocks.
+
+        keys, values: one [R, Hkv, V, D] tensor per layer. Raises ValueError if the shapes do
+        not match this cache's layers, KV heads and head dim.
+        """
+        rows, heads, length, dim = keys[0].shape
+        if self._seen or len(keys) != self.num_layers or len(values) != self.num_layers or any(
+                t.shape != (rows, self.num_kv_heads, length, self.head_dim) for t in keys + values):
+            raise ValueError(
+                f"a prefix needs {self.num_layers} layers of [rows, {self.num_kv_heads} KV heads, "
+                f"tokens, {self.head_dim}] on an empty cache; got {len(keys)} layers of "
+                f"{tuple(keys[0].shape)} after {self._seen} columns"
+            )
+        if self.pool is None:
+            self._bind_pool(None, keys[0].dtype, keys[0].device)
+        shared = all(torch.equal(t, t[:1].expand_as(t)) for t in keys + values)
+        stored = 1 if shared else rows
+        # One packed forward of the prefix tokens: [1, Hkv, stored * V, D], rows back to back.
+        self.expect_packed([length] * stored + [0] * (rows - stored), length)
+        for layer, (k, v) in enumerate(zip(keys, values)):
+            packed = [t[:stored].transpose(0, 1).reshape(1, heads, stored * length, dim)
+                      for t in (k, v)]
+            self.update(packed[0], packed[1], layer)
+        if shared and rows > 1:
+            self.reorder_cache(torch.zeros(rows, dtype=torch.long))  # every row shares row 0's
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """Stores the new tokens of one layer; returns that layer's pool views.
@@ -293,8 +323,8 @@ class PagedCache(Cache):
         if mask is None:
             return plan_unmasked(lengths, self._seen, q_len, self.hidden)
         check_mask_shape(mask, rows, self._seen, q_len)
-        if (q_len == 1 and self._pending_from_generate and self._call_columns is not None
-                and self._seen >= self._call_columns):
+        if (q_len == 1 and self._generate_columns is not None
+                and self._seen >= self._generate_columns):
             return StepPlan([1] * rows, 1)  # a column generate appended: real in every row
         return plan_from_mask(mask, lengths, self._seen, self.hidden)
 
@@ -479,7 +509,7 @@ class PagedCache(Cache):
         self.meta = None
         self._seen = 0
         self._pending_mask, self._pending_packed = _UNSET, None
-        self._call_columns = None
+        self._generate_columns = None
         self.peak_blocks = 0
 
     # -- accounting -----------------------------------------------------------------------------------

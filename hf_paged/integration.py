@@ -8,21 +8,29 @@ and wraps four `GenerationMixin` methods:
 - `_prepare_generation_config`: puts "paged" back into the call's generation config;
 - `_prepare_cache_for_generation`: builds (or reuses) a `PagedCache` for supported models
   and switches them to the "paged" attention for the call;
-- `prepare_inputs_for_generation`: hands each forward's 2D padding mask to the cache;
-- `_prefill`: runs each distinct prompt once, packed without its pad tokens (prefill.py).
+- `_prefill`: runs each distinct prompt once, packed without its pad tokens (prefill.py),
+  when nothing stands between generate and the model's forward (`runs_plain_forward`).
 
+Each forward hands its 2D padding mask to the cache through the "paged" mask function.
 Falcon computes attention inline, so `FalconAttention.forward` is wrapped too
-(see `models/falcon.py`). `disable()` undoes all of it.
+(see `models/falcon.py`). With PEFT loaded, `PeftModel.get_prompt` is wrapped on first use,
+so that prefix tuning's virtual tokens go into the paged cache. `disable()` undoes all of it
+and leaves a warning for `cache_implementation="paged"`, which Transformers would then
+route to its own continuous batching.
 """
 
 from __future__ import annotations
 
 import contextvars
 import functools
+import sys
 import threading
 import warnings
+from dataclasses import dataclass, field
 
+import torch
 from transformers import GenerationMixin
+from transformers.cache_utils import Cache
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 from transformers.models.falcon import modeling_falcon
@@ -37,7 +45,7 @@ from .cache import PagedCache
 from .models import kv_layout
 from .models.falcon import paged_falcon_attention
 from .config import PagedCacheConfig
-from .errors import UnsupportedModelError
+from .errors import HFPagedError, UnsupportedModelError
 from .kv_pool import kept_pool
 from . import prefill as paged_prefill
 
@@ -45,10 +53,18 @@ CACHE_IMPLEMENTATION = "paged"
 SUPPORTED_MODELS = (LlamaForCausalLM, MistralForCausalLM, FalconForCausalLM)
 SUPPORTED_ARCHITECTURES = tuple(cls.__name__ for cls in SUPPORTED_MODELS)
 
-# Set while a generate() call that got cache_implementation="paged" as a keyword runs.
-_paged_keyword = contextvars.ContextVar("hf_paged_keyword", default=False)
-# Configs the current generate() switched to the paged attention, released when it returns.
-_swapped = contextvars.ContextVar("hf_paged_swapped", default=None)
+
+
+@dataclass
+class _Call:
+    """State of one running generate() call (assisted decoding nests the assistant's)."""
+
+    keyword: bool  # cache_implementation="paged" came as a keyword, not in a config
+    switched: list = field(default_factory=list)  # attention switches to release at the end
+    caches: list = field(default_factory=list)  # PagedCaches this call generates on
+
+
+_call: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("hf_paged_call", default=None)
 # id(config) -> [config, its own attention implementation, generate() calls using "paged"]:
 # concurrent calls on one model share the switch, and the last one out restores it.
 _switched: dict[int, list] = {}
@@ -83,9 +99,48 @@ def _warn_unsupported(model) -> None:
     _warn_stock(model, f"cache_implementation='paged' supports {', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
+def runs_plain_forward(model) -> bool:
+    """Whether generate's forwards reach `model` exactly as Transformers makes them.
+
+    Only then may the prefill be replaced by a packed one on distinct prompts and decode
+    steps skip reading the mask. Not so with an overridden `prepare_inputs_for_generation`
+    (PEFT prompt learning, subclasses), forward hooks or replaced forwards (PEFT adapter
+    batches, accelerate), or modules in training mode (dropout draws random numbers per
+    input shape).
+    """
+    if ("prepare_inputs_for_generation" in model.__dict__
+            or type(model).prepare_inputs_for_generation
+            is not GenerationMixin.prepare_inputs_for_generation):
+        return False
+    from torch.nn.modules import module as torch_module
+
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        return False
+    return not any(m.training or m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__
+                   for m in model.modules())
+
+
+def _training_reason(model) -> str | None:
+    """Why a model in training mode cannot generate on the paged cache, or None."""
+    if not model.training:
+        return None
+    if getattr(model, "is_activation_checkpointing", False):  # gradient checkpointing
+        return ("gradient checkpointing is on in training mode, where Transformers runs the "
+                "layers without a cache")
+    for module in model.modules():
+        dropout = getattr(module, "attention_dropout", 0.0)  # Llama, Mistral: a float
+        if isinstance(dropout, torch.nn.Dropout):  # Falcon: a module
+            dropout = dropout.p
+        if module.training and isinstance(dropout, float) and dropout > 0:
+            return (f"attention dropout ({dropout}) is active in training mode, and it draws "
+                    "its random numbers inside Transformers' attention kernel")
+    return None
+
+
 def _use_paged_attention(model) -> None:
     config = model.config
-    swapped = _swapped.get()  # None outside generate(): nothing will switch it back
+    call = _call.get()
+    swapped = call.switched if call is not None else None  # None: nothing will switch it back
     with _switch_lock:
         entry = _switched.get(id(config))
         if entry is None:
@@ -140,14 +195,15 @@ def _generate(original):
         keyword = kwargs.get("cache_implementation") == CACHE_IMPLEMENTATION
         if keyword:
             kwargs = {k: v for k, v in kwargs.items() if k != "cache_implementation"}
-        swapped: list = []
-        keyword_token, swapped_token = _paged_keyword.set(keyword), _swapped.set(swapped)
+        call = _Call(keyword)
+        token = _call.set(call)
         try:
             return original(self, *args, **kwargs)
         finally:
-            _paged_keyword.reset(keyword_token)
-            _swapped.reset(swapped_token)
-            _release_paged_attention(swapped)
+            _call.reset(token)
+            for cache in call.caches:
+                cache.end_generate()
+            _release_paged_attention(call.switched)
 
     return generate
 
@@ -156,9 +212,10 @@ def _prepare_generation_config(original):
     @functools.wraps(original)
     def prepare(self, *args, **kwargs):
         generation_config, model_kwargs = original(self, *args, **kwargs)
-        if _paged_keyword.get():
+        call = _call.get()
+        if call is not None and call.keyword:
             generation_config.cache_implementation = CACHE_IMPLEMENTATION
-            _paged_keyword.set(False)  # applies to this call's config only
+            call.keyword = False  # applies to this call's config only
         return generation_config, model_kwargs
 
     return prepare
@@ -175,6 +232,13 @@ def _prepare_cache_for_generation(original):
         cache = model_kwargs.get("past_key_values")
         paged = isinstance(cache, PagedCache)
         if generation_config.cache_implementation != CACHE_IMPLEMENTATION and not paged:
+            if _is_paged_cache_config(generation_config.cache_config):
+                warnings.warn(
+                    "hf-paged: cache_config "
+                    f"{generation_config.cache_config!r} has no effect without "
+                    "cache_implementation='paged' (this call runs on "
+                    f"{generation_config.cache_implementation or 'the default cache'!s}).",
+                    UserWarning, stacklevel=_user_stacklevel())
             return stock()
         if not is_supported(self):
             if paged:
@@ -196,6 +260,14 @@ def _prepare_cache_for_generation(original):
                               "attention does not materialize")
             generation_config.cache_implementation = None
             return stock()
+        reason = _training_reason(self)
+        if reason is not None:
+            if paged:
+                raise HFPagedError(f"This PagedCache cannot serve the call: {reason}. Call "
+                                   "model.eval() first, or pass no cache.")
+            _warn_stock(self, f"{reason}; model.eval() brings the paged cache back")
+            generation_config.cache_implementation = None
+            return stock()
         if generation_config.use_cache is False:
             return None
         if paged:  # the user's cache, or an assistant's own cache coming back
@@ -207,21 +279,13 @@ def _prepare_cache_for_generation(original):
             model_kwargs["past_key_values"] = cache
             if generation_config.is_assistant:  # its rejected candidates get cropped
                 cache.activate_past_recording()
-        cache.begin_generate(model_kwargs.get("attention_mask"))
+        _wrap_peft()
+        cache.begin_generate(model_kwargs.get("attention_mask"), runs_plain_forward(self))
+        call = _call.get()
+        if call is not None:
+            call.caches.append(cache)
         _use_paged_attention(self)
         return None
-
-    return prepare
-
-
-def _prepare_inputs_for_generation(original):
-    @functools.wraps(original)
-    def prepare(self, *args, **kwargs):
-        model_inputs = original(self, *args, **kwargs)
-        cache = model_inputs.get("past_key_values")
-        if isinstance(cache, PagedCache):
-            cache.expect_forward(model_inputs.get("attention_mask"), from_generate=True)
-        return model_inputs
 
     return prepare
 
@@ -229,7 +293,8 @@ def _prepare_inputs_for_generation(original):
 def _prefill(original):
     @functools.wraps(original)
     def prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs):
-        if is_supported(self) and paged_prefill.applies(input_ids, generation_config, model_kwargs):
+        if (is_supported(self) and paged_prefill.applies(input_ids, generation_config, model_kwargs)
+                and runs_plain_forward(self)):
             outputs = paged_prefill.paged_prefill(self, input_ids, generation_config, model_kwargs)
             if outputs is not None:
                 return outputs
@@ -238,11 +303,76 @@ def _prefill(original):
     return prefill
 
 
+def _is_paged_cache_config(cache_config) -> bool:
+    """A non-empty dict of hf-paged settings only (other caches take cache_config too)."""
+    return (isinstance(cache_config, dict) and bool(cache_config)
+            and set(cache_config) <= set(PagedCacheConfig.__dataclass_fields__))
+
+
+def _peft_get_prompt(original):
+    """PEFT prefix tuning injects its virtual keys and values as a fresh DynamicCache at the
+    first step; on a paged call they become the paged cache's first tokens, shared by all
+    rows, and the paged cache is what the model gets."""
+
+    @functools.wraps(original)
+    def get_prompt(self, batch_size, *args, **kwargs):
+        prompt = original(self, batch_size, *args, **kwargs)
+        call = _call.get()
+        cache = call.caches[-1] if call is not None and call.caches else None
+        if not isinstance(prompt, Cache) or cache is None or cache.get_seq_length():
+            return prompt
+        try:
+            cache.load_prefix([layer.keys for layer in prompt.layers],
+                              [layer.values for layer in prompt.layers])
+        except ValueError as err:
+            _warn_stock(self, f"PEFT prefix tuning's virtual tokens do not fit the paged cache: {err}")
+            return prompt
+        return cache
+
+    return get_prompt
+
+
+def _wrap_peft() -> None:
+    """Wraps `PeftModel.get_prompt` once PEFT is loaded (a PEFT model exists only then)."""
+    peft_model = sys.modules.get("peft.peft_model")
+    key = (getattr(peft_model, "PeftModel", None), "get_prompt")
+    if key[0] is None or key in _originals or not _originals:
+        return
+    with _switch_lock:
+        if key not in _originals:
+            original = key[0].__dict__["get_prompt"]
+            _originals[key] = original
+            key[0].get_prompt = _peft_get_prompt(original)
+
+
+def _paged_requested(model, kwargs) -> bool:
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    return CACHE_IMPLEMENTATION in (kwargs.get("cache_implementation"),
+                                    getattr(config, "cache_implementation", None))
+
+
+def _disabled_notice(original):
+    """What `disable()` leaves on generate: Transformers' own behaviour, plus a warning when
+    "paged" is asked for, since Transformers then reroutes it to its continuous batching."""
+
+    @functools.wraps(original)
+    def generate(self, *args, **kwargs):
+        if _paged_requested(self, kwargs):
+            warnings.warn(
+                "hf-paged is disabled (hf_paged.disable()): cache_implementation='paged' now runs "
+                "Transformers' own continuous batching or cache, not hf-paged. Call "
+                "hf_paged.enable() to use the paged cache.",
+                UserWarning, stacklevel=_user_stacklevel())
+        return original(self, *args, **kwargs)
+
+    generate._hf_paged_notice = original
+    return generate
+
+
 _WRAPPERS = {
     (GenerationMixin, "generate"): _generate,
     (GenerationMixin, "_prepare_generation_config"): _prepare_generation_config,
     (GenerationMixin, "_prepare_cache_for_generation"): _prepare_cache_for_generation,
-    (GenerationMixin, "prepare_inputs_for_generation"): _prepare_inputs_for_generation,
     (GenerationMixin, "_prefill"): _prefill,
     (FalconAttention, "forward"): paged_falcon_attention,
     (FalconFlashAttention2, "forward"): paged_falcon_attention,
@@ -253,6 +383,9 @@ def enable() -> None:
     """Registers the paged attention and wraps generate (idempotent)."""
     if _originals:
         return
+    stock_generate = GenerationMixin.__dict__["generate"]
+    if hasattr(stock_generate, "_hf_paged_notice"):  # left by disable()
+        GenerationMixin.generate = stock_generate._hf_paged_notice
     AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
     AttentionMaskInterface.register(ATTENTION_NAME, paged_mask)
     # Falcon picks its attention class by name when built (from_pretrained(..., "paged")).
@@ -264,12 +397,14 @@ def enable() -> None:
 
 
 def disable() -> None:
-    """Restores stock Transformers: unwraps generate and unregisters "paged"."""
+    """Restores stock Transformers: unwraps generate and unregisters "paged". A generate call
+    asking for cache_implementation="paged" afterwards gets a warning saying so."""
     if not _originals:
         return
     for (owner, name), original in _originals.items():
         setattr(owner, name, original)
     _originals.clear()
+    GenerationMixin.generate = _disabled_notice(GenerationMixin.__dict__["generate"])
     ALL_ATTENTION_FUNCTIONS._global_mapping.pop(ATTENTION_NAME, None)
     ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.pop(ATTENTION_NAME, None)
     modeling_falcon.FALCON_ATTENTION_CLASSES.pop(ATTENTION_NAME, None)

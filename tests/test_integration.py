@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 from transformers import (
-    AutoModelForCausalLM, GenerationMixin, GPT2Config, GPT2LMHeadModel, pipeline,
+    AutoModelForCausalLM, GenerationConfig, GenerationMixin, GPT2Config, GPT2LMHeadModel, pipeline,
 )
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -86,12 +86,23 @@ def test_disable_restores_stock_transformers(llama):
         assert "paged" not in ALL_ATTENTION_FUNCTIONS._global_mapping
         assert "paged" not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
         assert GenerationMixin.generate is not wrapped
-        for name in ("generate", "_prefill", "_prepare_cache_for_generation",
+        # generate keeps only a notice for "paged" requests around Transformers' own.
+        stock_generate = GenerationMixin.generate._hf_paged_notice
+        assert "hf_paged" not in stock_generate.__code__.co_filename
+        for name in ("_prefill", "_prepare_cache_for_generation",
                      "prepare_inputs_for_generation", "_prepare_generation_config"):
             assert "hf_paged" not in getattr(GenerationMixin, name).__code__.co_filename
         ids, _ = left_padded_batch([6], seed=1)
-        # Stock generation still works.
-        assert llama.generate(ids, max_new_tokens=3, do_sample=False).shape == (1, 9)
+        # Stock generation still works, silently.
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert llama.generate(ids, max_new_tokens=3, do_sample=False).shape == (1, 9)
+        # Asking for "paged" now says that hf-paged is off (Transformers ignores it here).
+        config = GenerationConfig(cache_implementation="paged", max_new_tokens=3, do_sample=False)
+        with pytest.warns(UserWarning, match=r"hf_paged\.enable\(\)") as record:
+            out = llama.generate(ids, generation_config=config, return_dict_in_generate=True)
+        assert record[0].filename == __file__
+        assert not isinstance(out.past_key_values, hf_paged.PagedCache)
     finally:
         hf_paged.enable()
     assert hf_paged.is_enabled() and "paged" in ALL_ATTENTION_FUNCTIONS._global_mapping
@@ -195,12 +206,10 @@ def test_sized_pool_with_the_model_assisting_itself(llama):
 
 @pytest.mark.parametrize("kind", ["llama_gqa", "mistral_sw", "falcon_mq", "falcon_alibi"])
 def test_paged_attention_model_with_other_caches(kind):
-    """attn_implementation="paged" on Transformers' own caches gives Transformers' results,
-    StaticCache and left padding included: SDPA's, and for Falcon (which picks its branch by
-    that name) its eager attention's."""
+    """attn_implementation="paged" on Transformers' own caches gives Transformers' SDPA
+    results, StaticCache and left padding included (Falcon, which picks its branch by name,
+    takes its SDPA branch: its eager one adds ALiBi twice)."""
     stock = make_model(kind)
-    if kind.startswith("falcon"):
-        stock.config._attn_implementation_internal = "eager"
     paged = make_model(kind)
     paged.config._attn_implementation_internal = "paged"
     ids, mask = left_padded_batch([5, 9], seed=1)

@@ -40,6 +40,35 @@ def split_qkv(module, fused_qkv: torch.Tensor):
     return query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
 
 
+class SdpaView:
+    """A Falcon attention module's view of its model config: "paged" reads as "sdpa".
+
+    Falcon picks its attention branch by name at every call. Under the "paged" name on one
+    of Transformers' own caches it must take the SDPA branch, as a model loaded with sdpa
+    does (its eager branch adds ALiBi twice). Every other attribute, and every later change
+    of the implementation, reads through to the config itself.
+    """
+
+    def __init__(self, config):
+        object.__setattr__(self, "_config", config)
+
+    @property
+    def _attn_implementation(self):
+        name = self._config._attn_implementation
+        return "sdpa" if name == ATTENTION_NAME else name
+
+    def __getattr__(self, name):
+        if name == "_config":  # not set yet (unpickling)
+            raise AttributeError(name)
+        return getattr(self._config, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._config, name, value)
+
+    def __reduce__(self):
+        return SdpaView, (self._config,)
+
+
 def paged_falcon_attention(original):
     """Wraps `FalconAttention.forward`: paged attention with a `PagedCache`, stock otherwise."""
 
@@ -47,13 +76,9 @@ def paged_falcon_attention(original):
     def forward(self, hidden_states, alibi, attention_mask, position_ids=None, layer_past=None,
                 use_cache=False, output_attentions=False, position_embeddings=None, **kwargs):
         if not isinstance(layer_past, PagedCache):
-            if (attention_mask is not None and attention_mask.dtype == torch.bool
-                    and self.config._attn_implementation == ATTENTION_NAME):
-                # Under "paged", Falcon takes its eager branch, which adds the mask to the
-                # scores; paged_mask gave Transformers' boolean SDPA mask for this cache.
-                # (Under "sdpa" the boolean mask is what Transformers passes to SDPA.)
-                attention_mask = torch.zeros_like(attention_mask, dtype=hidden_states.dtype) \
-                    .masked_fill(~attention_mask, torch.finfo(hidden_states.dtype).min)
+            if self.config._attn_implementation == ATTENTION_NAME and \
+                    not isinstance(self.config, SdpaView):
+                self.config = SdpaView(self.config)
             return original(self, hidden_states, alibi, attention_mask, position_ids=position_ids,
                             layer_past=layer_past, use_cache=use_cache,
                             output_attentions=output_attentions,

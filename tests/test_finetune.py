@@ -1,0 +1,256 @@
+"""Fine-tuned models on the paged cache, against stock generate with the same seeds: PEFT
+(LoRA, mixed adapter batches, prompt and prefix tuning), models still in training mode,
+wrappers around the forward, and Falcon-RW under the "paged" attention name."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from peft import LoraConfig, PrefixTuningConfig, PromptTuningConfig, TaskType, get_peft_model
+from transformers import LlamaForCausalLM
+
+import hf_paged
+from hf_paged import HFPagedError, PagedCache
+from conftest import assert_same, both, left_padded_batch, make_model
+
+MODES = {
+    "no padding": dict(lengths=[5, 5]),
+    "padded": dict(lengths=[5, 9]),
+    "beams": dict(lengths=[5, 9], num_beams=3),
+    "sampling, 2 each": dict(lengths=[5, 9], do_sample=True, num_return_sequences=2),
+}
+
+
+def peft_model(kind: str, method: str):
+    base = make_model(kind)
+    if method == "lora":
+        config = LoraConfig(task_type=TaskType.CAUSAL_LM, r=4, target_modules="all-linear",
+                            init_lora_weights=False)
+    elif method == "prompt":
+        config = PromptTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=4)
+    else:
+        config = PrefixTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=4)
+    model = get_peft_model(base, config).eval()
+    if method != "lora":  # trained-looking virtual tokens, far from the base model
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for p in model.prompt_encoder.parameters():
+                p.normal_(0, 1)
+    return model
+
+
+def generate_both(model, mode: dict, seed: int = 0, **extra):
+    """(stock output, paged output), both with `.sequences`, `.logits` and `.past_key_values`."""
+    kwargs = dict(max_new_tokens=6, return_dict_in_generate=True, output_logits=True)
+    kwargs.update(mode)
+    ids, mask = left_padded_batch(kwargs.pop("lengths"), seed=3)
+    kwargs.update(extra, input_ids=ids, attention_mask=mask)
+    torch.manual_seed(seed)
+    ref = model.generate(**kwargs)
+    torch.manual_seed(seed)
+    out = model.generate(**kwargs, cache_implementation="paged")
+    return ref, out
+
+
+def assert_same_logits(ref, out):
+    assert_same(ref, out)
+    for a, b in zip(ref.logits, out.logits):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("method", ["lora", "prompt", "prefix"])
+@pytest.mark.parametrize("kind", ["llama_gqa", "mistral_sw", "falcon_alibi"])
+def test_peft_methods_match_stock_on_the_paged_cache(kind, method, mode):
+    model = peft_model(kind, method)
+    with model.disable_adapter():
+        base_ref, _ = generate_both(model, MODES[mode])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "hf-paged")  # no fallback to the stock cache
+        ref, out = generate_both(model, MODES[mode])
+    assert_same_logits(ref, out)
+    assert isinstance(out.past_key_values, PagedCache)
+    # The adapter mattered (paged dropping it would give the base model's logits).
+    assert (ref.logits[0] - base_ref.logits[0]).abs().max() > 1e-2
+
+
+def test_prefix_tuning_tokens_are_stored_once_for_all_rows():
+    model = peft_model("llama_gqa", "prefix")
+    _, out = generate_both(model, dict(MODES["beams"], max_new_tokens=1),
+                           cache_config={"block_size": 4})
+    stats = out.past_key_values.memory_stats()
+    assert stats.shared_blocks >= 1  # the 4 virtual tokens: one block held by every row
+    assert stats.tokens_stored < stats.logical_tokens
+
+
+def test_prefix_tuning_that_the_cache_cannot_hold_runs_stock_with_a_warning():
+    """Falcon's new decoder architecture caches one K/V per query head, and a prefix is
+    free per head: it does not fit the unique KV heads the paged cache stores."""
+    model = peft_model("falcon_new", "prefix")
+    with pytest.warns(UserWarning, match="prefix tuning"):
+        ref, out = generate_both(model, MODES["padded"])
+    assert_same_logits(ref, out)
+
+
+@pytest.mark.parametrize("kind", ["llama_gqa", "falcon_mq"])
+def test_mixed_adapter_batch(kind):
+    lora = dict(task_type=TaskType.CAUSAL_LM, r=4, target_modules="all-linear",
+                init_lora_weights=False)
+    model = get_peft_model(make_model(kind), LoraConfig(**lora), adapter_name="a")
+    model.add_adapter("b", LoraConfig(**lora))
+    model.eval()
+    mode = dict(lengths=[5, 9, 3, 7])
+    ref, out = generate_both(model, mode, adapter_names=["a", "b", "__base__", "a"])
+    assert_same_logits(ref, out)
+    assert isinstance(out.past_key_values, PagedCache)
+    single, _ = generate_both(model, mode)  # the active adapter everywhere
+    assert (ref.logits[0] - single.logits[0]).abs().max() > 1e-2
+
+
+class ShiftedPositions(LlamaForCausalLM):
+    """A subclass that changes the inputs generate builds (as some model code does)."""
+
+    def prepare_inputs_for_generation(self, *args, **kwargs):
+        inputs = super().prepare_inputs_for_generation(*args, **kwargs)
+        if inputs.get("position_ids") is not None:
+            inputs["position_ids"] = inputs["position_ids"] + 7
+        return inputs
+
+
+def test_subclass_overriding_prepare_inputs():
+    torch.manual_seed(0)
+    model = ShiftedPositions(make_model("llama_gqa").config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    for mode in ("padded", "beams"):
+        ref, out = generate_both(model, MODES[mode])
+        assert_same_logits(ref, out)
+
+
+# -- models left in training mode -----------------------------------------------------------
+def with_attention_dropout(model, p: float):
+    """As if built with config.attention_dropout = p (attention modules keep their own copy:
+    a float in Llama and Mistral, a Dropout module in Falcon)."""
+    model.config.attention_dropout = p
+    for module in model.modules():
+        if isinstance(getattr(module, "attention_dropout", None), torch.nn.Dropout):
+            module.attention_dropout.p = p
+        elif hasattr(module, "attention_dropout"):
+            module.attention_dropout = p
+    return model
+
+
+@pytest.mark.parametrize("kind", ["llama_gqa", "falcon_new"])
+def test_gradient_checkpointing_in_training_mode_runs_stock(kind):
+    model = make_model(kind)
+    model.gradient_checkpointing_enable()
+    model.train()
+    with pytest.warns(UserWarning, match=r"gradient checkpointing.*model\.eval\(\)"):
+        ref, out = generate_both(model, MODES["padded"])
+    assert_same(ref, out)
+    assert not isinstance(out.past_key_values, PagedCache)
+    model.eval()  # the paged cache is back
+    ref, out = generate_both(model, MODES["padded"])
+    assert_same(ref, out)
+    assert isinstance(out.past_key_values, PagedCache)
+
+
+@pytest.mark.parametrize("kind", ["llama_gqa", "mistral_sw", "falcon_alibi"])
+def test_attention_dropout_in_training_mode_runs_stock(kind):
+    model = with_attention_dropout(make_model(kind), 0.3)
+    model.train()
+    with pytest.warns(UserWarning, match="attention dropout"):
+        ref, out = generate_both(model, MODES["sampling, 2 each"], seed=4)
+    assert_same(ref, out)
+
+
+@pytest.mark.parametrize("kind", ["llama_gqa", "falcon_alibi"])
+def test_dropout_outside_attention_in_training_mode_stays_paged(kind):
+    """LoRA dropout (and Falcon's hidden dropout) draw the same random numbers on the paged
+    cache as on the stock one: the forwards have the same shapes."""
+    model = get_peft_model(make_model(kind), LoraConfig(
+        task_type=TaskType.CAUSAL_LM, r=4, target_modules="all-linear", lora_dropout=0.3,
+        init_lora_weights=False))
+    if kind == "falcon_alibi":  # Falcon's hidden dropout too (not its attention dropout)
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Dropout) and "attention" not in name \
+                    and module.p == 0.0:
+                module.p = 0.2
+    model.train()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "hf-paged")
+        for mode in ("padded", "sampling, 2 each"):
+            ref, out = generate_both(model, MODES[mode], seed=5)
+            assert_same(ref, out)
+            assert isinstance(out.past_key_values, PagedCache)
+    model.eval()
+    evaluated, _ = generate_both(model, MODES["padded"], seed=5)
+    train_ref, _ = generate_both(model.train(), MODES["padded"], seed=5)
+    assert (evaluated.logits[0] - train_ref.logits[0]).abs().max() > 1e-2  # dropout acted
+
+
+def test_paged_cache_passed_in_training_mode_with_attention_dropout_is_refused():
+    model = with_attention_dropout(make_model("llama_gqa"), 0.3)
+    model.train()
+    ids, mask = left_padded_batch([5, 9], seed=3)
+    with pytest.raises(HFPagedError, match="model.eval"):
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3,
+                       past_key_values=PagedCache(model.config))
+
+
+# -- Falcon-RW under the "paged" name, on Transformers' own caches ------------------------------
+def test_falcon_alibi_loaded_with_paged_matches_sdpa(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    make_model("falcon_alibi").save_pretrained(tmp_path)
+    sdpa = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
+    paged = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="paged").eval()
+    ids, mask = left_padded_batch([5, 9], seed=3)
+    with torch.no_grad():
+        a = sdpa(input_ids=ids, attention_mask=mask).logits
+        b = paged(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    # Training loss (no cache) too.
+    labels = ids.masked_fill(mask == 0, -100)
+    loss_a = sdpa(input_ids=ids, attention_mask=mask, labels=labels).loss
+    loss_b = paged(input_ids=ids, attention_mask=mask, labels=labels).loss
+    torch.testing.assert_close(loss_b, loss_a)
+    for mode in ("padded", "beams", "sampling, 2 each"):
+        kwargs = dict(MODES[mode])
+        ids, mask = left_padded_batch(kwargs.pop("lengths"), seed=3)
+        common = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, **kwargs)
+        torch.manual_seed(0)
+        ref = sdpa.generate(**common)
+        torch.manual_seed(0)
+        plain = paged.generate(**common)  # Transformers' DynamicCache, "paged" attention
+        torch.manual_seed(0)
+        out = paged.generate(**common, cache_implementation="paged")
+        assert_same(ref, plain)
+        assert_same(ref, out)
+
+
+# -- settings that would be ignored ---------------------------------------------------------------
+def test_cache_config_without_paged_implementation_warns(llama):
+    ids, mask = left_padded_batch([5, 9], seed=3)
+    with pytest.warns(UserWarning, match="no effect without cache_implementation='paged'"):
+        llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2,
+                       cache_config={"block_size": 8})
+
+
+def test_model_generation_config_with_paged_is_picked_up(tmp_path):
+    """A saved model whose generation_config.json says "paged" uses the plugin once
+    hf_paged is imported."""
+    from transformers import AutoModelForCausalLM
+
+    model = make_model("llama_gqa")
+    model.generation_config.cache_implementation = "paged"
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert loaded.generation_config.cache_implementation == "paged"
+    ids, mask = left_padded_batch([5, 9], seed=3)
+    out = loaded.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                          return_dict_in_generate=True)
+    assert isinstance(out.past_key_values, PagedCache)
+    assert hf_paged.is_enabled()
