@@ -47,11 +47,14 @@ def generate_both(model, mode: dict, seed: int = 0, **extra):
     kwargs.update(mode)
     ids, mask = left_padded_batch(kwargs.pop("lengths"), seed=3)
     kwargs.update(extra, input_ids=ids, attention_mask=mask)
+    return generate_pair(model, kwargs, seed)
+
+
+def generate_pair(model, kwargs, seed: int = 0):
     torch.manual_seed(seed)
     ref = model.generate(**kwargs)
     torch.manual_seed(seed)
-    out = model.generate(**kwargs, cache_implementation="paged")
-    return ref, out
+    return ref, model.generate(**kwargs, cache_implementation="paged")
 
 
 def assert_same_logits(ref, out):
@@ -254,3 +257,124 @@ def test_model_generation_config_with_paged_is_picked_up(tmp_path):
                           return_dict_in_generate=True)
     assert isinstance(out.past_key_values, PagedCache)
     assert hf_paged.is_enabled()
+
+
+# -- the fine-tune-then-generate workflow (examples/finetune_then_serve.py, smaller) ---------------
+def load_example():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "finetune_then_serve.py"
+    spec = importlib.util.spec_from_file_location("finetune_then_serve", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def workflow(tmp_path_factory):
+    """A saved base model, two LoRA adapters trained with Trainer, and the first adapter's
+    model right after training (still in training mode, LoRA dropout on)."""
+    ex = load_example()
+    out = tmp_path_factory.mktemp("finetune")
+    tokenizer = ex.build_tokenizer()
+    ex.build_base_model().save_pretrained(out / "base")
+    tokenizer.save_pretrained(out / "base")
+    just_trained = ex.train_adapter(ex.build_base_model(), 40, out / "a")
+    ex.train_adapter(ex.build_base_model(), 15, out / "b", seed=1)
+    return ex, out, tokenizer, just_trained
+
+
+def workflow_modes(ex, tokenizer):
+    inputs = tokenizer(ex.PROMPTS, return_tensors="pt", padding=True)
+    base = dict(**inputs, max_new_tokens=6, return_dict_in_generate=True, output_logits=True)
+    return {"greedy": dict(base, do_sample=False),
+            "beams": dict(base, num_beams=3, num_return_sequences=2, do_sample=False),
+            "sampling": dict(base, do_sample=True, num_return_sequences=2)}
+
+
+def assert_paged_like_stock(model, modes):
+    for kwargs in modes.values():
+        ref, out = generate_pair(model, kwargs)
+        assert_same_logits(ref, out)
+        assert isinstance(out.past_key_values, PagedCache)
+    return ref
+
+
+def test_generate_right_after_training(workflow):
+    """trainer.train() leaves the model in training mode with LoRA dropout on: the paged
+    cache gives stock's tokens with the same seed."""
+    ex, _, tokenizer, just_trained = workflow
+    assert just_trained.training
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "hf-paged")
+        assert_paged_like_stock(just_trained, workflow_modes(ex, tokenizer))
+
+
+@pytest.mark.parametrize("attn_implementation", [None, "paged"])
+def test_reloaded_adapter_unmerged_and_merged(workflow, attn_implementation):
+    from transformers import AutoModelForCausalLM, pipeline
+    from peft import PeftModel
+
+    ex, out, tokenizer, _ = workflow
+    kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    base = AutoModelForCausalLM.from_pretrained(out / "base", **kwargs)
+    model = PeftModel.from_pretrained(base, out / "a").eval()
+    modes = workflow_modes(ex, tokenizer)
+    assert_paged_like_stock(model, modes)
+    pipe = pipeline("text-generation", model=model, tokenizer=tokenizer)
+    call = dict(max_new_tokens=6, do_sample=False, batch_size=4)
+    assert [r[0]["generated_text"] for r in pipe(ex.PROMPTS, cache_implementation="paged", **call)] \
+        == [r[0]["generated_text"] for r in pipe(ex.PROMPTS, **call)]
+    merged = model.merge_and_unload()
+    assert not isinstance(merged, PeftModel)
+    assert_paged_like_stock(merged, modes)
+    # It learned to count: the trained model continues "n5 n6 n7" with "n8".
+    greedy = merged.generate(**{k: v for k, v in modes["greedy"].items()
+                                if k not in ("return_dict_in_generate", "output_logits")},
+                             cache_implementation="paged")
+    assert tokenizer.decode(greedy[0, -6]) == "n8"
+
+
+def test_two_adapters_switched_with_set_adapter(workflow):
+    from transformers import AutoModelForCausalLM
+    from peft import PeftModel
+
+    ex, out, tokenizer, _ = workflow
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(out / "base"),
+                                      out / "a", adapter_name="a")
+    model.load_adapter(out / "b", adapter_name="b")
+    model.eval()
+    modes = workflow_modes(ex, tokenizer)
+    results = {}
+    for name in ("b", "a", "b"):
+        model.set_adapter(name)
+        results[name] = assert_paged_like_stock(model, {"greedy": modes["greedy"]})
+    assert (results["a"].logits[0] - results["b"].logits[0]).abs().max() > 1e-2
+
+
+def test_trl_sft_trainer_then_paged_generate(tmp_path):
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    ex = load_example()
+    tokenizer = ex.build_tokenizer()
+    texts = [" ".join(f"n{s + j}" for j in range(12)) for s in range(50)]
+    config = SFTConfig(output_dir=str(tmp_path), max_steps=10, per_device_train_batch_size=8,
+                       learning_rate=3e-3, report_to=[], save_strategy="no", use_cpu=True,
+                       disable_tqdm=True)
+    trainer = SFTTrainer(model=ex.build_base_model(), args=config, processing_class=tokenizer,
+                         train_dataset=Dataset.from_dict({"text": texts}),
+                         peft_config=ex.lora_config())
+    trainer.train()
+    model = trainer.model
+    assert model.training  # as a user would call generate right away
+    modes = workflow_modes(ex, tokenizer)
+    # SFTConfig turns gradient checkpointing on, and in training mode Transformers then
+    # generates without a cache: stock runs, with a warning saying what to do.
+    assert model.get_base_model().is_activation_checkpointing
+    with pytest.warns(UserWarning, match=r"gradient checkpointing.*model\.eval\(\)"):
+        ref, out = generate_pair(model, modes["greedy"])
+    assert_same_logits(ref, out)
+    model.eval()
+    assert_paged_like_stock(model, modes)
