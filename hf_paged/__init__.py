@@ -14,7 +14,7 @@ from .errors import (
 )
 from .integration import SUPPORTED_ARCHITECTURES, disable, enable, is_enabled
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "BackwardNotSupportedError", "BlockPool", "BlockTables", "HFPagedError",

@@ -166,7 +166,7 @@ def flash_attn_unavailable_reason(device: torch.device, dtype: torch.dtype,
 def triton_unavailable_reason(device: torch.device) -> str | None:
     """Why the Triton backend cannot run on `device`, or None if it can."""
     if importlib.util.find_spec("triton") is None:
-        return "triton is not installed (pip install 'hf-paged[test]' or triton)"
+        return "triton is not installed (pip install 'hf-paged[triton]')"
     if device.type == "cuda":
         return None
     if os.environ.get("TRITON_INTERPRET") == "1" and device.type == "cpu":
