@@ -188,9 +188,11 @@ def bench_prefill(args, device, dtype, run):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small shapes (CPU smoke run)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="device to time on (default: cuda when available, else cpu)")
     parser.add_argument("--out", help="write the rows as JSON here")
-    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--iters", type=int, default=20,
+                        help="timed repetitions per shape, after warm-up (default 20)")
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

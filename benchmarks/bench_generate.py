@@ -157,12 +157,16 @@ def _interleaved(methods, repeats):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model and prompts (smoke test)")
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--new-tokens", type=int, default=64,
+                        help="tokens generated per row, EOS disabled (default 64)")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="runs of each method, interleaved; the best counts (default 2)")
     parser.add_argument("--no-cb", action="store_true", help="skip Transformers' continuous batching")
-    parser.add_argument("--sections", default="padded,beam,sampling")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--sections", default="padded,beam,sampling",
+                        help="comma-separated subset of padded, beam, sampling (default: all)")
+    parser.add_argument("--device", default="cpu", help="device of the model (default cpu)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="model and cache dtype (default float32)")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     if args.quick:

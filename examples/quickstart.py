@@ -54,6 +54,8 @@ def main():
     paged = model.generate(**inputs, **kwargs, cache_implementation="paged")
 
     width = inputs["input_ids"].shape[1]
+    print("The model's weights are random (nothing is downloaded), so the words below are noise;")
+    print("what matters is that both caches give the same ones.\n")
     print("prompt tokens per row:", inputs["attention_mask"].sum(1).tolist(), f"(padded to {width})\n")
     for i, (a, b) in enumerate(zip(stock.sequences, paged.sequences)):
         print(f"row {i} DynamicCache: {tokenizer.decode(a[width:], skip_special_tokens=True)}")
@@ -62,6 +64,7 @@ def main():
     print(f"\nidentical tokens: {same}")
 
     stats = paged.past_key_values.memory_stats()
+    print(f"paged attention backend: {paged.past_key_values.backend.name}")
     dyn = kv_bytes(stock.past_key_values)
     print(f"\n{'':24}{'KV bytes':>12}  real tokens / KV slots")
     real = stats.tokens_stored

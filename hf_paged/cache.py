@@ -58,11 +58,21 @@ def _ceil_pow2(n: int) -> int:
 
 
 class PagedCache(Cache):
-    """KV cache in fixed-size blocks drawn on demand from a `KVPool`.
+    """A `transformers.Cache` whose keys and values live in fixed-size blocks of a pool.
 
-    Each batch row has a block table; left padding is not stored, rows forked by beam
-    search share blocks copy-on-write. Columns a mask hides after a row's first real token
-    are stored as hidden slots (see `masking.py`). `update` returns the layer's pool views
+    `generate(..., cache_implementation="paged")` makes one for you (it is returned as
+    `past_key_values` with `return_dict_in_generate=True`). Make one yourself to continue a
+    returned cache, to run forwards of a model whose attention implementation is "paged",
+    or to choose its settings::
+
+        cache = PagedCache(model.config, {"block_size": 16, "num_blocks": 1024})
+        out = model.generate(**inputs, past_key_values=cache, max_new_tokens=32)
+        cache.memory_stats()  # tokens, blocks, sharing, bytes
+        cache.reset()         # gives the blocks back; the pool stays allocated
+
+    How it stores: each batch row has a block table; left padding is not stored, rows
+    forked by beam search share blocks copy-on-write. Columns a mask hides after a row's
+    first real token are stored as hidden slots (see `masking.py`). `update` returns the layer's pool views
     `[NB, bs, Hkv, D]`, which the "paged" attention reads through `self.meta`, the metadata
     built once per forward.
 

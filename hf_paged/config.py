@@ -29,7 +29,8 @@ def _positive_int(name: str, value: Any, allow_none: bool) -> int | None:
 
 @dataclass(frozen=True)
 class PagedCacheConfig:
-    """Settings of one paged cache.
+    """Settings of one paged cache: `generate(..., cache_config={...})` takes them as a dict
+    (or `PagedCacheConfig(...)`), and so does `PagedCache(model.config, {...})`.
 
     block_size:   tokens per block (vLLM's default is 16). An unsized pool never uses blocks
                   longer than its call's longest sequence (rounded up to a power of two, at
