@@ -81,8 +81,10 @@ def test_peft_methods_match_stock_on_the_paged_cache(kind, method, mode):
 
 def test_prefix_tuning_tokens_are_stored_once_for_all_rows():
     model = peft_model("llama_gqa", "prefix")
-    _, out = generate_both(model, dict(MODES["beams"], max_new_tokens=1),
-                           cache_config={"block_size": 4})
+    ids, mask = left_padded_batch([5, 9], seed=3)
+    out = model.generate(input_ids=ids, attention_mask=mask, num_beams=3, max_new_tokens=1,
+                         cache_implementation="paged", cache_config={"block_size": 4},
+                         return_dict_in_generate=True)
     stats = out.past_key_values.memory_stats()
     assert stats.shared_blocks >= 1  # the 4 virtual tokens: one block held by every row
     assert stats.tokens_stored < stats.logical_tokens
