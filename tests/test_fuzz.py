@@ -2,7 +2,8 @@
 
 Each case draws a model layout, block size, pool sizing, batch with random padding (left,
 inner, right, all-padding rows), decoding mode, EOS token and, for some, a second turn on the
-returned cache or assisted decoding. `HF_PAGED_FUZZ_CASES` sets how many cases run (default
+returned cache, assisted decoding, a PEFT adapter (LoRA, prompt or prefix tuning) or a model
+left in training mode. `HF_PAGED_FUZZ_CASES` sets how many cases run (default
 100) and `HF_PAGED_FUZZ_SEED` where they start, so a failing case can be rerun alone.
 """
 
@@ -19,7 +20,7 @@ import torch
 import hf_paged
 from conftest import MODEL_KINDS, PAD, VOCAB, grown_mask, make_model
 
-NUM_CASES = int(os.environ.get("HF_PAGED_FUZZ_CASES", "100"))
+NUM_CASES = int(os.environ.get("HF_PAGED_FUZZ_CASES", "300"))
 FIRST_SEED = int(os.environ.get("HF_PAGED_FUZZ_SEED", "0"))
 
 _models: dict = {}
@@ -77,9 +78,15 @@ def draw_case(seed: int) -> dict:
     cache_config = {"block_size": rng.choice([1, 2, 3, 4, 7, 16, 64])}
     if rng.random() < 0.3:
         cache_config["num_blocks"] = 600
+    adapter = None  # a PEFT adapter around the model, or a model left in training mode
+    if mode not in ("assisted", "lookup") and rng.random() < 0.25:
+        adapter = rng.choice(["lora", "prompt", "prefix", "train"])
+        if adapter == "prefix" and kind in ("falcon_mq", "falcon_new"):
+            adapter = "lora"  # their caches hold other heads than a prefix has (stock fails)
     return dict(seed=seed, kind=kind, mode=mode, rows=rows, width=width, options=options,
                 cache_config=cache_config, second_turn=mode in ("greedy", "sample") and
-                rng.random() < 0.5, assistant=rng.choice(MODEL_KINDS), rng=rng)
+                adapter is None and rng.random() < 0.5, assistant=rng.choice(MODEL_KINDS),
+                adapter=adapter, rng=rng)
 
 
 @contextlib.contextmanager
@@ -113,8 +120,40 @@ def generate_both(model, seed, **kwargs):
     return outs
 
 
+def adapted(kind: str, adapter: str):
+    """A fresh model of `kind` under a PEFT adapter (LoRA dropout on), or in training mode
+    with dropout outside attention."""
+    key = (kind, adapter)
+    if key not in _models:
+        from peft import (LoraConfig, PrefixTuningConfig, PromptTuningConfig, TaskType,
+                          get_peft_model)
+
+        model = make_model(kind, seed=7)
+        if adapter == "train":
+            for name, module in model.named_modules():
+                if isinstance(module, torch.nn.Dropout) and "attention" not in name:
+                    module.p = 0.1
+            _models[key] = model.train()
+            return _models[key]
+        config = {
+            "lora": LoraConfig(task_type=TaskType.CAUSAL_LM, r=4, target_modules="all-linear",
+                               init_lora_weights=False, lora_dropout=0.1),
+            "prompt": PromptTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=3),
+            "prefix": PrefixTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=3),
+        }[adapter]
+        model = get_peft_model(model, config)
+        if adapter != "lora":
+            with torch.no_grad():
+                for p in model.prompt_encoder.parameters():
+                    p.normal_(0, 1)
+        _models[key] = model.train() if adapter == "lora" else model.eval()
+    return _models[key]
+
+
 def check(case: dict) -> None:
     model = model_for(case["kind"])
+    if case["adapter"] is not None:
+        model = adapted(case["kind"], case["adapter"])
     rng = case["rng"]
     ids, mask = random_batch(rng, case["rows"], case["width"])
     options = dict(case["options"])
@@ -219,7 +258,13 @@ def test_fuzz_direct_forwards(seed):
         new_pos = positions[:, -1:] + 1 + torch.arange(q) if seen else torch.arange(q).expand(rows, q)
         positions = torch.cat([positions, new_pos], 1)
         ids = torch.randint(3, VOCAB, (rows, q), generator=g)
-        ref = logits_of(model, caches[0], ids, mask, positions[:, -q:], paged=False)
+        try:
+            ref = logits_of(model, caches[0], ids, mask, positions[:, -q:], paged=False)
+        except RuntimeError:
+            # DynamicCache's sliding-window layers shrink to the window on some crops and
+            # then cannot take a mask over every column: no reference beyond this point.
+            assert kind == "mistral_sw"
+            return
         out = logits_of(model, caches[1], ids, mask, positions[:, -q:], paged=True)
         if kind == "falcon_alibi" and seen:
             # Falcon-RW's float mask makes a query that sees no key attend uniformly to
