@@ -4,7 +4,7 @@ Each case draws a model layout, block size, pool sizing, batch with random paddi
 inner, right, all-padding rows), decoding mode, EOS token and, for some, a second turn on the
 returned cache, assisted decoding, a PEFT adapter (LoRA, prompt or prefix tuning) or a model
 left in training mode. `HF_PAGED_FUZZ_CASES` sets how many cases run (default
-100) and `HF_PAGED_FUZZ_SEED` where they start, so a failing case can be rerun alone.
+300) and `HF_PAGED_FUZZ_SEED` where they start, so a failing case can be rerun alone.
 """
 
 from __future__ import annotations
