@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import os
 import sys
 import threading
 import warnings
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn.modules import module as torch_module
 from transformers import GenerationMixin
 from transformers.cache_utils import Cache
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
@@ -52,7 +54,6 @@ from . import prefill as paged_prefill
 CACHE_IMPLEMENTATION = "paged"
 SUPPORTED_MODELS = (LlamaForCausalLM, MistralForCausalLM, FalconForCausalLM)
 SUPPORTED_ARCHITECTURES = tuple(cls.__name__ for cls in SUPPORTED_MODELS)
-
 
 
 @dataclass
@@ -79,9 +80,6 @@ def is_supported(model) -> bool:
 
 def _user_stacklevel() -> int:
     """warnings.warn stacklevel of the first caller outside hf_paged, transformers and torch."""
-    import os
-    import sys
-
     skip = tuple(os.path.dirname(sys.modules[name].__file__) + os.sep
                  for name in ("hf_paged", "transformers", "torch"))
     frame, level = sys._getframe(1), 1
@@ -112,8 +110,6 @@ def runs_plain_forward(model) -> bool:
             or type(model).prepare_inputs_for_generation
             is not GenerationMixin.prepare_inputs_for_generation):
         return False
-    from torch.nn.modules import module as torch_module
-
     if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
         return False
     return not any(m.training or m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__
