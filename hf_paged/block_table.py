@@ -50,7 +50,8 @@ class BlockTables:
         self.freed: list[int] = [0] * num_rows  # leading FREED entries per row
         # Distinct blocks these tables hold. Every holder of such a block is one of these
         # rows (blocks are never shared across owners), so a block leaves this count
-        # exactly when the pool frees it.
+        # exactly when the pool frees it. (Not kept by `assign`, whose blocks have other
+        # holders: the engine, which uses it, counts blocks itself.)
         self.num_held = 0
 
     @property
@@ -165,23 +166,44 @@ class BlockTables:
             self.lengths[row] = n
             self.freed[row] = min(self.freed[row], keep)
 
-    def release_before(self, positions: Sequence[int]) -> int:
+    def release_before(self, positions: Sequence[int]) -> list[int]:
         """Releases, in each row, the blocks lying wholly before token `positions[r]`.
 
-        For tokens no query will read again (outside a sliding window). Returns how many
-        table entries were released.
+        For tokens no query will read again (outside a sliding window). Returns the blocks
+        whose reference was dropped.
         """
-        released = 0
+        released: list[int] = []
         for row, p in enumerate(positions):
             table = self.tables[row]
             upto = min(p // self.block_size, len(table))
             if upto > self.freed[row]:
-                dead = table[self.freed[row]:upto]
-                self.num_held -= self.pool.decref(_live(dead))
-                table[self.freed[row]:upto] = [FREED] * len(dead)
-                released += len(dead)
+                dead = _live(table[self.freed[row]:upto])
+                self.num_held -= self.pool.decref(dead)
+                table[self.freed[row]:upto] = [FREED] * (upto - self.freed[row])
+                released += dead
                 self.freed[row] = upto
         return released
+
+    # -- single rows (the engine: a row per running sequence, rows reused) ------------------
+    def free_row(self, row: int) -> list[int]:
+        """Empties `row`, dropping its references; returns the blocks it held."""
+        blocks = _live(self.tables[row])
+        self.num_held -= self.pool.decref(blocks)
+        self.tables[row], self.lengths[row], self.freed[row] = [], 0, 0
+        return blocks
+
+    def assign(self, row: int, blocks: Sequence[int], length: int) -> None:
+        """Fills the empty `row` with `blocks` (already holding `length` tokens), taking a
+        reference on each: a cached prefix, a sibling's blocks, or blocks swapped back in.
+        FREED entries are kept as they are."""
+        assert not self.tables[row], f"assign into row {row}, which holds blocks"
+        if not 0 <= length <= len(blocks) * self.block_size:
+            raise ValueError(f"assign: {len(blocks)} block(s) cannot hold {length} tokens.")
+        live = _live(blocks)
+        self.pool.incref(live)
+        self.tables[row] = list(blocks)
+        self.lengths[row] = length
+        self.freed[row] = len(blocks) - len(live) if FREED in blocks else 0
 
     def release(self, later: bool = False) -> None:
         """Frees every row's blocks and forgets the rows.

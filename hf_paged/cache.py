@@ -10,34 +10,14 @@ from transformers.cache_utils import Cache
 from . import attention
 from .block_table import BlockTables
 from .config import PagedCacheConfig
-from .errors import BackwardNotSupportedError, HFPagedError, KVCacheExhaustedError
-from .kernels.backends import TorchBackend, select_backend
+from .errors import HFPagedError, KVCacheExhaustedError
+from .kernels.backends import select_backend
 from .kv_pool import KVPool
 from .masking import HiddenSlots, StepPlan, check_mask_shape, plan_from_mask, plan_unmasked
 from .metadata import DeviceBlockTable, ForwardMetadata, build_metadata, to_device
+from .pool_access import PoolAccess
 from .models import kv_layout
 from .stats import MemoryStats, measure
-
-
-class _NoBackward(torch.autograd.Function):
-    """Identity on a paged attention output that fails loudly in backward.
-
-    The pool holds detached keys and values (and the GPU kernels have no backward), so
-    gradients through a paged forward would silently miss the key/value paths.
-    """
-
-    @staticmethod
-    def forward(ctx, out: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
-        return out.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise BackwardNotSupportedError(
-            "Gradients cannot flow through a forward on a PagedCache: it stores keys and values "
-            "without autograd history. Run such forwards under torch.no_grad() / "
-            "torch.inference_mode() (generate() does), or use a DynamicCache (or no cache) for "
-            "forwards you differentiate."
-        )
 
 
 _UNSET = object()  # no mask announced for the next forward
@@ -57,7 +37,7 @@ def _ceil_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-class PagedCache(Cache):
+class PagedCache(PoolAccess, Cache):
     """A `transformers.Cache` whose keys and values live in fixed-size blocks of a pool.
 
     `generate(..., cache_implementation="paged")` makes one for you (it is returned as
@@ -296,21 +276,9 @@ class PagedCache(Cache):
             if self.pool is None:
                 self._bind_pool(None, key_states.dtype, key_states.device)
             self._begin_forward(key_states.shape[0], key_states.shape[2])
-        meta = self.meta
-        if meta is None:
+        if self.meta is None:
             raise HFPagedError("PagedCache.update: layer 0 must be updated first in each forward.")
-        k_cache, v_cache = self._views[layer_idx]
-        if meta.num_new == 0:
-            return k_cache, v_cache
-        key = key_states.transpose(1, 2).reshape(-1, self.num_kv_heads, self.head_dim)
-        value = value_states.transpose(1, 2).reshape(-1, self.num_kv_heads, self.head_dim)
-        if meta.token_index is not None and not meta.packed:
-            key = key.index_select(0, meta.token_index)
-            value = value.index_select(0, meta.token_index)
-        with torch.no_grad():  # the pool holds plain values; no autograd history
-            self.backend.write_kv(k_cache, v_cache, key.to(k_cache.dtype),
-                                  value.to(v_cache.dtype), meta.slot_mapping)
-        return k_cache, v_cache
+        return self.write(key_states, value_states, layer_idx)
 
     def _plan_step(self, rows: int, q_len: int) -> StepPlan:
         """What this forward adds, from the announced mask or packing; changes no state."""
@@ -398,76 +366,8 @@ class PagedCache(Cache):
             return None
         return rows * -(-(self.max_cache_len + 1) // self.block_size)
 
-    def _refresh_views(self) -> None:
-        owner = weakref.ref(self)
-        self._views = []
-        for layer in range(self.num_layers):
-            k, v = self.pool.kv[layer, 0], self.pool.kv[layer, 1]
-            k._hf_paged_cache = owner  # lets the attention function find its metadata
-            self._views.append((k, v))
-        self._views_version = self.pool.version
-
-    # -- reading ---------------------------------------------------------------------------------
-    def attend(self, query: torch.Tensor, layer_idx: int, scale: float,
-               sliding_window: int | None = None,
-               alibi_slopes: torch.Tensor | None = None,
-               caller_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Attention of this forward's queries over layer `layer_idx`.
-
-        query [R, Hq, q, D] -> [R, q, Hq, D]; packed: [1, Hq, N, D] -> [1, N, Hq, D].
-        alibi_slopes [Hq]: adds slope * key position to the scores (Falcon-RW).
-        caller_mask: a 4D mask the caller passed to the model's forward, over columns
-        ([R or 1, 1 or Hq, q, columns], bool or additive float); it replaces the causal and
-        sliding-window masks, as in SDPA.
-        """
-        out = self._attend(query.to(self.pool.dtype), layer_idx, scale, sliding_window,
-                           alibi_slopes, caller_mask).to(query.dtype)
-        if torch.is_grad_enabled() and query.requires_grad:
-            out = _NoBackward.apply(out, query)
-        return out
-
-    def _attend(self, query, layer_idx, scale, sliding_window, alibi_slopes, caller_mask):
-        meta = self.meta
-        k_cache, v_cache = self._views[layer_idx]
-        if meta.max_seq_len == 0:  # every row is still all padding: no key to attend to
-            return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
-        if caller_mask is not None:
-            if alibi_slopes is not None:
-                raise ValueError("A 4D attention mask cannot be combined with ALiBi here "
-                                 "(Transformers' Falcon does not accept one either).")
-            if any(self.tables.freed):
-                raise HFPagedError(
-                    "A 4D attention mask cannot be honoured after blocks left the sliding "
-                    "window; call activate_past_recording() before the first forward."
-                )
-            return self._reference_backend().attention(query, k_cache, v_cache, meta, scale,
-                                                       caller_mask=caller_mask)
-        backend = self._reference_backend() if meta.needs_reference else self.backend
-        if not meta.packed:
-            return backend.attention(query, k_cache, v_cache, meta, scale, sliding_window,
-                                     alibi_slopes)
-        rows, q_cols = meta.query_pos.shape
-        heads, dim = query.shape[1], query.shape[3]
-        tokens = query.transpose(1, 2).reshape(-1, heads, dim)  # [N, Hq, D]
-        if meta.token_index is not None:  # spread into the right-aligned [R * q] layout
-            padded = tokens.new_zeros(rows * q_cols, heads, dim)
-            tokens = padded.index_copy_(0, meta.token_index, tokens)
-        padded_query = tokens.view(rows, q_cols, heads, dim).transpose(1, 2)
-        out = backend.attention(padded_query, k_cache, v_cache, meta, scale, sliding_window,
-                                alibi_slopes)
-        out = out.reshape(rows * q_cols, heads, dim)
-        if meta.token_index is not None:
-            out = out.index_select(0, meta.token_index)
-        return out.unsqueeze(0)
-
-    def _reference_backend(self):
-        """The PyTorch reference, for forwards the kernels do not cover (hidden slots, a
-        caller's 4D mask)."""
-        if self.backend.name == "torch":
-            return self.backend
-        if self._reference is None:
-            self._reference = TorchBackend()
-        return self._reference
+    def _released_blocks(self) -> bool:
+        return any(self.tables.freed)
 
     # -- structure changes from generate -----------------------------------------------------------
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

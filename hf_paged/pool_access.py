@@ -1,0 +1,140 @@
+"""Writing a forward's keys and values into a `KVPool` and attending over them.
+
+Both the generate-side `PagedCache` and the engine's per-step cache read and write the pool
+the same way, through the `ForwardMetadata` of the forward: this mixin holds that code. A
+subclass sets `pool`, `backend`, `meta`, `num_kv_heads` and `head_dim`, and refreshes its
+layer views with `_refresh_views()` whenever `pool.version` changes.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from .errors import BackwardNotSupportedError, HFPagedError
+from .kernels.backends import TorchBackend
+
+
+class _NoBackward(torch.autograd.Function):
+    """Identity on a paged attention output that fails loudly in backward.
+
+    The pool holds detached keys and values (and the GPU kernels have no backward), so
+    gradients through a paged forward would silently miss the key/value paths.
+    """
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise BackwardNotSupportedError(
+            "Gradients cannot flow through a forward on a PagedCache: it stores keys and values "
+            "without autograd history. Run such forwards under torch.no_grad() / "
+            "torch.inference_mode() (generate() does), or use a DynamicCache (or no cache) for "
+            "forwards you differentiate."
+        )
+
+
+class PoolAccess:
+    """Per-layer pool views, the write of new tokens, and attention over the pool."""
+
+    _reference = None  # reference backend for forwards the kernels do not cover
+
+    def _refresh_views(self) -> None:
+        owner = weakref.ref(self)
+        self._views = []
+        for layer in range(self.num_layers):
+            k, v = self.pool.kv[layer, 0], self.pool.kv[layer, 1]
+            k._hf_paged_cache = owner  # lets the attention function find its metadata
+            self._views.append((k, v))
+        self._views_version = self.pool.version
+
+    def write(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
+        """Stores one layer's new tokens through `meta.slot_mapping`; returns the layer's
+        pool views.
+
+        key_states, value_states: [R, Hkv, q, D] (padded layout; `meta.token_index` picks
+        the stored columns) or [1, Hkv, N, D] for a packed forward
+        -> (k_cache, v_cache) [NB, bs, Hkv, D]
+        """
+        meta = self.meta
+        k_cache, v_cache = self._views[layer_idx]
+        if meta.num_new == 0:
+            return k_cache, v_cache
+        key = key_states.transpose(1, 2).reshape(-1, self.num_kv_heads, self.head_dim)
+        value = value_states.transpose(1, 2).reshape(-1, self.num_kv_heads, self.head_dim)
+        if meta.token_index is not None and not meta.packed:
+            key = key.index_select(0, meta.token_index)
+            value = value.index_select(0, meta.token_index)
+        with torch.no_grad():  # the pool holds plain values; no autograd history
+            self.backend.write_kv(k_cache, v_cache, key.to(k_cache.dtype),
+                                  value.to(v_cache.dtype), meta.slot_mapping)
+        return k_cache, v_cache
+
+    def attend(self, query: torch.Tensor, layer_idx: int, scale: float,
+               sliding_window: int | None = None,
+               alibi_slopes: torch.Tensor | None = None,
+               caller_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of this forward's queries over layer `layer_idx`.
+
+        query [R, Hq, q, D] -> [R, q, Hq, D]; packed: [1, Hq, N, D] -> [1, N, Hq, D].
+        alibi_slopes [Hq]: adds slope * key position to the scores (Falcon-RW).
+        caller_mask: a 4D mask the caller passed to the model's forward, over columns
+        ([R or 1, 1 or Hq, q, columns], bool or additive float); it replaces the causal and
+        sliding-window masks, as in SDPA.
+        """
+        out = self._attend(query.to(self.pool.dtype), layer_idx, scale, sliding_window,
+                           alibi_slopes, caller_mask).to(query.dtype)
+        if torch.is_grad_enabled() and query.requires_grad:
+            out = _NoBackward.apply(out, query)
+        return out
+
+    def _attend(self, query, layer_idx, scale, sliding_window, alibi_slopes, caller_mask):
+        meta = self.meta
+        k_cache, v_cache = self._views[layer_idx]
+        if meta.max_seq_len == 0:  # every row is still all padding: no key to attend to
+            return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+        if caller_mask is not None:
+            if alibi_slopes is not None:
+                raise ValueError("A 4D attention mask cannot be combined with ALiBi here "
+                                 "(Transformers' Falcon does not accept one either).")
+            if self._released_blocks():
+                raise HFPagedError(
+                    "A 4D attention mask cannot be honoured after blocks left the sliding "
+                    "window; call activate_past_recording() before the first forward."
+                )
+            return self._reference_backend().attention(query, k_cache, v_cache, meta, scale,
+                                                       caller_mask=caller_mask)
+        backend = self._reference_backend() if meta.needs_reference else self.backend
+        if not meta.packed:
+            return backend.attention(query, k_cache, v_cache, meta, scale, sliding_window,
+                                     alibi_slopes)
+        rows, q_cols = meta.query_pos.shape
+        heads, dim = query.shape[1], query.shape[3]
+        tokens = query.transpose(1, 2).reshape(-1, heads, dim)  # [N, Hq, D]
+        if meta.token_index is not None:  # spread into the right-aligned [R * q] layout
+            padded = tokens.new_zeros(rows * q_cols, heads, dim)
+            tokens = padded.index_copy_(0, meta.token_index, tokens)
+        padded_query = tokens.view(rows, q_cols, heads, dim).transpose(1, 2)
+        out = backend.attention(padded_query, k_cache, v_cache, meta, scale, sliding_window,
+                                alibi_slopes)
+        out = out.reshape(rows * q_cols, heads, dim)
+        if meta.token_index is not None:
+            out = out.index_select(0, meta.token_index)
+        return out.unsqueeze(0)
+
+    def _released_blocks(self) -> bool:
+        """Whether blocks left a sliding window (a caller's 4D mask may need them)."""
+        return False
+
+    def _reference_backend(self):
+        """The PyTorch reference, for forwards the kernels do not cover (hidden slots, a
+        caller's 4D mask)."""
+        if self.backend.name == "torch":
+            return self.backend
+        if self._reference is None:
+            self._reference = TorchBackend()
+        return self._reference
+
