@@ -192,15 +192,17 @@ class BlockTables:
         self.tables[row], self.lengths[row], self.freed[row] = [], 0, 0
         return blocks
 
-    def assign(self, row: int, blocks: Sequence[int], length: int) -> None:
-        """Fills the empty `row` with `blocks` (already holding `length` tokens), taking a
-        reference on each: a cached prefix, a sibling's blocks, or blocks swapped back in.
-        FREED entries are kept as they are."""
+    def assign(self, row: int, blocks: Sequence[int], length: int, incref: bool = True) -> None:
+        """Fills the empty `row` with `blocks` (already holding `length` tokens): a cached
+        prefix or a sibling's blocks (a reference is taken on each), or blocks just
+        allocated for it (`incref=False`: the allocation's reference is the row's). FREED
+        entries are kept as they are."""
         assert not self.tables[row], f"assign into row {row}, which holds blocks"
         if not 0 <= length <= len(blocks) * self.block_size:
             raise ValueError(f"assign: {len(blocks)} block(s) cannot hold {length} tokens.")
         live = _live(blocks)
-        self.pool.incref(live)
+        if incref:
+            self.pool.incref(live)
         self.tables[row] = list(blocks)
         self.lengths[row] = length
         self.freed[row] = len(blocks) - len(live) if FREED in blocks else 0

@@ -1,0 +1,93 @@
+"""Prefix caching: full blocks addressed by the content of every token up to their end.
+
+A block's key is a SHA-256 chain: the parent block's key, the block's tokens and a salt
+(the model or adapter whose K/V they are). A block is registered once it is full; the cache
+then holds one reference on it, so it outlives the sequence that computed it. A cached block
+no sequence holds is *evictable*: it goes back to the free list, least recently used first,
+only when the pool needs the space. Plain Python, no torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from typing import Iterable, Sequence
+
+from .block_pool import BlockPool
+
+
+def block_key(parent: bytes | None, tokens: Sequence[int], salt: bytes = b"") -> bytes:
+    digest = hashlib.sha256(parent or b"\0" * 32)
+    digest.update(salt)
+    digest.update(b",".join(str(t).encode() for t in tokens))
+    return digest.digest()
+
+
+class PrefixCache:
+    """Content keys -> blocks of one pool, with LRU eviction of blocks nobody holds."""
+
+    def __init__(self, pool: BlockPool, enabled: bool = True):
+        self.pool = pool
+        self.enabled = enabled
+        self._block_of: dict[bytes, int] = {}
+        self._key_of: dict[int, bytes] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self.queried_tokens = 0
+        self.hit_tokens = 0
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._key_of)
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._evictable)
+
+    def holds(self, block: int) -> bool:
+        return block in self._key_of
+
+    def lookup(self, keys: Sequence[bytes]) -> list[int]:
+        """Blocks of the longest cached run of `keys` from the first."""
+        blocks = []
+        if self.enabled:
+            for key in keys:
+                block = self._block_of.get(key)
+                if block is None:
+                    break
+                blocks.append(block)
+        return blocks
+
+    def acquire(self, blocks: Iterable[int]) -> None:
+        """`blocks` are about to be held by a sequence: no longer evictable."""
+        for b in blocks:
+            self._evictable.pop(b, None)
+
+    def register(self, block: int, key: bytes) -> None:
+        """A sequence filled `block`, whose content has `key`. Keeps the first block seen
+        for a key (another with the same content stays private to its sequence)."""
+        if self.enabled and key not in self._block_of and block not in self._key_of:
+            self.pool.incref([block])
+            self._block_of[key] = block
+            self._key_of[block] = key
+
+    def released(self, blocks: Iterable[int]) -> None:
+        """Sequences dropped their references on `blocks`: cached ones held by nobody else
+        become evictable, as the most recently used."""
+        for b in blocks:
+            if b in self._key_of and self.pool.refcount(b) == 1:
+                self._evictable.pop(b, None)
+                self._evictable[b] = None
+
+    def evict(self, count: int) -> int:
+        """Returns up to `count` least recently used evictable blocks to the free list."""
+        evicted = 0
+        while evicted < count and self._evictable:
+            block, _ = self._evictable.popitem(last=False)
+            del self._block_of[self._key_of.pop(block)]
+            self.pool.decref([block])
+            evicted += 1
+        return evicted
+
+    def clear(self) -> None:
+        """Drops every evictable block (blocks in use stay cached until released)."""
+        self.evict(len(self._evictable))

@@ -1,0 +1,70 @@
+"""A request's sequences as the scheduler sees them. Plain Python, no torch.
+
+A sequence holds its prompt and the tokens generated so far; `num_computed` of them have
+their keys and values in the pool. A running sequence has a row of the scheduler's block
+tables. Each new token is computed (its K/V written) on the step after it was sampled.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # not admitted yet, or preempted by recompute and back in line
+    RUNNING = "running"  # holds a row and blocks
+    SWAPPED = "swapped"  # preempted to the CPU pool; resumes before new requests
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sequence of a request (a request with `n > 1` has n, forked after its prompt)."""
+
+    seq_id: int
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    priority: int = 0  # lower runs first
+    arrival: int = 0  # order of arrival, the tie-break within a priority
+    salt: bytes = b""  # prefix-cache namespace: the model or adapter that computes the K/V
+    output: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    row: int | None = None
+    num_computed: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)  # content keys of full blocks
+    registered: int = 0  # leading full blocks already offered to the prefix cache
+    swapped: list[int] | None = None  # CPU block table of a swapped sequence
+    swapped_length: int = 0
+    forks: int = 0  # siblings to fork once the prompt is computed (n - 1)
+    reserved_rows: list[int] = field(default_factory=list)  # rows kept for those siblings
+    preemptions: int = 0
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    finish_reason: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def to_compute(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    def tokens(self, start: int, stop: int) -> list[int]:
+        """Tokens [start, stop) of prompt + output."""
+        p = len(self.prompt)
+        if stop <= p:
+            return self.prompt[start:stop]
+        if start >= p:
+            return self.output[start - p:stop - p]
+        return self.prompt[start:] + self.output[:stop - p]
+
+    @property
+    def rank(self) -> tuple[int, int]:
+        """Scheduling order: priority, then arrival."""
+        return self.priority, self.arrival
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
