@@ -2,7 +2,8 @@
 
 Falcon computes attention inline in `FalconAttention.forward` instead of going through
 Transformers' attention interface, so the integration replaces that forward with the one
-made here, which falls back to the original whenever the cache is not a `PagedCache`.
+made here, which falls back to the original whenever the cache is not a paged one (a
+`PagedCache`, or the engine's per-step cache).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 from transformers.models.falcon.modeling_falcon import apply_rotary_pos_emb, build_alibi_tensor
 
 from ..attention import ATTENTION_NAME
-from ..cache import PagedCache
+from ..pool_access import PoolAccess
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:
@@ -70,12 +71,12 @@ class SdpaView:
 
 
 def paged_falcon_attention(original):
-    """Wraps `FalconAttention.forward`: paged attention with a `PagedCache`, stock otherwise."""
+    """Wraps `FalconAttention.forward`: paged attention on a paged cache, stock otherwise."""
 
     @functools.wraps(original)
     def forward(self, hidden_states, alibi, attention_mask, position_ids=None, layer_past=None,
                 use_cache=False, output_attentions=False, position_embeddings=None, **kwargs):
-        if not isinstance(layer_past, PagedCache):
+        if not isinstance(layer_past, PoolAccess):  # a PagedCache or the engine's StepCache
             if self.config._attn_implementation == ATTENTION_NAME and \
                     not isinstance(self.config, SdpaView):
                 self.config = SdpaView(self.config)
@@ -97,7 +98,7 @@ def paged_falcon_attention(original):
                 slopes = slopes.to(device=query.device, dtype=query.dtype)
                 self.__dict__["_hf_paged_slopes"] = slopes
         layer_past.update(key, value, self.layer_idx)
-        # A mask here was prepared by the caller (4D): for a PagedCache, paged_mask gives None.
+        # A mask here was prepared by the caller (4D): for a paged cache, paged_mask gives None.
         out = layer_past.attend(query, self.layer_idx, self.inv_norm_factor, alibi_slopes=slopes,
                                 caller_mask=attention_mask)
         meta = layer_past.meta

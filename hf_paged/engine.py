@@ -1,0 +1,539 @@
+"""The continuous-batching engine: one KV pool, many requests, one forward per step.
+
+Each `step()`: the scheduler picks this step's tokens (decodes of running sequences, then
+prompt chunks) under its budgets; the engine carries out the plan's swaps, copy-on-write
+copies and block-table entries on the device, runs the model once on all tokens packed in
+one row ([1, N], no padding; `StepCache` hands the step's metadata to the "paged"
+attention), samples each sequence that reached its last token with its request's own
+settings, and records tokens, stops and finished requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import Cache
+
+from . import attention
+from .attention import ATTENTION_NAME
+from .block_pool import BlockPool
+from .block_table import FREED
+from .errors import HFPagedError, UnsupportedModelError
+from .kernels.backends import select_backend
+from .kv_pool import KVPool
+from .metadata import DeviceBlockTable, build_metadata, to_device
+from .models import kv_layout
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .pool_access import PoolAccess
+from .sampler import Sampler, SampleRow
+from .sampling_params import SamplingParams, generation_defaults
+from .scheduler import RequestRejectedError, Scheduler, Step
+from .sequence import Sequence
+
+logger = logging.getLogger("hf_paged")
+
+DEBUG_ENV_VAR = "HF_PAGED_DEBUG"  # "1": check every step's tables and slots (isolation)
+
+
+class IsolationError(HFPagedError, AssertionError):
+    """A step would read or write a block its sequence does not hold (debug mode)."""
+
+
+class StepCache(PoolAccess, Cache):
+    """The `past_key_values` of one engine forward: writes go to the slots of the step's
+    metadata, attention reads each sequence's own blocks."""
+
+    def __init__(self, pool: KVPool, backend, num_heads: int, sliding_window: int | None):
+        Cache.__init__(self, layers=[])
+        self.pool, self.backend = pool, backend
+        self.num_layers, self.num_kv_heads, self.head_dim = (pool.num_layers, pool.num_kv_heads,
+                                                             pool.head_dim)
+        self.num_heads = num_heads
+        self.sliding_window = sliding_window
+        self.meta = None
+        self._refresh_views()
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if layer_idx == 0:
+            attention.claim()  # this forward's mask announcement is used up
+        return self.write(key_states, value_states, layer_idx)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions come with each forward; nothing is sliced by length
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        attention.announce(self, query_length)
+        return query_length, 0
+
+    def adopt_mask(self, attention_mask) -> None:
+        pass  # the step's metadata says everything; the engine passes no padding mask
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [self.sliding_window is not None] * self.num_layers
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return [False] * self.num_layers
+
+    @property
+    def is_dummy(self) -> list[bool]:
+        return [False] * self.num_layers
+
+
+class _Rows:
+    """A view of some rows of the device block table (what build_metadata reads)."""
+
+    def __init__(self, table: torch.Tensor, device: torch.device):
+        self.table, self.device = table, device
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    completions: list[CompletionOutput]
+    generators: list[torch.Generator | None]
+    stop_ids: set[int]
+    metrics: RequestMetrics
+    error: str | None = None
+    texts: list[str] = field(default_factory=list)  # decoded text per completion
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.completions)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's state and counters."""
+
+    running: int
+    waiting: int
+    swapped: int
+    num_preemptions: int
+    num_blocks: int
+    blocks_used: int  # held by running sequences
+    blocks_cached: int  # kept by the prefix cache, held by nobody (reused or evicted later)
+    blocks_free: int
+    block_size: int
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+    prompt_tokens: int  # prompt tokens computed (prefix-cache hits excluded)
+    generation_tokens: int  # tokens sampled
+
+    @property
+    def kv_usage(self) -> float:
+        return self.blocks_used / self.num_blocks if self.num_blocks else 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        q = self.prefix_cache_queried_tokens
+        return self.prefix_cache_hit_tokens / q if q else 0.0
+
+
+def _unwrap(model):
+    """(model to call, the Transformers model under it) for a model or a PEFT model."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(model, "peft_config", None)
+    if config:
+        active = config.get(getattr(model, "active_adapter", "default"))
+        if active is not None and getattr(active, "is_prompt_learning", False):
+            raise UnsupportedModelError(
+                f"The engine serves LoRA-style PEFT adapters; {active.peft_type} (prompt "
+                "learning) changes the inputs of generate itself. Use model.generate(..., "
+                "cache_implementation='paged') for it."
+            )
+    return model, base
+
+
+class LLMEngine:
+    """Continuous batching on the paged KV cache for a loaded model (or PEFT model).
+
+    Engine options:
+      block_size:        tokens per KV block (16)
+      num_blocks / kv_cache_bytes: the KV budget; on CUDA, without either, the fraction
+                         `gpu_memory_utilization` (0.9) of free device memory; on CPU, 1 GiB
+                         or a quarter of physical memory, whichever is smaller
+      max_num_seqs:      sequences running at once (64 on CPU, 256 on CUDA)
+      max_num_batched_tokens: tokens per step, decodes and prompt chunks (2048 / 8192)
+      enable_prefix_caching: share cached full blocks of common prompt prefixes (True)
+      preemption_mode:   "recompute" (default) or "swap" (to a CPU pool of
+                         `swap_space_bytes`, by default the size of the KV pool)
+      max_model_len:     the longest sequence (the model's max_position_embeddings)
+      backend:           attention backend, as `cache_config["backend"]`
+    """
+
+    def __init__(self, model, tokenizer=None, *, block_size: int = 16,
+                 num_blocks: int | None = None, kv_cache_bytes: int | None = None,
+                 gpu_memory_utilization: float = 0.9, max_num_seqs: int | None = None,
+                 max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
+                 preemption_mode: str = "recompute", swap_space_bytes: int | None = None,
+                 max_model_len: int | None = None, backend: str = "auto"):
+        from .integration import is_supported, SUPPORTED_ARCHITECTURES
+
+        self.model, base = _unwrap(model)
+        if not is_supported(base):
+            raise UnsupportedModelError(
+                f"The engine runs {', '.join(SUPPORTED_ARCHITECTURES)}; got {type(base).__name__}.")
+        self.tokenizer = tokenizer
+        self.model.eval()
+        text_config = base.config.get_text_config(decoder=True)
+        base.config._attn_implementation_internal = ATTENTION_NAME  # the engine's model is paged
+        self.device, self.dtype = base.device, base.dtype
+        cuda = self.device.type == "cuda"
+        num_layers, kv_heads, head_dim = kv_layout(text_config)
+        self.block_size = _positive("block_size", block_size)
+        self.max_model_len = _positive("max_model_len", max_model_len
+                                       or getattr(text_config, "max_position_embeddings", 2048))
+        self.max_num_seqs = _positive("max_num_seqs", max_num_seqs or (256 if cuda else 64))
+        self.max_num_batched_tokens = _positive(
+            "max_num_batched_tokens", max_num_batched_tokens or (8192 if cuda else 2048))
+        per_block = num_layers * 2 * kv_heads * head_dim * self.block_size * \
+            torch.tensor([], dtype=self.dtype).element_size()
+        blocks = self._pool_blocks(num_blocks, kv_cache_bytes, gpu_memory_utilization, per_block)
+        self.pool = KVPool(num_layers, kv_heads, head_dim, self.block_size, blocks, self.dtype,
+                           self.device, growable=False)
+        logger.info("hf-paged engine: KV pool of %d blocks x %d tokens (%.1f MiB) on %s",
+                    blocks, self.block_size, blocks * per_block / 2**20, self.device)
+        cpu_pool = None
+        if preemption_mode == "swap":
+            swap_blocks = (swap_space_bytes // per_block if swap_space_bytes is not None
+                           else blocks)
+            self.cpu_pool = KVPool(num_layers, kv_heads, head_dim, self.block_size,
+                                   swap_blocks, self.dtype, "cpu", growable=False)
+            if cuda:
+                self.cpu_pool.kv = self.cpu_pool.kv.pin_memory()
+            cpu_pool = self.cpu_pool.blocks
+        else:
+            self.cpu_pool = None
+        self.sliding_window = getattr(text_config, "sliding_window", None)
+        self.scheduler = Scheduler(self.pool.blocks, self.max_num_seqs,
+                                   self.max_num_batched_tokens, self.max_model_len,
+                                   self.sliding_window, enable_prefix_caching, preemption_mode,
+                                   cpu_pool)
+        num_heads = getattr(text_config, "num_attention_heads", kv_heads)
+        self.backend = select_backend(backend, self.device, self.dtype, self.block_size,
+                                      num_heads, kv_heads)
+        self.cache = StepCache(self.pool, self.backend, num_heads, self.sliding_window)
+        self.device_table = DeviceBlockTable(self.max_num_seqs,
+                                             -(-self.max_model_len // self.block_size),
+                                             self.device)
+        self.sampler = Sampler()
+        self.vocab_size = base.get_output_embeddings().weight.shape[0]
+        # Decode every step (servers stream text); otherwise only finished completions.
+        self.incremental_text = False
+        self.defaults = generation_defaults(getattr(base, "generation_config", None))
+        eos = getattr(getattr(base, "generation_config", None), "eos_token_id", None)
+        if eos is None:
+            eos = getattr(text_config, "eos_token_id", None)
+        self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None
+                           else [])
+        self.requests: dict[str, _Request] = {}
+        self._aborts: set[str] = set()
+        self._next_seq = 0
+        self._arrivals = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.debug = os.environ.get(DEBUG_ENV_VAR) == "1"
+
+    def _pool_blocks(self, num_blocks, kv_cache_bytes, utilization, per_block) -> int:
+        if num_blocks is not None and kv_cache_bytes is not None:
+            raise ValueError("Give one of num_blocks and kv_cache_bytes, not both.")
+        if num_blocks is not None:
+            return _positive("num_blocks", num_blocks)
+        if kv_cache_bytes is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                kv_cache_bytes = int(free * utilization)
+            else:
+                physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+                kv_cache_bytes = min(2**30, physical // 4)
+        blocks = _positive("kv_cache_bytes", kv_cache_bytes) // per_block
+        if blocks == 0:
+            raise ValueError(f"kv_cache_bytes={kv_cache_bytes} is smaller than one KV block "
+                             f"({per_block} bytes).")
+        most = self.max_num_seqs * (-(-self.max_model_len // self.block_size) + 1)
+        return min(blocks, most)  # never more than every sequence at full length
+
+    # -- requests ------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams | None = None, priority: int = 0) -> None:
+        """Queues a request. Raises ValueError for malformed input and RequestRejectedError
+        for a request that could never run; either way nothing else is affected."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use.")
+        params = (params or SamplingParams()).resolved(self.defaults)
+        text = None
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("A text prompt needs a tokenizer; pass token ids, or give the "
+                                 "engine a tokenizer.")
+            text, prompt = prompt, self.tokenizer(prompt)["input_ids"]
+        prompt = [int(t) for t in prompt]
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}.")
+        self.scheduler.check_fits(len(prompt), params.max_tokens, params.n)
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
+        seq = Sequence(self._new_seq(), request_id, prompt, params.max_tokens, priority,
+                       self._arrivals, forks=params.n - 1)
+        self._arrivals += 1
+        generators = [None] * params.n
+        if params.seed is not None:
+            generators = [torch.Generator(self.device).manual_seed(params.seed + i)
+                          for i in range(params.n)]
+        self.requests[request_id] = _Request(
+            request_id, text, prompt, params, [seq],
+            [CompletionOutput(i, logprobs=[] if params.logprobs is not None else None,
+                              cumulative_logprob=0.0 if params.logprobs is not None else None)
+             for i in range(params.n)],
+            generators, stop_ids, RequestMetrics(time.monotonic()), texts=[""] * params.n)
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> None:
+        """Ends the request at the next step boundary, freeing its blocks ("abort")."""
+        if request_id in self.requests and not self.requests[request_id].finished:
+            self._aborts.add(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work or bool(self._aborts)
+
+    def stats(self) -> EngineStats:
+        s, pool = self.scheduler, self.pool.blocks
+        cached = s.prefix.num_evictable
+        return EngineStats(
+            running=len(s.running), waiting=len(s.waiting), swapped=len(s.swapped),
+            num_preemptions=s.num_preemptions, num_blocks=pool.num_blocks,
+            blocks_used=pool.num_used - cached, blocks_cached=cached, blocks_free=pool.num_free,
+            block_size=self.block_size, prefix_cache_queried_tokens=s.prefix.queried_tokens,
+            prefix_cache_hit_tokens=s.prefix.hit_tokens, prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens)
+
+    # -- one step -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Runs one step; returns the outputs of the requests it changed."""
+        touched: dict[str, _Request] = {}
+        for request_id in self._aborts:
+            request = self.requests[request_id]
+            for i, seq in enumerate(request.seqs):
+                self.scheduler.abort(seq)
+            for c in request.completions:
+                c.finish_reason = c.finish_reason or "abort"
+            touched[request_id] = request
+        self._aborts.clear()
+        plan = self.scheduler.schedule()
+        if plan.scheduled:
+            self._run(plan, touched)
+        outputs = [self._output(r) for r in touched.values()]
+        for request in touched.values():
+            if request.finished:
+                request.metrics.finished_time = time.monotonic()
+                del self.requests[request.request_id]
+        return outputs
+
+    def _run(self, plan: Step, touched: dict) -> None:
+        device, bs = self.device, self.block_size
+        self._move_blocks(plan)
+        self.device_table.apply(plan.entries)
+        ids, positions, rows, context, counts, last = [], [], [], [], [], []
+        for item in plan.scheduled:
+            seq = item.seq
+            ids += seq.tokens(item.start, item.start + item.count)
+            positions += range(item.start, item.start + item.count)
+            rows.append(seq.row)
+            context.append(item.start)
+            counts.append(item.count)
+            if item.sample:
+                last.append(len(ids) - 1)
+            if item.start < len(seq.prompt):
+                self.prompt_tokens += min(item.count, len(seq.prompt) - item.start)
+        table = _Rows(self.device_table.table.index_select(0, to_device(rows, device)), device)
+        max_len = max(c + n for c, n in zip(context, counts))
+        meta = build_metadata(table, to_device(context, device), counts, max(counts), max_len,
+                              bs, packed=True)
+        if self.debug:
+            self._check_isolation(plan, meta)
+        self.cache.meta = meta
+        keep = to_device(last or [len(ids) - 1], device)
+        with torch.inference_mode():
+            out = self.model(input_ids=to_device(ids, device)[None],
+                             position_ids=to_device(positions, device)[None],
+                             past_key_values=self.cache, use_cache=True, logits_to_keep=keep)
+        self.cache.meta = None
+        self.scheduler.after_step(plan)
+        if last:
+            self._sample(plan, out.logits[0], touched)
+
+    def _move_blocks(self, plan: Step) -> None:
+        kv = self.pool.kv
+        if plan.swap_out:
+            gpu, cpu = zip(*plan.swap_out)
+            self.cpu_pool.kv.index_copy_(
+                2, to_device(cpu, "cpu"),
+                kv.index_select(2, to_device(gpu, self.device)).to("cpu", non_blocking=True))
+        if plan.swap_in:
+            cpu, gpu = zip(*plan.swap_in)
+            kv.index_copy_(2, to_device(gpu, self.device),
+                           self.cpu_pool.kv.index_select(2, to_device(cpu, "cpu")).to(
+                               self.device, non_blocking=True))
+        if plan.copies:
+            src, dst = to_device(plan.copies, self.device).T
+            self.backend.copy_blocks(kv, src, dst)
+
+    def _sample(self, plan: Step, logits: torch.Tensor, touched: dict) -> None:
+        """logits [S, V]: one row per scheduled item that samples, in order."""
+        rows, owners, index = [], [], []
+        for item in (i for i in plan.scheduled if i.sample):
+            seq = item.seq
+            request = self.requests[seq.request_id]
+            row_of_logits = len(owners)
+            targets = [seq] + [None] * seq.forks  # None: a sibling forked from this row
+            for k, target in enumerate(targets):
+                completion = k if target is None else request.seqs.index(seq)
+                rows.append(self._sample_row(request, seq, completion))
+                owners.append((request, seq, target, completion))
+                index.append(row_of_logits)
+        result = self.sampler(logits[torch.tensor(index, device=logits.device)], rows)
+        children: dict[int, list[Sequence]] = {}
+        for (request, seq, target, completion), token, lp, tlp in zip(
+                owners, result.tokens, result.logprobs, result.token_logprobs):
+            if target is None:
+                child = Sequence(self._new_seq(), seq.request_id, seq.prompt, seq.max_tokens,
+                                 seq.priority, seq.arrival, seq.salt)
+                request.seqs.append(child)
+                children.setdefault(id(seq), []).append(child)
+                target = child
+            self._append(request, target, completion, token, lp, tlp)
+            touched[request.request_id] = request
+        for item in plan.scheduled:
+            seq = item.seq
+            if id(seq) in children:
+                seq.forks = 0
+                self.scheduler.fork(seq, children[id(seq)])
+        for request in list(touched.values()):
+            for k, seq in enumerate(request.seqs):
+                if not seq.finished:
+                    self._check_stop(request, seq, k)
+
+    def _sample_row(self, request: _Request, seq: Sequence, completion: int) -> SampleRow:
+        params = request.params
+        suppress = None
+        if len(seq.output) < params.min_tokens and request.stop_ids:
+            suppress = sorted(request.stop_ids)
+        return SampleRow(params, seq.prompt, seq.output, request.generators[completion],
+                         suppress)
+
+    def _append(self, request, seq, completion, token, logprobs, token_logprob) -> None:
+        seq.output.append(token)
+        self.generation_tokens += 1
+        out = request.completions[completion]
+        out.token_ids = seq.output
+        if logprobs is not None:
+            out.logprobs.append(logprobs)
+            out.cumulative_logprob += token_logprob
+        now = time.monotonic()
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = now
+
+    def _check_stop(self, request: _Request, seq: Sequence, k: int) -> None:
+        out = request.completions[k]
+        params = request.params
+        token = seq.output[-1]
+        if token in request.stop_ids:  # masked until min_tokens, so never too early
+            eos = token in self.eos_ids and token not in params.stop_token_ids
+            out.stop_reason = None if eos else token
+            self._finish(request, seq, k, "stop")
+            return
+        if params.stop and self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.output, skip_special_tokens=True)
+            start = max(0, len(request.texts[k]) - max(len(s) for s in params.stop))
+            hits = [(text.find(s, start), s) for s in params.stop if text.find(s, start) >= 0]
+            request.texts[k] = text
+            if hits:
+                at, stop = min(hits)
+                request.texts[k] = text[:at]
+                out.stop_reason = stop
+                self._finish(request, seq, k, "stop")
+                return
+        if len(seq.output) >= seq.max_tokens:
+            self._finish(request, seq, k, "length")
+
+    def _finish(self, request, seq, k, reason) -> None:
+        self.scheduler.finish(seq, reason)
+        request.completions[k].finish_reason = reason
+
+    def _output(self, request: _Request) -> RequestOutput:
+        for k, out in enumerate(request.completions):
+            if self.tokenizer is not None and out.token_ids and (
+                    out.finished or self.incremental_text):
+                if request.params.stop and out.finish_reason == "stop" and \
+                        isinstance(out.stop_reason, str):
+                    out.text = request.texts[k]
+                else:
+                    out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        return RequestOutput(request.request_id, request.prompt, request.prompt_ids,
+                             request.completions, request.finished, request.error,
+                             request.seqs[0].cached_tokens, request.metrics)
+
+    # -- checks ---------------------------------------------------------------------------------
+    def _check_isolation(self, plan: Step, meta) -> None:
+        """Debug mode: every block a step touches belongs to the sequence touching it."""
+        s = self.scheduler
+        pool = self.pool.blocks
+        holders: dict[int, int] = {}
+        for table in s.tables.tables:
+            for b in table:
+                if b != FREED:
+                    holders[b] = holders.get(b, 0) + 1
+        free = set(pool.free_blocks())
+        for b in range(pool.num_blocks):
+            expected = holders.get(b, 0) + s.prefix.holds(b)
+            if pool.refcount(b) != expected or (b in free) != (expected == 0):
+                raise IsolationError(f"block {b}: refcount {pool.refcount(b)}, holders "
+                                     f"{expected}, free {b in free}")
+        slots = meta.slot_mapping.tolist()
+        offset = 0
+        for item in plan.scheduled:
+            own = set(s.tables.tables[item.seq.row]) - {FREED}
+            for slot in slots[offset:offset + item.count]:
+                if slot // self.block_size not in own:
+                    raise IsolationError(f"sequence {item.seq.seq_id} writes slot {slot} "
+                                         f"outside its blocks {sorted(own)}")
+                if pool.refcount(slot // self.block_size) > 1 + s.prefix.holds(slot // self.block_size):
+                    raise IsolationError(f"sequence {item.seq.seq_id} writes into shared "
+                                         f"block {slot // self.block_size}")
+            offset += item.count
+        for i, item in enumerate(plan.scheduled):
+            table = meta.block_tables[i].tolist()
+            row = s.tables.tables[item.seq.row]
+            for col, block in enumerate(row):
+                if block != FREED and col < len(table) and table[col] != block:
+                    raise IsolationError(f"device table of sequence {item.seq.seq_id} has "
+                                         f"{table[col]} at {col}, the scheduler {block}")
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _new_seq(self) -> int:
+        self._next_seq += 1
+        return self._next_seq
+
+
+
+def _positive(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer; got {value!r}.")
+    return value
+
+
+__all__ = ["EngineStats", "IsolationError", "LLMEngine", "RequestRejectedError", "StepCache"]

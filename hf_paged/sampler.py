@@ -1,0 +1,144 @@
+"""Next tokens from a step's logits, each row with its request's own settings.
+
+Rows are processed together: repetition penalty, then min-tokens masking, then for sampled
+rows temperature, top-k, top-p and min-p (Transformers' processors, in its order, with its
+tie and minimum-kept rules), then OpenAI's presence/frequency penalties ahead of them.
+Greedy rows take the argmax of the penalized logits. Sampling draws one exponential per
+vocabulary entry and takes argmax(p / e), which is a draw from p; a seeded request draws
+its exponentials from a generator of its own, so its tokens do not depend on the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sampling_params import SamplingParams
+
+
+@dataclass
+class SampleRow:
+    """One row of the logits: the request's settings and what it has seen so far."""
+
+    params: SamplingParams  # resolved
+    prompt: list[int]
+    output: list[int]
+    generator: torch.Generator | None = None
+    suppress: list[int] | None = None  # token ids masked at this step (min_tokens)
+
+
+@dataclass
+class SampleResult:
+    tokens: list[int]
+    logprobs: list[dict[int, float] | None]  # per row, when asked for
+    token_logprobs: list[float | None]
+
+
+def _padded(lists: list[list[int]], fill: int, device) -> torch.Tensor:
+    width = max(1, max(len(x) for x in lists))
+    return torch.tensor([x + [fill] * (width - len(x)) for x in lists], dtype=torch.long,
+                        device=device)
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
+        """logits [S, V] (any float dtype) -> one token per row."""
+        logits = logits.float()
+        rows_n, vocab = logits.shape
+        device = logits.device
+        want_logprobs = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        raw = torch.log_softmax(logits, -1) if want_logprobs else None
+        logits = self._penalize(logits, rows, vocab, device)
+        greedy = [r.params.temperature == 0 for r in rows]
+        if all(greedy):
+            tokens = logits.argmax(-1)
+        else:
+            tokens = self._sample(logits, rows, greedy, device)
+        return self._result(tokens, raw, rows, want_logprobs)
+
+    # -- processors -----------------------------------------------------------------------
+    def _penalize(self, logits, rows, vocab, device):
+        rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+        if rep:
+            idx = torch.tensor(rep, device=device)
+            ids = _padded([rows[i].prompt + rows[i].output for i in rep], vocab, device)
+            ext = torch.cat([logits[idx], logits.new_zeros(len(rep), 1)], 1)
+            scores = ext.gather(1, ids)
+            penalty = torch.tensor([rows[i].params.repetition_penalty for i in rep],
+                                   device=device)[:, None]
+            scores = torch.where(scores < 0, scores * penalty, scores / penalty)
+            logits[idx] = ext.scatter(1, ids, scores)[:, :vocab]
+        additive = [i for i, r in enumerate(rows)
+                    if r.params.presence_penalty or r.params.frequency_penalty]
+        if additive:
+            idx = torch.tensor(additive, device=device)
+            ids = _padded([rows[i].output for i in additive], vocab, device)
+            counts = torch.zeros(len(additive), vocab + 1, device=device)
+            counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
+            counts = counts[:, :vocab]
+            presence = torch.tensor([rows[i].params.presence_penalty for i in additive],
+                                    device=device)[:, None]
+            frequency = torch.tensor([rows[i].params.frequency_penalty for i in additive],
+                                     device=device)[:, None]
+            logits[idx] -= frequency * counts + presence * (counts > 0)
+        masked = [i for i, r in enumerate(rows) if r.suppress]
+        if masked:
+            idx = torch.tensor(masked, device=device)
+            ids = _padded([rows[i].suppress for i in masked], vocab, device)
+            ext = torch.cat([logits[idx], logits.new_zeros(len(masked), 1)], 1)
+            logits[idx] = ext.scatter(1, ids, float("-inf"))[:, :vocab]
+        return logits
+
+    def _sample(self, logits, rows, greedy, device):
+        params = [r.params for r in rows]
+        greedy_t = torch.tensor(greedy, device=device)
+        temperature = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)],
+                                   device=device)
+        scores = logits / temperature[:, None]
+        top_k = [0 if g or p.top_k in (0, -1) else p.top_k for g, p in zip(greedy, params)]
+        if any(top_k):
+            k = torch.tensor([k or scores.shape[1] for k in top_k], device=device)
+            kth = scores.topk(int(k.max()), -1).values.gather(1, (k - 1)[:, None])
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        top_p = [1.0 if g else p.top_p for g, p in zip(greedy, params)]
+        if any(p < 1.0 for p in top_p):
+            sorted_scores, order = scores.sort(-1)  # ascending, as Transformers
+            cumulative = sorted_scores.softmax(-1).cumsum(-1)
+            remove = cumulative <= 1 - torch.tensor(top_p, device=device)[:, None]
+            remove[:, -1] = False  # keep at least one token
+            scores = scores.masked_fill(remove.scatter(1, order, remove), float("-inf"))
+        min_p = [0.0 if g else p.min_p for g, p in zip(greedy, params)]
+        if any(min_p):
+            probs = scores.softmax(-1)
+            floor = torch.tensor(min_p, device=device)[:, None] * probs.amax(-1, keepdim=True)
+            remove = probs < floor
+            remove.scatter_(1, probs.argmax(-1, keepdim=True), False)  # keep at least one
+            scores = scores.masked_fill(remove, float("-inf"))
+        probs = scores.softmax(-1)
+        noise = torch.empty_like(probs).exponential_()
+        for i, row in enumerate(rows):
+            if row.generator is not None and not greedy[i]:
+                noise[i] = torch.empty(probs.shape[1], device=device).exponential_(
+                    generator=row.generator)
+        sampled = (probs / noise).argmax(-1)
+        return torch.where(greedy_t, logits.argmax(-1), sampled)
+
+    @staticmethod
+    def _result(tokens, raw, rows, want):
+        token_list = tokens.tolist()  # the one host sync of the sampler
+        logprobs: list = [None] * len(rows)
+        token_logprobs: list = [None] * len(rows)
+        if want:
+            idx = torch.tensor(want, device=tokens.device)
+            lp = raw[idx]
+            k = max(rows[i].params.logprobs for i in want)
+            top = lp.topk(max(k, 1), -1)
+            chosen = lp.gather(1, tokens[idx][:, None])[:, 0]
+            values, indices, chosen = top.values.tolist(), top.indices.tolist(), chosen.tolist()
+            for j, i in enumerate(want):
+                n = rows[i].params.logprobs
+                entry = dict(zip(indices[j][:n], values[j][:n]))
+                entry[token_list[i]] = chosen[j]
+                logprobs[i], token_logprobs[i] = entry, chosen[j]
+        return SampleResult(token_list, logprobs, token_logprobs)

@@ -1,0 +1,120 @@
+"""Per-request generation settings of the engine, in the style of vLLM's `SamplingParams`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+# vLLM's defaults, for settings neither the request nor the model's generation_config gives.
+FALLBACKS = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
+                 max_tokens=16)
+
+
+@dataclass
+class SamplingParams:
+    """How one request is generated. Every setting is the request's own: requests with
+    different settings share a batch.
+
+    n:                  completions of the prompt (they share its cached blocks)
+    max_tokens:         tokens to generate at most ("length" ends the completion)
+    temperature:        0 is greedy; otherwise logits are divided by it before sampling
+    top_p, top_k, min_p: nucleus, top-k (0 or -1: off) and min-p filtering, as Transformers'
+                        warpers do, in the order temperature, top-k, top-p, min-p
+    repetition_penalty: Transformers' multiplicative penalty on prompt and output tokens
+    presence_penalty, frequency_penalty: OpenAI's additive penalties on output tokens
+    seed:               a generator of the request's own: the same tokens alone or in a batch
+    stop:               strings that end a completion ("stop"); they are not in the text
+    stop_token_ids:     token ids that end a completion ("stop"); they are in `token_ids`
+    ignore_eos:         keep going past the model's EOS token
+    min_tokens:         EOS and stop token ids are masked until this many tokens are out
+    logprobs:           return the log-probabilities (of the model's raw distribution) of
+                        this many most likely tokens at each step, plus the sampled one's
+    Unset settings (None) take the model's generation_config values, else vLLM's defaults.
+    """
+
+    n: int = 1
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None
+    _resolved: bool = field(default=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        _check(self.n, "n", int, lambda v: v >= 1, "an integer >= 1")
+        _check(self.max_tokens, "max_tokens", int, lambda v: v >= 1, "an integer >= 1", none=True)
+        _check(self.temperature, "temperature", float, lambda v: v >= 0, "a number >= 0", none=True)
+        _check(self.top_p, "top_p", float, lambda v: 0 < v <= 1, "a number in (0, 1]", none=True)
+        _check(self.top_k, "top_k", int, lambda v: v >= -1, "an integer >= -1 (0 or -1: off)",
+               none=True)
+        _check(self.min_p, "min_p", float, lambda v: 0 <= v <= 1, "a number in [0, 1]", none=True)
+        _check(self.repetition_penalty, "repetition_penalty", float, lambda v: v > 0,
+               "a number > 0", none=True)
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check(getattr(self, name), name, float, lambda v: -2 <= v <= 2,
+                   "a number in [-2, 2]")
+        _check(self.seed, "seed", int, lambda v: True, "an integer", none=True)
+        _check(self.min_tokens, "min_tokens", int, lambda v: v >= 0, "an integer >= 0")
+        _check(self.logprobs, "logprobs", int, lambda v: 0 <= v <= 20, "an integer in [0, 20]",
+               none=True)
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"SamplingParams.stop must be non-empty strings; got {self.stop!r}.")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"SamplingParams.min_tokens ({self.min_tokens}) must not exceed "
+                             f"max_tokens ({self.max_tokens}).")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def resolved(self, defaults: dict[str, Any]) -> "SamplingParams":
+        """A copy with every unset setting taken from `defaults`, then vLLM's."""
+        if self._resolved:
+            return self
+        values = {}
+        for name, fallback in FALLBACKS.items():
+            value = getattr(self, name)
+            values[name] = value if value is not None else defaults.get(name, fallback)
+        out = replace(self, **values, _resolved=True)
+        if out.min_tokens > out.max_tokens:
+            raise ValueError(f"SamplingParams.min_tokens ({out.min_tokens}) must not exceed "
+                             f"max_tokens ({out.max_tokens}).")
+        return out
+
+
+def _check(value, name, kind, ok, allowed, none=False):
+    if value is None and none:
+        return
+    numeric = (int, float) if kind is float else (int,)
+    if isinstance(value, bool) or not isinstance(value, numeric) or not ok(value):
+        raise ValueError(f"SamplingParams.{name} must be {allowed}; got {value!r}.")
+
+
+def generation_defaults(generation_config) -> dict[str, Any]:
+    """The settings a model's generation_config sets explicitly, under SamplingParams names."""
+    if generation_config is None:
+        return {}
+    given = generation_config.to_diff_dict()
+    out = {k: given[k] for k in ("temperature", "top_p", "top_k", "min_p",
+                                 "repetition_penalty") if given.get(k) is not None}
+    if given.get("max_new_tokens") is not None:
+        out["max_tokens"] = given["max_new_tokens"]
+    if given.get("do_sample") is False:
+        out["temperature"] = 0.0
+    return out
+
+
+PARAM_NAMES = tuple(f.name for f in fields(SamplingParams) if not f.name.startswith("_"))
