@@ -1,6 +1,8 @@
-"""hf-paged: PagedAttention KV cache for Hugging Face Transformers' `generate()`.
+"""hf-paged: PagedAttention KV cache for Hugging Face Transformers' `generate()`, and a
+continuous-batching engine on the same pool.
 
-`import hf_paged`, then `model.generate(..., cache_implementation="paged")`.
+`import hf_paged`, then `model.generate(..., cache_implementation="paged")`; or serve many
+requests together with `hf_paged.LLM(model).generate(prompts, hf_paged.SamplingParams(...))`.
 """
 
 from .block_pool import BlockPool
@@ -13,14 +15,22 @@ from .errors import (
     UnsupportedModelError,
 )
 from .integration import SUPPORTED_ARCHITECTURES, disable, enable, is_enabled
+from .async_llm import AsyncLLM, EngineDeadError
+from .engine import EngineStats, IsolationError, LLMEngine
+from .llm import LLM
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .sampling_params import SamplingParams
+from .scheduler import RequestRejectedError
 
 __version__ = "0.2.0"
 
 __all__ = [
-    "BackwardNotSupportedError", "BlockPool", "BlockTables", "HFPagedError",
-    "KVCacheExhaustedError", "KVPoolAllocationError", "MemoryStats",
-    "PagedCache", "PagedCacheConfig", "SUPPORTED_ARCHITECTURES", "UnsupportedModelError",
-    "disable", "enable", "is_enabled",
+    "AsyncLLM", "BackwardNotSupportedError", "BlockPool", "BlockTables", "CompletionOutput",
+    "EngineDeadError", "EngineStats", "HFPagedError", "IsolationError", "KVCacheExhaustedError",
+    "KVPoolAllocationError", "LLM", "LLMEngine", "MemoryStats", "PagedCache",
+    "PagedCacheConfig", "RequestMetrics", "RequestOutput", "RequestRejectedError",
+    "SUPPORTED_ARCHITECTURES", "SamplingParams", "UnsupportedModelError", "disable", "enable",
+    "is_enabled",
 ]
 
 enable()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers.cache_utils import Cache
@@ -395,10 +395,9 @@ class LLMEngine:
     def _sample(self, plan: Step, logits: torch.Tensor, touched: dict) -> None:
         """logits [S, V]: one row per scheduled item that samples, in order."""
         rows, owners, index = [], [], []
-        for item in (i for i in plan.scheduled if i.sample):
+        for row_of_logits, item in enumerate(i for i in plan.scheduled if i.sample):
             seq = item.seq
             request = self.requests[seq.request_id]
-            row_of_logits = len(owners)
             targets = [seq] + [None] * seq.forks  # None: a sibling forked from this row
             for k, target in enumerate(targets):
                 completion = k if target is None else request.seqs.index(seq)
@@ -475,17 +474,35 @@ class LLMEngine:
         request.completions[k].finish_reason = reason
 
     def _output(self, request: _Request) -> RequestOutput:
+        """A snapshot of the request (later steps do not change it)."""
+        completions = []
         for k, out in enumerate(request.completions):
             if self.tokenizer is not None and out.token_ids and (
                     out.finished or self.incremental_text):
-                if request.params.stop and out.finish_reason == "stop" and \
-                        isinstance(out.stop_reason, str):
-                    out.text = request.texts[k]
+                if out.finish_reason == "stop" and isinstance(out.stop_reason, str):
+                    out.text = request.texts[k]  # cut before the stop string
                 else:
                     out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+            completions.append(replace(
+                out, token_ids=list(out.token_ids),
+                logprobs=None if out.logprobs is None else list(out.logprobs)))
         return RequestOutput(request.request_id, request.prompt, request.prompt_ids,
-                             request.completions, request.finished, request.error,
-                             request.seqs[0].cached_tokens, request.metrics)
+                             completions, request.finished, request.error,
+                             request.seqs[0].cached_tokens, replace(request.metrics))
+
+    def fail_all(self, error: str) -> list[RequestOutput]:
+        """Ends every request with `error` (after a step failed); the engine stays usable."""
+        outputs = []
+        for request in list(self.requests.values()):
+            for seq in request.seqs:
+                self.scheduler.finish(seq, "error")
+            for c in request.completions:
+                c.finish_reason = c.finish_reason or "error"
+            request.error = error
+            outputs.append(self._output(request))
+            del self.requests[request.request_id]
+        self._aborts.clear()
+        return outputs
 
     # -- checks ---------------------------------------------------------------------------------
     def _check_isolation(self, plan: Step, meta) -> None:

@@ -235,7 +235,7 @@ class Scheduler:
         self.tables.assign(row, hits, cached)
         self._pending_entries += [(row, i, b) for i, b in enumerate(hits)]
         seq.row, seq.num_computed, seq.registered = row, cached, len(hits)
-        if seq.status is SeqStatus.WAITING and not seq.output:
+        if seq.preemptions == 0:  # its first admission
             seq.cached_tokens = cached
             self.prefix.queried_tokens += len(seq.prompt)
             self.prefix.hit_tokens += cached

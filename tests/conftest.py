@@ -10,6 +10,8 @@ import torch
 # Without a GPU, Triton kernels run in its interpreter; it must be chosen before they load.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Every engine checks each step's tables and slots against the allocator (isolation).
+os.environ.setdefault("HF_PAGED_DEBUG", "1")
 from transformers import (
     FalconConfig, FalconForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
     MistralForCausalLM, PreTrainedTokenizerFast,
