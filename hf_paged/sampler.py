@@ -1,9 +1,9 @@
 """Next tokens from a step's logits, each row with its request's own settings.
 
-Rows are processed together: repetition penalty, then min-tokens masking, then for sampled
-rows temperature, top-k, top-p and min-p (Transformers' processors, in its order, with its
-tie and minimum-kept rules), then OpenAI's presence/frequency penalties ahead of them.
-Greedy rows take the argmax of the penalized logits. Sampling draws one exponential per
+Rows are processed together: `penalize` applies Transformers' repetition penalty, OpenAI's
+presence/frequency penalties and the min-tokens mask; `warp` then applies, to sampled rows,
+temperature, top-k, top-p and min-p (Transformers' warpers, in its order, with its tie and
+minimum-kept rules). Greedy rows take the argmax of the penalized logits. Sampling draws one exponential per
 vocabulary entry and takes argmax(p / e), which is a draw from p; a seeded request draws
 its exponentials from a generator of its own, so its tokens do not depend on the batch.
 """
@@ -45,20 +45,21 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
         """logits [S, V] (any float dtype) -> one token per row."""
         logits = logits.float()
-        rows_n, vocab = logits.shape
-        device = logits.device
         want_logprobs = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         raw = torch.log_softmax(logits, -1) if want_logprobs else None
-        logits = self._penalize(logits, rows, vocab, device)
+        logits = self.penalize(logits.clone(), rows)
         greedy = [r.params.temperature == 0 for r in rows]
         if all(greedy):
             tokens = logits.argmax(-1)
         else:
-            tokens = self._sample(logits, rows, greedy, device)
+            scores = self.warp(logits, rows)
+            tokens = self._draw(logits, scores, rows, greedy)
         return self._result(tokens, raw, rows, want_logprobs)
 
     # -- processors -----------------------------------------------------------------------
-    def _penalize(self, logits, rows, vocab, device):
+    def penalize(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """Penalties and min-tokens masking, in place: [S, V] float32 -> the same."""
+        vocab, device = logits.shape[1], logits.device
         rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
         if rep:
             idx = torch.tensor(rep, device=device)
@@ -90,9 +91,12 @@ class Sampler:
             logits[idx] = ext.scatter(1, ids, float("-inf"))[:, :vocab]
         return logits
 
-    def _sample(self, logits, rows, greedy, device):
+    def warp(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """Temperature, top-k, top-p, min-p of sampled rows: penalized logits [S, V] -> scores
+        whose softmax is the distribution drawn from (greedy rows pass unchanged)."""
+        device = logits.device
         params = [r.params for r in rows]
-        greedy_t = torch.tensor(greedy, device=device)
+        greedy = [p.temperature == 0 for p in params]
         temperature = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)],
                                    device=device)
         scores = logits / temperature[:, None]
@@ -115,6 +119,10 @@ class Sampler:
             remove = probs < floor
             remove.scatter_(1, probs.argmax(-1, keepdim=True), False)  # keep at least one
             scores = scores.masked_fill(remove, float("-inf"))
+        return scores
+
+    def _draw(self, logits, scores, rows, greedy):
+        device = logits.device
         probs = scores.softmax(-1)
         noise = torch.empty_like(probs).exponential_()
         for i, row in enumerate(rows):
@@ -122,7 +130,7 @@ class Sampler:
                 noise[i] = torch.empty(probs.shape[1], device=device).exponential_(
                     generator=row.generator)
         sampled = (probs / noise).argmax(-1)
-        return torch.where(greedy_t, logits.argmax(-1), sampled)
+        return torch.where(torch.tensor(greedy, device=device), logits.argmax(-1), sampled)
 
     @staticmethod
     def _result(tokens, raw, rows, want):
