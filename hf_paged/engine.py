@@ -19,7 +19,6 @@ import torch
 from transformers.cache_utils import Cache
 
 from . import attention
-from .attention import ATTENTION_NAME
 from .block_pool import BlockPool
 from .block_table import FREED
 from .errors import HFPagedError, UnsupportedModelError
@@ -189,8 +188,8 @@ class LLMEngine:
                 f"The engine runs {', '.join(SUPPORTED_ARCHITECTURES)}; got {type(base).__name__}.")
         self.tokenizer = tokenizer
         self.model.eval()
+        self._base = base
         text_config = base.config.get_text_config(decoder=True)
-        base.config._attn_implementation_internal = ATTENTION_NAME  # the engine's model is paged
         self.device, self.dtype = base.device, base.dtype
         cuda = self.device.type == "cuda"
         num_layers, kv_heads, head_dim = kv_layout(text_config)
@@ -367,7 +366,9 @@ class LLMEngine:
             self._check_isolation(plan, meta)
         self.cache.meta = meta
         keep = to_device(last or [len(ids) - 1], device)
-        with torch.inference_mode():
+        from .integration import paged_attention
+
+        with torch.inference_mode(), paged_attention(self._base):
             out = self.model(input_ids=to_device(ids, device)[None],
                              position_ids=to_device(positions, device)[None],
                              past_key_values=self.cache, use_cache=True, logits_to_keep=keep)

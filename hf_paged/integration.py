@@ -21,6 +21,7 @@ route to its own continuous batching.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import os
@@ -133,10 +134,13 @@ def _training_reason(model) -> str | None:
     return None
 
 
-def _use_paged_attention(model) -> None:
+def _use_paged_attention(model, swapped: list | None = None) -> None:
+    """Switches the model's attention to "paged"; `swapped` (the running generate call's
+    list by default) records the switch so that `_release_paged_attention` undoes it."""
     config = model.config
-    call = _call.get()
-    swapped = call.switched if call is not None else None  # None: nothing will switch it back
+    if swapped is None:
+        call = _call.get()
+        swapped = call.switched if call is not None else None  # None: nothing switches back
     with _switch_lock:
         entry = _switched.get(id(config))
         if entry is None:
@@ -150,6 +154,18 @@ def _use_paged_attention(model) -> None:
         if swapped is not None:
             entry[2] += 1
             swapped.append(entry)
+
+
+@contextlib.contextmanager
+def paged_attention(model):
+    """Inside, the model's attention is "paged" (shared with concurrent generate calls,
+    restored by the last one out)."""
+    entries: list = []
+    _use_paged_attention(model, entries)
+    try:
+        yield
+    finally:
+        _release_paged_attention(entries)
 
 
 def _release_paged_attention(entries: list) -> None:

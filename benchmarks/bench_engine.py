@@ -1,0 +1,232 @@
+"""The continuous-batching engine against static batching and Transformers' own continuous
+batching, side by side in one process: same model, same requests, same KV memory budget.
+
+    python benchmarks/bench_engine.py              # 128 requests, ~168M random Llama, CPU
+    python benchmarks/bench_engine.py --quick      # a smoke run in seconds
+
+Requests: prompt and output lengths drawn from long-tailed (log-normal) distributions, like
+ShareGPT conversations: prompts median ~200 tokens (16..1024), outputs median ~80 tokens
+(16..256); every output has its fixed length (EOS ignored) and all requests arrive at once.
+Rows:
+  engine          hf_paged.LLM (continuous batching, chunked prefill, prefix caching)
+  transformers-cb Transformers' continuous batching (its manager, per-request max_new_tokens)
+  static-dynamic  model.generate in static batches of 8, DynamicCache (arrival order)
+  static-paged    model.generate in static batches of 8, cache_implementation="paged"
+Static batches generate to the longest output of their batch; only each request's own
+tokens count. A second section repeats the engine with half the requests sharing a
+512-token prefix (a system prompt), with and without prefix caching.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import random_llama  # noqa: E402
+
+import hf_paged  # noqa: E402
+from hf_paged import LLM, SamplingParams  # noqa: E402
+
+
+def workload(count: int, vocab: int, seed: int, shared_prefix: int = 0):
+    """[(prompt ids, output length)]: log-normal lengths, clipped as ShareGPT filters do."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, vocab) for _ in range(shared_prefix)]
+    requests = []
+    for i in range(count):
+        prompt_len = min(1024, max(16, int(rng.lognormvariate(math.log(200), 0.9))))
+        out_len = min(256, max(16, int(rng.lognormvariate(math.log(80), 0.8))))
+        prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
+        if shared_prefix and i % 2 == 0:
+            prompt = prefix + prompt[:max(16, prompt_len - shared_prefix)]
+        requests.append((prompt, out_len))
+    return requests
+
+
+def run_engine(model, requests, budget_bytes, block_size, **options):
+    llm = LLM(model, block_size=block_size, kv_cache_bytes=budget_bytes, **options)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
+    start = time.perf_counter()
+    outs = llm.generate([p for p, _ in requests], params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    stats = llm.stats()
+    peak = stats.num_blocks * stats.block_size  # the pool is allocated up front
+    return dict(seconds=seconds, tokens=[o.outputs[0].token_ids for o in outs],
+                kv_bytes=llm.engine.pool.nbytes, preemptions=stats.num_preemptions,
+                prefix_hit_tokens=stats.prefix_cache_hit_tokens, pool_tokens=peak)
+
+
+def run_transformers_cb(model, requests, budget_bytes, block_size):
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    per_token = _bytes_per_token(model)
+    blocks = budget_bytes // (per_token * block_size)
+    config = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=256)
+    cb = ContinuousBatchingConfig(page_size=block_size, num_blocks=blocks)
+    results = {}
+    start = time.perf_counter()
+    with model.continuous_batching_context_manager(generation_config=config,
+                                                   continuous_batching_config=cb, block=True,
+                                                   timeout=30) as manager:
+        ids = [manager.add_request(p, request_id=f"r{i}", max_new_tokens=n, eos_token_id=-1)
+               for i, (p, n) in enumerate(requests)]
+        while len(results) < len(ids):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                results[result.request_id] = result.generated_tokens
+            elif result is None and not manager.is_running():
+                break
+        cache = manager.batch_processor.cache
+        kv_bytes = getattr(cache, "cache_tensor", None)
+        kv_bytes = kv_bytes.numel() * kv_bytes.element_size() if kv_bytes is not None else None
+    seconds = time.perf_counter() - start
+    model.config._attn_implementation_internal = "sdpa"
+    return dict(seconds=seconds, tokens=[results.get(i, []) for i in ids], kv_bytes=kv_bytes,
+                preemptions=None)
+
+
+def run_static(model, requests, budget_bytes, block_size, paged: bool, batch: int = 8):
+    from common import cache_tensor_bytes
+
+    tokens, peak = [], 0
+    start = time.perf_counter()
+    for first in range(0, len(requests), batch):
+        group = requests[first:first + batch]
+        width = max(len(p) for p, _ in group)
+        ids = torch.zeros(len(group), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, (p, _) in enumerate(group):
+            ids[r, width - len(p):] = torch.tensor(p)
+            mask[r, width - len(p):] = 1
+        new = max(n for _, n in group)
+        extra = {}
+        if paged:
+            extra = dict(cache_implementation="paged",
+                         cache_config={"block_size": block_size,
+                                       "max_kv_bytes": budget_bytes})
+        out = model.generate(ids.to(model.device), attention_mask=mask.to(model.device),
+                             max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                             eos_token_id=None, pad_token_id=0, return_dict_in_generate=True,
+                             **extra)
+        cache = out.past_key_values
+        if paged:
+            stats = cache.memory_stats()
+            peak = max(peak, stats.peak_blocks_in_use * stats.block_size * stats.bytes_per_token)
+        else:
+            peak = max(peak, cache_tensor_bytes(cache))
+        for r, (_, n) in enumerate(group):
+            tokens.append(out.sequences[r, width:width + n].tolist())
+        del out, cache
+    return dict(seconds=time.perf_counter() - start, tokens=tokens, kv_bytes=peak, preemptions=None)
+
+
+def _bytes_per_token(model) -> int:
+    from hf_paged.models import kv_layout
+
+    layers, heads, dim = kv_layout(model.config)
+    return layers * 2 * heads * dim * torch.tensor([], dtype=model.dtype).element_size()
+
+
+def report(name, row, requests, reference):
+    useful = sum(n for _, n in requests)
+    same = row["tokens"] == reference if reference is not None else None
+    kv = row.get("kv_bytes")
+    return dict(method=name, seconds=round(row["seconds"], 2),
+                tokens_per_s=round(useful / row["seconds"], 2),
+                requests_per_s=round(len(requests) / row["seconds"], 3),
+                kv_mib=round(kv / 2**20, 1) if kv else None,
+                preemptions=row.get("preemptions"),
+                prefix_hit_tokens=row.get("prefix_hit_tokens"), same_tokens=same)
+
+
+def print_table(rows, base="static-dynamic"):
+    ref = next((r for r in rows if r["method"] == base), rows[0])
+    print(f"{'method':26}{'s':>9}{'tok/s':>9}{'x ' + base:>20}{'req/s':>8}{'KV MiB':>9}"
+          f"{'preempt':>9}{'prefix hit':>11}  same")
+    for r in rows:
+        ratio = r["tokens_per_s"] / ref["tokens_per_s"]
+        print(f"{r['method']:26}{r['seconds']:>9}{r['tokens_per_s']:>9}{ratio:>20.2f}"
+              f"{r['requests_per_s']:>8}{str(r['kv_mib']):>9}{str(r['preemptions']):>9}"
+              f"{str(r['prefix_hit_tokens']):>11}  {r['same_tokens']}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model and 16 requests")
+    parser.add_argument("--requests", type=int, default=128, help="number of requests (128)")
+    parser.add_argument("--kv-mib", type=int, default=768,
+                        help="KV memory budget of every method, MiB (768)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per block (16)")
+    parser.add_argument("--methods", default="engine,transformers-cb,static-dynamic,static-paged",
+                        help="comma-separated subset of the rows (default: all)")
+    parser.add_argument("--no-prefix-section", action="store_true",
+                        help="skip the shared-prefix section")
+    parser.add_argument("--device", default="cpu", help="device of the model (cpu)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="model and KV dtype (float32)")
+    parser.add_argument("--model-size", default="168m", choices=["168m", "7b"],
+                        help="random Llama shape: ~168M (hidden 1024, 8 layers) or Llama-7B-like")
+    parser.add_argument("--out", help="also write the rows as JSON here")
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    if args.quick:
+        model = random_llama(hidden=128, layers=2, heads=4, kv_heads=4, intermediate=256,
+                             vocab=1000, dtype=dtype)
+        args.requests, args.kv_mib = 16, 16
+    elif args.model_size == "7b":
+        model = random_llama(hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=11008,
+                             dtype=dtype)
+    else:
+        model = random_llama(dtype=dtype)
+    model = model.to(args.device)
+    budget = args.kv_mib * 2**20
+    vocab = model.config.vocab_size
+    requests = workload(args.requests, vocab, seed=0)
+    print(f"model: random Llama, {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, "
+          f"{args.dtype}, {args.device}, threads {torch.get_num_threads()}")
+    print(f"{len(requests)} requests: prompts {min(len(p) for p, _ in requests)}.."
+          f"{max(len(p) for p, _ in requests)} tokens (median "
+          f"{sorted(len(p) for p, _ in requests)[len(requests) // 2]}), outputs "
+          f"{min(n for _, n in requests)}..{max(n for _, n in requests)} (median "
+          f"{sorted(n for _, n in requests)[len(requests) // 2]}), {sum(n for _, n in requests)} "
+          f"output tokens; KV budget {args.kv_mib} MiB for every method")
+    methods = args.methods.split(",")
+    runners = {
+        "engine": lambda: run_engine(model, requests, budget, args.block_size),
+        "transformers-cb": lambda: run_transformers_cb(model, requests, budget, args.block_size),
+        "static-dynamic": lambda: run_static(model, requests, budget, args.block_size, False),
+        "static-paged": lambda: run_static(model, requests, budget, args.block_size, True),
+    }
+    results = {}
+    for name in methods:
+        print(f"running {name} ...", flush=True)
+        results[name] = runners[name]()
+    reference = results.get("static-dynamic", results.get("engine"))["tokens"]
+    rows = [report(name, results[name], requests, reference) for name in methods]
+    print()
+    print_table(rows)
+    if not args.no_prefix_section:
+        shared = workload(args.requests, vocab, seed=1, shared_prefix=512 if not args.quick else 64)
+        print(f"\nshared prefix: {len(shared) // 2} of {len(shared)} requests start with the same "
+              f"{512 if not args.quick else 64} tokens")
+        with_cache = run_engine(model, shared, budget, args.block_size)
+        without = run_engine(model, shared, budget, args.block_size, enable_prefix_caching=False)
+        prefix_rows = [report("engine, prefix caching", with_cache, shared, without["tokens"]),
+                       report("engine, no prefix caching", without, shared, without["tokens"])]
+        print_table(prefix_rows, base="engine, no prefix caching")
+        rows += prefix_rows
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
