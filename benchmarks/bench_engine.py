@@ -180,14 +180,13 @@ def main():
     dtype = getattr(torch, args.dtype)
     if args.quick:
         model = random_llama(hidden=128, layers=2, heads=4, kv_heads=4, intermediate=256,
-                             vocab=1000, dtype=dtype)
+                             vocab=1000, dtype=dtype, device=args.device)
         args.requests, args.kv_mib = 16, 16
     elif args.model_size == "7b":
         model = random_llama(hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=11008,
-                             dtype=dtype)
+                             dtype=dtype, device=args.device)
     else:
-        model = random_llama(dtype=dtype)
-    model = model.to(args.device)
+        model = random_llama(dtype=dtype, device=args.device)
     budget = args.kv_mib * 2**20
     vocab = model.config.vocab_size
     requests = workload(args.requests, vocab, seed=0)

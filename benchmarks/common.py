@@ -10,15 +10,23 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 def random_llama(hidden: int = 1024, layers: int = 8, heads: int = 16, kv_heads: int = 16,
                  intermediate: int = 2816, vocab: int = 32000, seed: int = 0,
-                 dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
-    """A random Llama; the defaults give about 168M parameters."""
+                 dtype: torch.dtype = torch.float32, device: str = "cpu") -> LlamaForCausalLM:
+    """A random Llama, built directly on `device` in `dtype`; the defaults give about 168M
+    parameters."""
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
         max_position_embeddings=2048, pad_token_id=0, bos_token_id=1, eos_token_id=2,
     )
-    return LlamaForCausalLM(config).to(dtype).eval()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    return model.eval()
 
 
 def left_padded(lengths: list[int], vocab: int, seed: int = 0):

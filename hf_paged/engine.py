@@ -335,6 +335,10 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.scheduled:
             self._run(plan, touched)
+        elif self.scheduler.has_work and not touched:
+            # Cannot happen (a lone request always fits; check_fits saw to it): never spin.
+            raise HFPagedError("the scheduler could not run any waiting request; "
+                               f"{self.stats()}")
         outputs = [self._output(r) for r in touched.values()]
         for request in touched.values():
             if request.finished:
@@ -343,7 +347,7 @@ class LLMEngine:
         return outputs
 
     def _run(self, plan: Step, touched: dict) -> None:
-        device, bs = self.device, self.block_size
+        device = self.device
         self._move_blocks(plan)
         self.device_table.apply(plan.entries)
         ids, positions, rows, context, counts, last = [], [], [], [], [], []
@@ -358,10 +362,9 @@ class LLMEngine:
                 last.append(len(ids) - 1)
             if item.start < len(seq.prompt):
                 self.prompt_tokens += min(item.count, len(seq.prompt) - item.start)
-        table = _Rows(self.device_table.table.index_select(0, to_device(rows, device)), device)
-        max_len = max(c + n for c, n in zip(context, counts))
-        meta = build_metadata(table, to_device(context, device), counts, max(counts), max_len,
-                              bs, packed=True)
+        meta = self._metadata(rows, context, counts)
+        if 1 in counts and max(counts) > 1:
+            meta.parts = self._parts(rows, context, counts)
         if self.debug:
             self._check_isolation(plan, meta)
         self.cache.meta = meta
@@ -376,6 +379,30 @@ class LLMEngine:
         self.scheduler.after_step(plan)
         if last:
             self._sample(plan, out.logits[0], touched)
+
+    def _metadata(self, rows: list[int], context: list[int], counts: list[int]):
+        """Packed-forward metadata of `rows` (block-table rows), each with `context` tokens
+        cached and `counts` new ones."""
+        device = self.device
+        table = _Rows(self.device_table.table.index_select(0, to_device(rows, device)), device)
+        max_len = max(c + n for c, n in zip(context, counts))
+        return build_metadata(table, to_device(context, device), counts, max(counts), max_len,
+                              self.block_size, packed=True)
+
+    def _parts(self, rows, context, counts):
+        """Decode rows apart from prompt-chunk rows, so that attention does not pad every
+        decode query to the longest chunk (see ForwardMetadata.parts)."""
+        starts = [0]
+        for n in counts:
+            starts.append(starts[-1] + n)
+        parts = []
+        for decode in (True, False):
+            members = [i for i, n in enumerate(counts) if (n == 1) == decode]
+            where = [t for i in members for t in range(starts[i], starts[i + 1])]
+            meta = self._metadata([rows[i] for i in members], [context[i] for i in members],
+                                  [counts[i] for i in members])
+            parts.append((meta, to_device(where, self.device)))
+        return parts
 
     def _move_blocks(self, plan: Step) -> None:
         kv = self.pool.kv

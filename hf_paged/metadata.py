@@ -82,6 +82,10 @@ class ForwardMetadata:
                   None when there are none (only the reference backend reads it)
     columns:      columns generate has seen after this forward; slot t of row r holds
                   column t + columns - seq_lens[r]
+    parts:        for a packed forward mixing decodes and prompt chunks, attention runs per
+                  part: (metadata of some rows, [n] int64 positions of their tokens in the
+                  packed input), so decode rows are not padded to the longest chunk; None:
+                  one part, this metadata
     """
 
     block_tables: torch.Tensor
@@ -98,6 +102,7 @@ class ForwardMetadata:
     packed: bool = False
     key_hidden: torch.Tensor | None = None
     columns: int = 0
+    parts: list | None = None
     _masks: dict = field(default_factory=dict, repr=False)
 
     @property

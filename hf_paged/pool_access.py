@@ -111,6 +111,19 @@ class PoolAccess:
         if not meta.packed:
             return backend.attention(query, k_cache, v_cache, meta, scale, sliding_window,
                                      alibi_slopes)
+        if meta.parts is None:
+            return self._attend_packed(query, k_cache, v_cache, meta, backend, scale,
+                                       sliding_window, alibi_slopes)
+        out = torch.empty_like(query.transpose(1, 2))  # [1, N, Hq, D]
+        for part, positions in meta.parts:
+            piece = query.index_select(2, positions)
+            out[:, positions] = self._attend_packed(piece, k_cache, v_cache, part, backend,
+                                                    scale, sliding_window, alibi_slopes)
+        return out
+
+    def _attend_packed(self, query, k_cache, v_cache, meta, backend, scale, sliding_window,
+                       alibi_slopes):
+        """query [1, Hq, N, D], the rows' tokens back to back -> [1, N, Hq, D]."""
         rows, q_cols = meta.query_pos.shape
         heads, dim = query.shape[1], query.shape[3]
         tokens = query.transpose(1, 2).reshape(-1, heads, dim)  # [N, Hq, D]
