@@ -354,7 +354,7 @@ class PagedCache(PoolAccess, Cache):
             self.device_table, context, counts, max(counts) if step.packed else q_len, max_len,
             self.block_size, packed=step.packed,
             key_hidden=self.hidden.slot_mask(num_cols * self.block_size, self.pool.device),
-            columns=self._seen)
+            columns=self._seen, seq_lens_host=list(self.tables.lengths))
         self.device_table.lengths = self.meta.seq_lens
         self.peak_blocks = max(self.peak_blocks, self.tables.num_held)
         if self._views_version != self.pool.version:

@@ -385,9 +385,9 @@ class LLMEngine:
         cached and `counts` new ones."""
         device = self.device
         table = _Rows(self.device_table.table.index_select(0, to_device(rows, device)), device)
-        max_len = max(c + n for c, n in zip(context, counts))
-        return build_metadata(table, to_device(context, device), counts, max(counts), max_len,
-                              self.block_size, packed=True)
+        lens = [c + n for c, n in zip(context, counts)]
+        return build_metadata(table, to_device(context, device), counts, max(counts), max(lens),
+                              self.block_size, packed=True, seq_lens_host=lens)
 
     def _parts(self, rows, context, counts):
         """Decode rows apart from prompt-chunk rows, so that attention does not pad every

@@ -7,6 +7,7 @@ Python lists on a decode step.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -82,6 +83,8 @@ class ForwardMetadata:
                   None when there are none (only the reference backend reads it)
     columns:      columns generate has seen after this forward; slot t of row r holds
                   column t + columns - seq_lens[r]
+    seq_lens_host: seq_lens as a host list, when the builder knows it (lets the reference
+                  backend group decode rows of similar lengths)
     parts:        for a packed forward mixing decodes and prompt chunks, attention runs per
                   part: (metadata of some rows, [n] int64 positions of their tokens in the
                   packed input), so decode rows are not padded to the longest chunk; None:
@@ -102,12 +105,38 @@ class ForwardMetadata:
     packed: bool = False
     key_hidden: torch.Tensor | None = None
     columns: int = 0
+    seq_lens_host: list[int] | None = None
     parts: list | None = None
     _masks: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_keys(self) -> int:
         return self.block_tables.shape[1] * self.block_size
+
+    def length_groups(self) -> list[tuple[torch.Tensor, int]] | None:
+        """Decode rows bucketed by length, as ([n] row indices, block columns they need),
+        when that saves at least a fifth of the padded keys; None otherwise.
+
+        A gather-based attention pads every row to the longest; buckets whose lengths are
+        within 25% of each other keep the padding small. Built once per forward."""
+        if "groups" in self._masks:
+            return self._masks["groups"]
+        groups = None
+        lens = self.seq_lens_host
+        if lens is not None and len(lens) >= 8:
+            buckets: dict[int, list[int]] = {}
+            for row, n in enumerate(lens):
+                blocks = max(-(-n // self.block_size), 1)
+                buckets.setdefault(int(math.log(blocks, 1.25)), []).append(row)
+            padded = len(lens) * self.block_tables.shape[1]
+            cols = {k: max(-(-max(lens[r] for r in rows) // self.block_size), 1)
+                    for k, rows in buckets.items()}
+            if len(buckets) > 1 and sum(len(r) * cols[k] for k, r in buckets.items()) < 0.8 * padded:
+                device = self.block_tables.device
+                groups = [(torch.tensor(rows, device=device), cols[k])
+                          for k, rows in sorted(buckets.items())]
+        self._masks["groups"] = groups
+        return groups
 
     @property
     def needs_reference(self) -> bool:
@@ -186,6 +215,7 @@ def build_metadata(
     packed: bool = False,
     key_hidden: torch.Tensor | None = None,
     columns: int = 0,
+    seq_lens_host: list[int] | None = None,
 ) -> ForwardMetadata:
     """Metadata for a forward adding `counts[r]` tokens, right-aligned in `q_len` columns."""
     device = table.device
@@ -231,4 +261,5 @@ def build_metadata(
         packed=packed,
         key_hidden=key_hidden,
         columns=columns,
+        seq_lens_host=seq_lens_host,
     )

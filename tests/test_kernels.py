@@ -256,6 +256,28 @@ def test_torch_backend_gives_zeros_on_padding_columns():
     torch.testing.assert_close(out[meta.is_query], ref[meta.is_query])
 
 
+@pytest.mark.parametrize("window, alibi", [(None, False), (7, False), (None, True)])
+def test_torch_backend_length_buckets_equal_one_padded_batch(window, alibi):
+    """Decode rows of very different lengths are gathered per length bucket: the same
+    result as padding every row to the longest."""
+    from hf_paged.kernels.backends import TorchBackend
+    from hf_paged.metadata import DeviceBlockTable, build_metadata
+
+    lengths = [1, 3, 4, 9, 17, 30, 61, 97, 100, 250, 5, 64]
+    k, v, table, seq = paged_inputs(lengths, 4, 2, 16, torch.float32, device="cpu")
+    dev = DeviceBlockTable(len(lengths), table.shape[1], torch.device("cpu"))
+    dev.table.copy_(table)
+    counts = [1] * len(lengths)
+    q = torch.randn(len(lengths), 4, 1, 16)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625]) if alibi else None
+    plain = build_metadata(dev, seq - 1, counts, 1, int(seq.max()), 4)
+    grouped = build_metadata(dev, seq - 1, counts, 1, int(seq.max()), 4, seq_lens_host=lengths)
+    assert grouped.length_groups() is not None and plain.length_groups() is None
+    a = TorchBackend().attention(q, k, v, plain, 0.25, window, slopes)
+    b = TorchBackend().attention(q, k, v, grouped, 0.25, window, slopes)
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
 def test_backend_from_environment(monkeypatch, llama):
     monkeypatch.setenv("HF_PAGED_BACKEND", "torch")
     ids, _ = left_padded_batch([5], seed=1)

@@ -38,6 +38,17 @@ class TorchBackend:
         else:
             mask = meta.attention_mask(sliding_window, alibi_slopes)
         workspace = self._gather_workspace(meta.block_tables.numel(), k_cache)
+        groups = meta.length_groups() if query.shape[2] == 1 and caller_mask is None else None
+        if groups is not None:  # decode rows of very different lengths: gather each bucket
+            out = query.new_empty(query.shape[0], 1, query.shape[1], query.shape[3])
+            for rows, cols in groups:
+                keys = cols * meta.block_size
+                part = reference.paged_attention(
+                    query.index_select(0, rows), k_cache, v_cache,
+                    meta.block_tables.index_select(0, rows)[:, :cols],
+                    mask.index_select(0, rows)[..., :keys], scale, workspace)
+                out.index_copy_(0, rows, part)
+            return out
         out = reference.paged_attention(query, k_cache, v_cache, meta.block_tables, mask,
                                         scale, workspace)
         if meta.is_query is not None:  # padding columns: zeros, as the kernels give
