@@ -150,11 +150,12 @@ def report(name, row, requests, reference):
 
 def print_table(rows, base="static-dynamic"):
     ref = next((r for r in rows if r["method"] == base), rows[0])
-    print(f"{'method':26}{'s':>9}{'tok/s':>9}{'x ' + base:>20}{'req/s':>8}{'KV MiB':>9}"
+    width = max(20, len(base) + 4)
+    print(f"{'method':26}{'s':>9}{'tok/s':>9}{'x ' + base:>{width}}{'req/s':>8}{'KV MiB':>9}"
           f"{'preempt':>9}{'prefix hit':>11}  same")
     for r in rows:
         ratio = r["tokens_per_s"] / ref["tokens_per_s"]
-        print(f"{r['method']:26}{r['seconds']:>9}{r['tokens_per_s']:>9}{ratio:>20.2f}"
+        print(f"{r['method']:26}{r['seconds']:>9}{r['tokens_per_s']:>9}{ratio:>{width}.2f}"
               f"{r['requests_per_s']:>8}{str(r['kv_mib']):>9}{str(r['preemptions']):>9}"
               f"{str(r['prefix_hit_tokens']):>11}  {r['same_tokens']}")
 

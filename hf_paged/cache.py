@@ -168,28 +168,12 @@ class PagedCache(PoolAccess, Cache):
         return self.tables.num_rows if self.tables is not None else 0
 
     @property
-    def is_compileable(self) -> bool:
-        return False
-
-    @property
     def is_initialized(self) -> bool:
         return self.device_table is not None
 
     @property
     def is_croppable(self) -> bool:
         return True
-
-    @property
-    def is_sliding(self) -> list[bool]:
-        return [self.sliding_window is not None] * self.num_layers
-
-    @property
-    def is_linear(self) -> list[bool]:
-        return [False] * self.num_layers
-
-    @property
-    def is_dummy(self) -> list[bool]:
-        return [False] * self.num_layers
 
     def activate_past_recording(self):
         """Keeps every block from now on, so `crop` can roll back past the sliding window."""

@@ -71,22 +71,6 @@ class StepCache(PoolAccess, Cache):
     def adopt_mask(self, attention_mask) -> None:
         pass  # the step's metadata says everything; the engine passes no padding mask
 
-    @property
-    def is_compileable(self) -> bool:
-        return False
-
-    @property
-    def is_sliding(self) -> list[bool]:
-        return [self.sliding_window is not None] * self.num_layers
-
-    @property
-    def is_linear(self) -> list[bool]:
-        return [False] * self.num_layers
-
-    @property
-    def is_dummy(self) -> list[bool]:
-        return [False] * self.num_layers
-
 
 class _Rows:
     """A view of some rows of the device block table (what build_metadata reads)."""

@@ -2,8 +2,9 @@
 
 Both the generate-side `PagedCache` and the engine's per-step cache read and write the pool
 the same way, through the `ForwardMetadata` of the forward: this mixin holds that code. A
-subclass sets `pool`, `backend`, `meta`, `num_kv_heads` and `head_dim`, and refreshes its
-layer views with `_refresh_views()` whenever `pool.version` changes.
+subclass sets `pool`, `backend`, `meta`, `num_layers`, `num_kv_heads`, `head_dim` and
+`sliding_window`, and refreshes its layer views with `_refresh_views()` whenever
+`pool.version` changes.
 """
 
 from __future__ import annotations
@@ -41,6 +42,24 @@ class PoolAccess:
     """Per-layer pool views, the write of new tokens, and attention over the pool."""
 
     _reference = None  # reference backend for forwards the kernels do not cover
+
+    # What Transformers asks of a cache's layers: all are full or sliding attention layers
+    # of one pool, and none is compileable (block tables change shape).
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [self.sliding_window is not None] * self.num_layers
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return [False] * self.num_layers
+
+    @property
+    def is_dummy(self) -> list[bool]:
+        return [False] * self.num_layers
 
     def _refresh_views(self) -> None:
         owner = weakref.ref(self)
