@@ -56,8 +56,8 @@ class AsyncLLM:
             return self.engine.stats()
 
     async def generate(self, prompt, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, priority: int = 0
-                       ) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, priority: int = 0,
+                       adapter: str | None = None) -> AsyncIterator[RequestOutput]:
         """Adds a request and yields its outputs as they come (the last one `finished`).
         Raises ValueError / RequestRejectedError at once for a request that cannot run.
         Leaving the iteration early aborts the request."""
@@ -66,7 +66,7 @@ class AsyncLLM:
         request_id = request_id or f"async-{next(_ids)}"
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
-            self.engine.add_request(request_id, prompt, sampling_params, priority)
+            self.engine.add_request(request_id, prompt, sampling_params, priority, adapter)
             self._streams[request_id] = (asyncio.get_running_loop(), queue)
         self._wake.set()
         finished = False

@@ -36,6 +36,7 @@ from .sequence import Sequence
 logger = logging.getLogger("hf_paged")
 
 DEBUG_ENV_VAR = "HF_PAGED_DEBUG"  # "1": check every step's tables and slots (isolation)
+BASE = "__base__"  # the adapter name of a PEFT model's base model (PEFT's own name for it)
 
 
 class IsolationError(HFPagedError, AssertionError):
@@ -127,18 +128,17 @@ class EngineStats:
 
 
 def _unwrap(model):
-    """(model to call, the Transformers model under it) for a model or a PEFT model."""
+    """(model to call, the Transformers model under it, its PEFT adapter names)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    config = getattr(model, "peft_config", None)
-    if config:
-        active = config.get(getattr(model, "active_adapter", "default"))
-        if active is not None and getattr(active, "is_prompt_learning", False):
+    config = getattr(model, "peft_config", None) or {}
+    for name, adapter in config.items():
+        if getattr(adapter, "is_prompt_learning", False):
             raise UnsupportedModelError(
-                f"The engine serves LoRA-style PEFT adapters; {active.peft_type} (prompt "
-                "learning) changes the inputs of generate itself. Use model.generate(..., "
-                "cache_implementation='paged') for it."
+                f"The engine serves LoRA-style PEFT adapters; adapter {name!r} is "
+                f"{adapter.peft_type} (prompt learning), which changes the inputs of generate "
+                "itself. Use model.generate(..., cache_implementation='paged') for it."
             )
-    return model, base
+    return model, base, list(config)
 
 
 class LLMEngine:
@@ -166,7 +166,7 @@ class LLMEngine:
                  max_model_len: int | None = None, backend: str = "auto"):
         from .integration import is_supported, SUPPORTED_ARCHITECTURES
 
-        self.model, base = _unwrap(model)
+        self.model, base, self.adapters = _unwrap(model)
         if not is_supported(base):
             raise UnsupportedModelError(
                 f"The engine runs {', '.join(SUPPORTED_ARCHITECTURES)}; got {type(base).__name__}.")
@@ -252,11 +252,19 @@ class LLMEngine:
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int],
-                    params: SamplingParams | None = None, priority: int = 0) -> None:
+                    params: SamplingParams | None = None, priority: int = 0,
+                    adapter: str | None = None) -> None:
         """Queues a request. Raises ValueError for malformed input and RequestRejectedError
-        for a request that could never run; either way nothing else is affected."""
+        for a request that could never run; either way nothing else is affected.
+
+        adapter: for a PEFT model, the name of one of its LoRA adapters, or BASE for the
+        model without them; None runs the model as it is (its active adapter). Requests of
+        different adapters run in separate forwards of a step and never share prefix-cache
+        entries."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use.")
+        if adapter is not None and adapter not in self.adapters + [BASE]:
+            raise ValueError(f"unknown adapter {adapter!r}; the model has {self.adapters}.")
         params = (params or SamplingParams()).resolved(self.defaults)
         text = None
         if isinstance(prompt, str):
@@ -271,7 +279,7 @@ class LLMEngine:
         self.scheduler.check_fits(len(prompt), params.max_tokens, params.n)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
         seq = Sequence(self._new_seq(), request_id, prompt, params.max_tokens, priority,
-                       self._arrivals, forks=params.n - 1)
+                       self._arrivals, salt=(adapter or "").encode(), forks=params.n - 1)
         self._arrivals += 1
         generators = [None] * params.n
         if params.seed is not None:
@@ -331,11 +339,27 @@ class LLMEngine:
         return outputs
 
     def _run(self, plan: Step, touched: dict) -> None:
-        device = self.device
         self._move_blocks(plan)
         self.device_table.apply(plan.entries)
-        ids, positions, rows, context, counts, last = [], [], [], [], [], []
+        groups: dict[bytes, list] = {}  # one forward per adapter (the salt names it)
         for item in plan.scheduled:
+            groups.setdefault(item.seq.salt, []).append(item)
+        logits = {}
+        for salt, items in groups.items():
+            sampled = [i for i in items if i.sample]
+            rows = self._forward(items, salt.decode() or None)
+            logits.update((id(i), r) for i, r in zip(sampled, rows))
+        self.scheduler.after_step(plan)
+        order = [logits[id(i)] for i in plan.scheduled if i.sample]
+        if order:
+            self._sample(plan, torch.stack(order), touched)
+
+    def _forward(self, items: list, adapter: str | None) -> torch.Tensor:
+        """One packed forward over `items` (scheduled sequences) with `adapter` (None: the
+        base model); returns the logits [S, V] of the items that sample, in order."""
+        device = self.device
+        ids, positions, rows, context, counts, last = [], [], [], [], [], []
+        for item in items:
             seq = item.seq
             ids += seq.tokens(item.start, item.start + item.count)
             positions += range(item.start, item.start + item.count)
@@ -350,19 +374,21 @@ class LLMEngine:
         if 1 in counts and max(counts) > 1:
             meta.parts = self._parts(rows, context, counts)
         if self.debug:
-            self._check_isolation(plan, meta)
+            self._check_isolation(items, meta)
         self.cache.meta = meta
         keep = to_device(last or [len(ids) - 1], device)
+        extra = {}
+        if adapter is not None:  # PEFT picks the adapter per batch row; the batch is one row
+            extra["adapter_names"] = [adapter]
         from .integration import paged_attention
 
         with torch.inference_mode(), paged_attention(self._base):
             out = self.model(input_ids=to_device(ids, device)[None],
                              position_ids=to_device(positions, device)[None],
-                             past_key_values=self.cache, use_cache=True, logits_to_keep=keep)
+                             past_key_values=self.cache, use_cache=True, logits_to_keep=keep,
+                             **extra)
         self.cache.meta = None
-        self.scheduler.after_step(plan)
-        if last:
-            self._sample(plan, out.logits[0], touched)
+        return out.logits[0, :len(last)]
 
     def _metadata(self, rows: list[int], context: list[int], counts: list[int]):
         """Packed-forward metadata of `rows` (block-table rows), each with `context` tokens
@@ -517,8 +543,8 @@ class LLMEngine:
         return outputs
 
     # -- checks ---------------------------------------------------------------------------------
-    def _check_isolation(self, plan: Step, meta) -> None:
-        """Debug mode: every block a step touches belongs to the sequence touching it."""
+    def _check_isolation(self, items: list, meta) -> None:
+        """Debug mode: every block a forward touches belongs to the sequence touching it."""
         s = self.scheduler
         pool = self.pool.blocks
         holders: dict[int, int] = {}
@@ -534,7 +560,7 @@ class LLMEngine:
                                      f"{expected}, free {b in free}")
         slots = meta.slot_mapping.tolist()
         offset = 0
-        for item in plan.scheduled:
+        for item in items:
             own = set(s.tables.tables[item.seq.row]) - {FREED}
             for slot in slots[offset:offset + item.count]:
                 if slot // self.block_size not in own:
@@ -544,7 +570,7 @@ class LLMEngine:
                     raise IsolationError(f"sequence {item.seq.seq_id} writes into shared "
                                          f"block {slot // self.block_size}")
             offset += item.count
-        for i, item in enumerate(plan.scheduled):
+        for i, item in enumerate(items):
             table = meta.block_tables[i].tolist()
             row = s.tables.tables[item.seq.row]
             for col, block in enumerate(row):

@@ -262,3 +262,41 @@ def test_lora_model_is_served_and_prompt_learning_is_refused():
                                                      num_virtual_tokens=3))
     with pytest.raises(hf_paged.UnsupportedModelError, match="prompt learning"):
         LLM(prompt_tuned)
+
+
+def test_adapters_batched_apart_and_prefix_cache_kept_apart():
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    from hf_paged.engine import BASE
+
+    base = long_model("llama_gqa")
+    config = dict(task_type=TaskType.CAUSAL_LM, r=4, target_modules="all-linear",
+                  init_lora_weights=False)
+    model = get_peft_model(LlamaForCausalLM(base.config), LoraConfig(**config), adapter_name="a")
+    model.base_model.model.load_state_dict(base.state_dict(), strict=False)
+    model.add_adapter("b", LoraConfig(**config))
+    model.eval()
+    prompt = list(range(3, 43))  # 10 full blocks of 4
+    refs = {}
+    for name in ("a", "b"):
+        model.set_adapter(name)
+        refs[name] = stock_greedy(model, prompt, 6)
+    with model.disable_adapter():
+        refs[BASE] = stock_greedy(model, prompt, 6)
+    model.set_adapter("a")
+    assert len({tuple(r) for r in refs.values()}) == 3
+    engine = LLMEngine(model, block_size=4, num_blocks=200)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for i, name in enumerate(["a", "b", BASE, None, "a"]):
+        engine.add_request(f"{i}", prompt, params, adapter=name)
+    done = run_engine(engine, [], [])
+    assert [done[f"{i}"].outputs[0].token_ids for i in range(5)] == [
+        refs["a"], refs["b"], refs[BASE], refs["a"], refs["a"]]
+    before = engine.stats().prefix_cache_hit_tokens
+    engine.add_request("again-b", prompt, params, adapter="b")  # cached under b only
+    engine.add_request("again-base", prompt, params, adapter=BASE)
+    done = run_engine(engine, [], [])
+    assert done["again-b"].num_cached_tokens == 36 and done["again-base"].num_cached_tokens == 36
+    assert engine.stats().prefix_cache_hit_tokens == before + 72
+    with pytest.raises(ValueError, match="unknown adapter"):
+        engine.add_request("x", prompt, params, adapter="c")
