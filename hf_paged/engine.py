@@ -331,10 +331,13 @@ class LLMEngine:
             # Cannot happen (a lone request always fits; check_fits saw to it): never spin.
             raise HFPagedError("the scheduler could not run any waiting request; "
                                f"{self.stats()}")
+        now = time.monotonic()
+        for request in touched.values():
+            if request.finished:
+                request.metrics.finished_time = now
         outputs = [self._output(r) for r in touched.values()]
         for request in touched.values():
             if request.finished:
-                request.metrics.finished_time = time.monotonic()
                 del self.requests[request.request_id]
         return outputs
 

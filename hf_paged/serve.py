@@ -1,0 +1,100 @@
+"""`hf-paged serve MODEL_DIR_OR_ID [options]`, also `python -m hf_paged.serve MODEL ...`:
+loads a model (and LoRA adapters, unmerged) and serves the OpenAI API on it with uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hf-paged serve", description=__doc__.split("\n")[0])
+    p.add_argument("model", help="a local model folder (or a Hub id, where the Hub is reachable)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (8000)")
+    p.add_argument("--dtype", default="auto",
+                   choices=["auto", "float32", "bfloat16", "float16"],
+                   help="model dtype (auto: as saved)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: as loaded)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients ask for (default: the model argument)")
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=ADAPTER_DIR",
+                   help="serve a PEFT LoRA adapter, unmerged, as model NAME (repeatable)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    p.add_argument("--max-waiting-requests", type=int, default=512,
+                   help="waiting sequences past which requests get 503 + Retry-After (512)")
+    e = p.add_argument_group("engine")
+    e.add_argument("--block-size", type=int, default=16, help="tokens per KV block (16)")
+    budget = e.add_mutually_exclusive_group()
+    budget.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks")
+    budget.add_argument("--kv-cache-bytes", type=int, default=None, help="KV pool size in bytes")
+    e.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="on CUDA without a pool size: this fraction of free memory (0.9)")
+    e.add_argument("--max-num-seqs", type=int, default=None,
+                   help="sequences running at once (64 CPU, 256 CUDA)")
+    e.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step (2048 CPU, 8192 CUDA)")
+    e.add_argument("--max-model-len", type=int, default=None,
+                   help="longest sequence (the model's max_position_embeddings)")
+    e.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    e.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
+                   help="when blocks run out: recompute later, or swap to a CPU pool")
+    e.add_argument("--swap-space-bytes", type=int, default=None,
+                   help="CPU pool for swap preemption (default: the size of the KV pool)")
+    e.add_argument("--backend", default="auto", help="attention backend (auto)")
+    p.add_argument("--log-level", default="info", help="uvicorn log level (info)")
+    return p
+
+
+def load(args):
+    """The model to serve (with its adapters) and its tokenizer."""
+    from .llm import load_model
+
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    for i, spec in enumerate(args.lora):
+        name, _, folder = spec.partition("=")
+        if not name or not folder:
+            raise SystemExit(f"--lora takes NAME=ADAPTER_DIR; got {spec!r}.")
+        from peft import PeftModel
+
+        if i == 0:
+            model = PeftModel.from_pretrained(model, folder, adapter_name=name)
+        else:
+            model.load_adapter(folder, adapter_name=name)
+    return model.eval(), tokenizer
+
+
+def engine_options(args) -> dict:
+    return dict(block_size=args.block_size, num_blocks=args.num_blocks,
+                kv_cache_bytes=args.kv_cache_bytes,
+                gpu_memory_utilization=args.gpu_memory_utilization,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
+                preemption_mode=args.preemption_mode, swap_space_bytes=args.swap_space_bytes,
+                backend=args.backend)
+
+
+def main(argv=None) -> None:
+    import uvicorn
+
+    from .server import build_app
+
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    model, tokenizer = load(args)
+    app = build_app(model, tokenizer, served_model_name=args.served_model_name or args.model,
+                    api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
+                    **engine_options(args))
+    # SIGINT/SIGTERM: uvicorn stops accepting, gives open requests 10 s, then the app's
+    # shutdown ends whatever still runs (their streams get an error and [DONE]). uvicorn then
+    # re-raises the signal to the handler it found: exit 0, the shutdown was clean.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: sys.exit(0))
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=10)
+
+
+if __name__ == "__main__":
+    main()
