@@ -36,6 +36,6 @@ timeout 90 python3 benchmarks/bench_attention.py --out "$out/bench_attention.jso
 timeout 50 python3 benchmarks/bench_generate.py --device cuda --repeats 1 --no-cb 2>&1 | tee "$out/bench_generate.txt"
 # The engine on a Llama-7B-shaped random model in bf16 (16 GiB of KV).
 timeout 120 python3 benchmarks/bench_engine.py --device cuda --dtype bfloat16 --model-size 7b \
-  --requests 48 --kv-mib 16384 --methods engine,static-paged,static-dynamic \
+  --requests 48 --kv-mib 16384 --methods engine,static-paged,static-dynamic --no-prefix-section \
   --out "$out/bench_engine.json" 2>&1 | tee "$out/bench_engine.txt"
 exit "$tests_rc"
