@@ -16,7 +16,7 @@ from .kv_pool import KVPool
 from .masking import HiddenSlots, StepPlan, check_mask_shape, plan_from_mask, plan_unmasked
 from .metadata import DeviceBlockTable, ForwardMetadata, build_metadata, to_device
 from .pool_access import PoolAccess
-from .models import kv_layout
+from .models import kv_layout, tp_heads
 from .stats import MemoryStats, measure
 
 
@@ -72,16 +72,20 @@ class PagedCache(PoolAccess, Cache):
         device: torch.device | str | None = None,
         pool: KVPool | None = None,
         max_cache_len: int | None = None,
+        tp_size: int = 1,
     ):
         """config: the model's config. dtype, device: the pool's; when neither they nor a
         pool are given, the pool is made at the first forward with the keys' dtype and device.
         max_cache_len: the longest sequence the cache will hold, when known; an unsized pool
-        then never uses blocks longer than that (rounded up to a power of two, at least 16)."""
+        then never uses blocks longer than that (rounded up to a power of two, at least 16).
+        tp_size: the ranks of a model loaded with Transformers' tensor parallelism
+        (`model.tp_size`); each rank's cache holds its own heads."""
         super().__init__(layers=[])
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         self.cache_config = PagedCacheConfig.from_any(cache_config)
-        self.num_layers, self.num_kv_heads, self.head_dim = kv_layout(text_config)
-        self.num_heads = getattr(text_config, "num_attention_heads", self.num_kv_heads)
+        self.num_layers, _, self.head_dim = kv_layout(text_config)
+        # Under tensor parallelism each rank holds (and caches) its own share of the heads.
+        self.num_heads, self.num_kv_heads = tp_heads(text_config, tp_size)
         self.sliding_window = getattr(text_config, "sliding_window", None)
         self.block_size = self.cache_config.block_size
         if pool is None and not self.cache_config.is_sized and max_cache_len:

@@ -45,7 +45,7 @@ from transformers.models.mistral.modeling_mistral import MistralForCausalLM
 
 from .attention import ATTENTION_NAME, paged_attention_forward, paged_mask
 from .cache import PagedCache
-from .models import kv_layout
+from .models import kv_layout, tp_heads
 from .models.falcon import paged_falcon_attention
 from .config import PagedCacheConfig
 from .errors import HFPagedError, UnsupportedModelError
@@ -193,11 +193,14 @@ def build_cache(model, generation_config, max_cache_length: int | None) -> Paged
             f"hf-paged keeps one KV pool on one device; this model is spread over {sorted(devices)} "
             "(device_map). Load it on a single device to use cache_implementation='paged'."
         )
+    tp_size = getattr(model, "tp_size", None) or 1
     pool = None
     if cache_config.is_sized:
-        pool = kept_pool(model, cache_config, *kv_layout(text_config), dtype, device)
+        layers, _, head_dim = kv_layout(text_config)
+        pool = kept_pool(model, cache_config, layers, tp_heads(text_config, tp_size)[1],
+                         head_dim, dtype, device)
     return PagedCache(text_config, cache_config, dtype=dtype, device=device, pool=pool,
-                      max_cache_len=max_cache_length)
+                      max_cache_len=max_cache_length, tp_size=tp_size)
 
 
 # -- wrappers -------------------------------------------------------------------------------

@@ -19,3 +19,21 @@ def kv_layout(config) -> tuple[int, int, int]:
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return config.num_hidden_layers, kv_heads, head_dim
+
+
+def tp_heads(config, tp_size: int) -> tuple[int, int]:
+    """(query heads, KV heads stored) on one rank of a model split over `tp_size` ranks by
+    Transformers' tensor parallelism (attention projections split by whole heads)."""
+    heads = config.num_attention_heads
+    kv_heads = kv_layout(config)[1]
+    if tp_size == 1:
+        return heads, kv_heads
+    from ..errors import UnsupportedModelError
+
+    if heads % tp_size or kv_heads % tp_size:
+        raise UnsupportedModelError(
+            f"Tensor parallelism over {tp_size} ranks splits attention by heads: this model "
+            f"has {heads} query and {kv_heads} KV heads, which do not divide by {tp_size}. "
+            "Use a world size that divides both."
+        )
+    return heads // tp_size, kv_heads // tp_size

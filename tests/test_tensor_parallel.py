@@ -1,0 +1,78 @@
+"""Tensor parallelism: a model loaded with tp_plan="auto" under torchrun (2 processes,
+gloo on CPU) generates on the paged cache exactly as stock TP generate and as one process
+without TP. Each rank's cache holds only its own KV heads."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import make_model
+
+HERE = Path(__file__).resolve().parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(script: str, *args, nproc: int = 2, timeout: int = 300):
+    env = dict(os.environ, PYTHONPATH=str(HERE.parent), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+           f"--master-port={free_port()}", str(HERE / "distributed" / script), *map(str, args)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def mistral_two_kv_heads():
+    """Mistral with a sliding window shorter than the sequences and 2 KV heads (Transformers'
+    TP splits whole heads: 1 KV head cannot go to 2 ranks, stock TP fails on it too)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from conftest import _common
+
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(**_common(num_attention_heads=4,
+                                                       num_key_value_heads=2, sliding_window=7)))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model.eval()
+
+
+@pytest.mark.parametrize("kind", ["llama_gqa", "llama_mha", "mistral_sw"])
+def test_tp_generate_equals_stock_tp_and_one_process(kind, tmp_path):
+    model = mistral_two_kv_heads() if kind == "mistral_sw" else make_model(kind)
+    if kind == "llama_gqa":
+        assert model.config.num_key_value_heads == 2  # one KV head per rank
+    model.save_pretrained(tmp_path / "model")
+    torchrun("tp_generate.py", tmp_path / "model", tmp_path / "out.json")
+    results = json.loads((tmp_path / "out.json").read_text())
+    single = AutoModelForCausalLM.from_pretrained(tmp_path / "model").eval()
+    ids = torch.tensor([[0, 0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15],
+                        [0, 0, 0, 0, 0, 3, 4]])
+    mask = (ids != 0).long()
+    for name, row in results.items():
+        assert row["paged"] == row["stock"], name
+    alone = single.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                            cache_implementation="paged")
+    assert results["greedy"]["paged"] == alone.tolist()
+
+
+def test_heads_that_do_not_divide_are_a_clear_error():
+    from hf_paged import PagedCache, UnsupportedModelError
+
+    model = make_model("mistral_sw")  # one KV head
+    assert model.config.num_key_value_heads == 1
+    with pytest.raises(UnsupportedModelError, match="do not divide by 2"):
+        PagedCache(model.config, tp_size=2)
