@@ -25,7 +25,7 @@ from .errors import HFPagedError, UnsupportedModelError
 from .kernels.backends import select_backend
 from .kv_pool import KVPool
 from .metadata import DeviceBlockTable, build_metadata, to_device
-from .models import kv_layout
+from .models import kv_layout, tp_heads
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .pool_access import PoolAccess
 from .sampler import Sampler, SampleRow
@@ -78,6 +78,33 @@ class _Rows:
 
     def __init__(self, table: torch.Tensor, device: torch.device):
         self.table, self.device = table, device
+
+
+@dataclass
+class Forward:
+    """The host-side inputs of one packed forward: token ids and positions of the scheduled
+    sequences back to back, their block-table rows, cached lengths and new-token counts, and
+    the indices (in `ids`) of the last token of each sequence that samples."""
+
+    adapter: str | None
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    context: list[int] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+    last: list[int] = field(default_factory=list)
+
+
+@dataclass
+class DeviceStep:
+    """What every rank does for one step: block swaps and copies, block-table entries, then
+    the forwards (plain lists; rank 0 broadcasts it under tensor parallelism)."""
+
+    swap_out: list
+    swap_in: list
+    copies: list
+    entries: list
+    forwards: list[Forward]
 
 
 @dataclass
@@ -176,7 +203,10 @@ class LLMEngine:
         text_config = base.config.get_text_config(decoder=True)
         self.device, self.dtype = base.device, base.dtype
         cuda = self.device.type == "cuda"
-        num_layers, kv_heads, head_dim = kv_layout(text_config)
+        self.tp_size = getattr(base, "tp_size", None) or 1
+        self.rank = torch.distributed.get_rank() if self.tp_size > 1 else 0
+        num_layers, _, head_dim = kv_layout(text_config)
+        num_heads, kv_heads = tp_heads(text_config, self.tp_size)  # this rank's heads
         self.block_size = _positive("block_size", block_size)
         self.max_model_len = _positive("max_model_len", max_model_len
                                        or getattr(text_config, "max_position_embeddings", 2048))
@@ -186,6 +216,10 @@ class LLMEngine:
         per_block = num_layers * 2 * kv_heads * head_dim * self.block_size * \
             torch.tensor([], dtype=self.dtype).element_size()
         blocks = self._pool_blocks(num_blocks, kv_cache_bytes, gpu_memory_utilization, per_block)
+        if self.tp_size > 1:  # every rank must hold the same blocks: the smallest pool wins
+            agreed = torch.tensor([blocks], device=self.device)
+            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
+            blocks = int(agreed)
         self.pool = KVPool(num_layers, kv_heads, head_dim, self.block_size, blocks, self.dtype,
                            self.device, growable=False)
         logger.info("hf-paged engine: KV pool of %d blocks x %d tokens (%.1f MiB) on %s",
@@ -206,7 +240,6 @@ class LLMEngine:
                                    self.max_num_batched_tokens, self.max_model_len,
                                    self.sliding_window, enable_prefix_caching, preemption_mode,
                                    cpu_pool)
-        num_heads = getattr(text_config, "num_attention_heads", kv_heads)
         self.backend = select_backend(backend, self.device, self.dtype, self.block_size,
                                       num_heads, kv_heads)
         self.cache = StepCache(self.pool, self.backend, num_heads, self.sliding_window)
@@ -342,56 +375,90 @@ class LLMEngine:
         return outputs
 
     def _run(self, plan: Step, touched: dict) -> None:
-        self._move_blocks(plan)
-        self.device_table.apply(plan.entries)
         groups: dict[bytes, list] = {}  # one forward per adapter (the salt names it)
         for item in plan.scheduled:
             groups.setdefault(item.seq.salt, []).append(item)
+        work = DeviceStep(plan.swap_out, plan.swap_in, plan.copies, plan.entries,
+                          [self._forward_plan(items, salt.decode() or None)
+                           for salt, items in groups.items()])
+        self._broadcast(work)  # under tensor parallelism every rank runs the same step
         logits = {}
-        for salt, items in groups.items():
-            sampled = [i for i in items if i.sample]
-            rows = self._forward(items, salt.decode() or None)
-            logits.update((id(i), r) for i, r in zip(sampled, rows))
+        for items, rows in zip(groups.values(), self._execute(work, list(groups.values()))):
+            logits.update((id(i), r) for i, r in zip((i for i in items if i.sample), rows))
         self.scheduler.after_step(plan)
         order = [logits[id(i)] for i in plan.scheduled if i.sample]
         if order:
             self._sample(plan, torch.stack(order), touched)
 
-    def _forward(self, items: list, adapter: str | None) -> torch.Tensor:
-        """One packed forward over `items` (scheduled sequences) with `adapter` (None: the
-        base model); returns the logits [S, V] of the items that sample, in order."""
-        device = self.device
-        ids, positions, rows, context, counts, last = [], [], [], [], [], []
+    def _forward_plan(self, items: list, adapter: str | None) -> "Forward":
+        """The host-side inputs of one packed forward over `items` (scheduled sequences)."""
+        f = Forward(adapter)
         for item in items:
             seq = item.seq
-            ids += seq.tokens(item.start, item.start + item.count)
-            positions += range(item.start, item.start + item.count)
-            rows.append(seq.row)
-            context.append(item.start)
-            counts.append(item.count)
+            f.ids += seq.tokens(item.start, item.start + item.count)
+            f.positions += range(item.start, item.start + item.count)
+            f.rows.append(seq.row)
+            f.context.append(item.start)
+            f.counts.append(item.count)
             if item.sample:
-                last.append(len(ids) - 1)
+                f.last.append(len(f.ids) - 1)
             if item.start < len(seq.prompt):
                 self.prompt_tokens += min(item.count, len(seq.prompt) - item.start)
-        meta = self._metadata(rows, context, counts)
-        if 1 in counts and max(counts) > 1:
-            meta.parts = self._parts(rows, context, counts)
-        if self.debug:
+        return f
+
+    def _execute(self, work: "DeviceStep", items: list | None = None) -> list[torch.Tensor]:
+        """The device side of a step, the same on every rank: block moves, table entries,
+        then each forward; returns each forward's logits [S, V] of the rows that sample.
+        items: the scheduled sequences of each forward (rank 0), for the debug checks."""
+        self._move_blocks(work)
+        self.device_table.apply(work.entries)
+        return [self._forward(f, None if items is None else items[k])
+                for k, f in enumerate(work.forwards)]
+
+    def _forward(self, f: "Forward", items: list | None) -> torch.Tensor:
+        device = self.device
+        meta = self._metadata(f.rows, f.context, f.counts)
+        if 1 in f.counts and max(f.counts) > 1:
+            meta.parts = self._parts(f.rows, f.context, f.counts)
+        if self.debug and items is not None:
             self._check_isolation(items, meta)
         self.cache.meta = meta
-        keep = to_device(last or [len(ids) - 1], device)
+        keep = to_device(f.last or [len(f.ids) - 1], device)
         extra = {}
-        if adapter is not None:  # PEFT picks the adapter per batch row; the batch is one row
-            extra["adapter_names"] = [adapter]
+        if f.adapter is not None:  # PEFT picks the adapter per batch row; the batch is one row
+            extra["adapter_names"] = [f.adapter]
         from .integration import paged_attention
 
         with torch.inference_mode(), paged_attention(self._base):
-            out = self.model(input_ids=to_device(ids, device)[None],
-                             position_ids=to_device(positions, device)[None],
+            out = self.model(input_ids=to_device(f.ids, device)[None],
+                             position_ids=to_device(f.positions, device)[None],
                              past_key_values=self.cache, use_cache=True, logits_to_keep=keep,
                              **extra)
         self.cache.meta = None
-        return out.logits[0, :len(last)]
+        return out.logits[0, :len(f.last)]
+
+    # -- tensor parallelism: rank 0 schedules, every rank runs the forwards ---------------------
+    def _broadcast(self, message) -> None:
+        if self.tp_size > 1:
+            torch.distributed.broadcast_object_list([message], src=0)
+
+    def worker_loop(self) -> None:
+        """On ranks other than 0: run the steps rank 0 broadcasts until it stops them."""
+        while True:
+            box = [None]
+            torch.distributed.broadcast_object_list(box, src=0)
+            if box[0] is None:
+                return
+            if isinstance(box[0], DeviceStep):
+                self._execute(box[0])
+
+    def heartbeat(self) -> None:
+        """Rank 0, while idle: keeps the other ranks' wait from timing out."""
+        self._broadcast("idle")
+
+    def stop_workers(self) -> None:
+        """Rank 0: ends the other ranks' `worker_loop`."""
+        self._broadcast(None)
 
     def _metadata(self, rows: list[int], context: list[int], counts: list[int]):
         """Packed-forward metadata of `rows` (block-table rows), each with `context` tokens
@@ -417,7 +484,7 @@ class LLMEngine:
             parts.append((meta, to_device(where, self.device)))
         return parts
 
-    def _move_blocks(self, plan: Step) -> None:
+    def _move_blocks(self, plan) -> None:
         kv = self.pool.kv
         if plan.swap_out:
             gpu, cpu = zip(*plan.swap_out)

@@ -1,0 +1,49 @@
+"""Run by tests/test_tensor_parallel.py under `torchrun --nproc-per-node 2` (gloo, CPU).
+
+The engine on a model loaded with tp_plan="auto": rank 0 schedules and samples, every rank
+runs the forwards. Rank 0 writes the token ids of each request to argv[2] (JSON)."""
+
+import json
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+
+warnings.simplefilter("ignore")
+
+from hf_paged import LLM, LLMEngine, SamplingParams  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+OPTIONS = dict(block_size=4, num_blocks=20, max_num_seqs=4, max_num_batched_tokens=16)
+
+
+def prompts():
+    return [[3 + (7 * i + j) % 90 for j in range(1 + (5 * i) % 23)] for i in range(10)]
+
+
+def main():
+    folder, out_path = sys.argv[1], sys.argv[2]
+    model = AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto",
+                                                 dtype=torch.float32).eval()
+    if dist.get_rank() == 0:
+        llm = LLM(model, **OPTIONS)
+        greedy = llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=12,
+                                                        ignore_eos=True), use_tqdm=False)
+        sampled = llm.generate(prompts()[:3], SamplingParams(temperature=1.0, seed=3,
+                                                             max_tokens=8, n=2), use_tqdm=False)
+        stats = llm.stats()
+        llm.engine.stop_workers()
+        with open(out_path, "w") as f:
+            json.dump({"greedy": [o.outputs[0].token_ids for o in greedy],
+                       "sampled": [[c.token_ids for c in o.outputs] for o in sampled],
+                       "preemptions": stats.num_preemptions,
+                       "kv_heads": llm.engine.pool.num_kv_heads}, f)
+    else:
+        LLMEngine(model, **OPTIONS).worker_loop()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
