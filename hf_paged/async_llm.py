@@ -94,10 +94,17 @@ class AsyncLLM:
         self._thread.join(timeout=60)
 
     # -- the stepping thread ------------------------------------------------------------------
+    HEARTBEAT_S = 60.0  # under tensor parallelism, idle rank 0 pings the others this often
+
     def _run(self) -> None:
+        tp = self.engine.tp_size > 1
         while not self._dead:
-            self._wake.wait()
+            woken = self._wake.wait(self.HEARTBEAT_S if tp else None)
             self._wake.clear()
+            if tp and not woken:
+                with self._lock:
+                    self.engine.heartbeat()
+                continue
             while not self._dead:
                 with self._lock:
                     if not self.engine.has_unfinished_requests():
@@ -109,6 +116,8 @@ class AsyncLLM:
                 self._deliver(outputs)
         with self._lock:
             outputs = self.engine.fail_all("the engine was shut down")
+            if tp:
+                self.engine.stop_workers()
         self._deliver(outputs)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:

@@ -18,12 +18,16 @@ from .scheduler import RequestRejectedError
 _batches = itertools.count()
 
 
-def load_model(path, dtype="auto", device=None):
-    """A model and its tokenizer (None if the folder has none) from a local folder."""
+def load_model(path, dtype="auto", device=None, tensor_parallel: bool = False):
+    """A model and its tokenizer (None if the folder has none) from a local folder.
+    tensor_parallel: under torchrun, split the model over the ranks (tp_plan="auto")."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    if device is not None:
+    if tensor_parallel:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, tp_plan="auto")
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    if device is not None and not tensor_parallel:
         model = model.to(device)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)

@@ -1,12 +1,19 @@
 """`hf-paged serve MODEL_DIR_OR_ID [options]`, also `python -m hf_paged.serve MODEL ...`:
-loads a model (and LoRA adapters, unmerged) and serves the OpenAI API on it with uvicorn."""
+loads a model (and LoRA adapters, unmerged) and serves the OpenAI API on it with uvicorn.
+
+Under `torchrun --nproc-per-node N -m hf_paged.serve MODEL ...` the model is split over the
+N ranks by Transformers' tensor parallelism: rank 0 serves HTTP and schedules, every rank
+runs the forwards."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
+
+import torch
 
 
 def parser() -> argparse.ArgumentParser:
@@ -48,11 +55,18 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def world_size() -> int:
+    """Processes started together by torchrun (1 without it)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def load(args):
-    """The model to serve (with its adapters) and its tokenizer."""
+    """The model to serve (with its adapters) and its tokenizer; under torchrun, this
+    rank's share of a model split by tensor parallelism."""
     from .llm import load_model
 
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device,
+                                  tensor_parallel=world_size() > 1)
     for i, spec in enumerate(args.lora):
         name, _, folder = spec.partition("=")
         if not name or not folder:
@@ -84,6 +98,14 @@ def main(argv=None) -> None:
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     model, tokenizer = load(args)
+    if world_size() > 1 and torch.distributed.get_rank() != 0:
+        # Tensor parallelism: rank 0 serves HTTP and schedules; this rank runs each step's
+        # forward as rank 0 broadcasts it, until rank 0 stops. (torchrun takes the whole
+        # group down, with the failed rank's error, if any rank dies.)
+        from .engine import LLMEngine
+
+        LLMEngine(model, tokenizer, **engine_options(args)).worker_loop()
+        return
     app = build_app(model, tokenizer, served_model_name=args.served_model_name or args.model,
                     api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
                     **engine_options(args))

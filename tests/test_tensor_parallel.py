@@ -98,3 +98,48 @@ def test_tp_engine_equals_the_single_process_engine(tmp_path):
     assert got["greedy"] == [o.outputs[0].token_ids for o in greedy]
     assert got["sampled"] == [[c.token_ids for c in o.outputs] for o in sampled]
     assert got["preemptions"] > 0 and got["kv_heads"] == 1
+
+
+def test_tp_server_answers_like_stock_and_stops(tmp_path):
+    """`torchrun --nproc-per-node 2 -m hf_paged.serve MODEL`: rank 0 serves HTTP."""
+    import signal
+    import time
+
+    import httpx
+
+    from conftest import make_tokenizer
+
+    model = make_model("llama_gqa")
+    model.save_pretrained(tmp_path / "model")
+    make_tokenizer().save_pretrained(tmp_path / "model")
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=str(HERE.parent), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+         f"--master-port={free_port()}", "-m", "hf_paged.serve", str(tmp_path / "model"),
+         "--port", str(port), "--served-model-name", "tiny", "--num-blocks", "64",
+         "--block-size", "8", "--log-level", "warning"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.time() < deadline, "the server did not start"
+            time.sleep(0.2)
+        body = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 8, "temperature": 0,
+                "ignore_eos": True}
+        texts = [httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body,
+                            timeout=60).json()["choices"][0]["text"] for _ in range(2)]
+        ref = model.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=8, do_sample=False)
+        assert texts == [make_tokenizer().decode(ref[0, 4:], skip_special_tokens=True)] * 2
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        finally:
+            proc.kill()
