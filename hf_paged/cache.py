@@ -11,10 +11,10 @@ from . import attention
 from .block_table import BlockTables
 from .config import PagedCacheConfig
 from .errors import HFPagedError, KVCacheExhaustedError
-from .kernels.backends import select_backend
 from .kv_pool import KVPool
 from .masking import HiddenSlots, StepPlan, check_mask_shape, plan_from_mask, plan_unmasked
 from .metadata import DeviceBlockTable, ForwardMetadata, build_metadata, to_device
+from .placement import Placement
 from .pool_access import PoolAccess
 from .models import kv_layout, tp_heads
 from .stats import MemoryStats, measure
@@ -73,13 +73,17 @@ class PagedCache(PoolAccess, Cache):
         pool: KVPool | None = None,
         max_cache_len: int | None = None,
         tp_size: int = 1,
+        placement: Placement | None = None,
     ):
         """config: the model's config. dtype, device: the pool's; when neither they nor a
         pool are given, the pool is made at the first forward with the keys' dtype and device.
         max_cache_len: the longest sequence the cache will hold, when known; an unsized pool
         then never uses blocks longer than that (rounded up to a power of two, at least 16).
         tp_size: the ranks of a model loaded with Transformers' tensor parallelism
-        (`model.tp_size`); each rank's cache holds its own heads."""
+        (`model.tp_size`); each rank's cache holds its own heads.
+        placement: for a model spread over devices by `device_map`, where each layer's
+        keys and values go (`hf_paged.model_placement(model)`; generate finds it itself):
+        one pool shard per device. Default: every layer on the pool's device."""
         super().__init__(layers=[])
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         self.cache_config = PagedCacheConfig.from_any(cache_config)
@@ -92,12 +96,11 @@ class PagedCache(PoolAccess, Cache):
             self.block_size = min(self.block_size, max(_ceil_pow2(max_cache_len + 1), 16))
         self.max_cache_len = max_cache_len
         self.pool: KVPool | None = None
-        self.backend = None
-        self._reference = None  # reference backend for forwards the kernels do not cover
+        self.placement = placement
         self.tables: BlockTables | None = None
         self.hidden = HiddenSlots()
         self.device_table: DeviceBlockTable | None = None
-        self.meta: ForwardMetadata | None = None
+        self.meta = None
         self._seen = 0  # padded columns processed, what generate calls the sequence length
         self.peak_blocks = 0
         self._pending_mask: torch.Tensor | None | object = _UNSET  # None: told "no padding"
@@ -117,15 +120,16 @@ class PagedCache(PoolAccess, Cache):
     def _bind_pool(self, pool: KVPool | None, dtype: torch.dtype, device) -> None:
         if pool is None:
             pool = KVPool.for_config(self.cache_config, self.num_layers, self.num_kv_heads,
-                                     self.head_dim, dtype, device, block_size=self.block_size)
+                                     self.head_dim, dtype, self.placement or device,
+                                     block_size=self.block_size)
         if pool.block_size != self.block_size:
             raise ValueError(
                 f"PagedCache: pool block_size {pool.block_size} != cache_config block_size "
                 f"{self.block_size}."
             )
-        self.backend = select_backend(self.cache_config.backend, pool.device, pool.dtype,
-                                      self.block_size, self.num_heads, self.num_kv_heads)
+        self._bind_backends(self.cache_config.backend, pool)
         self.pool = pool
+        self.placement = pool.placement
         self.tables = BlockTables(pool.blocks)
         # Blocks go back to the (possibly shared) pool when this cache is collected.
         weakref.finalize(self, self.tables.release, later=True)
@@ -133,15 +137,14 @@ class PagedCache(PoolAccess, Cache):
     def __getstate__(self):
         """Pickling (and deepcopy) carry the pool along; per-forward state is rebuilt."""
         state = self.__dict__.copy()
-        state.update(backend=None, _reference=None, meta=None, _views=[], _views_version=-1)
+        state.update(backend=None, _backends=[], _references=[], _meta=None, _metas=[None],
+                     _views=[], _views_version=-1)
         return state
 
     def __setstate__(self, state):
         self.__dict__.update(state)
         if self.pool is not None:
-            self.backend = select_backend(self.cache_config.backend, self.pool.device,
-                                          self.pool.dtype, self.block_size, self.num_heads,
-                                          self.num_kv_heads)
+            self._bind_backends(self.cache_config.backend, self.pool)
             weakref.finalize(self, self.tables.release, later=True)
 
     # -- generate's view of the cache -----------------------------------------------------
@@ -332,8 +335,7 @@ class PagedCache(PoolAccess, Cache):
         self.hidden.apply(step)
         context = self.device_table.lengths
         if plan.copies:
-            src, dst = to_device(plan.copies, self.pool.device).T
-            self.backend.copy_blocks(self.pool.kv, src, dst)
+            self.copy_blocks(plan.copies)
         self.device_table.apply(plan.entries)
         self._seen += step.width
         max_len = max(self.tables.lengths)

@@ -22,10 +22,10 @@ from . import attention
 from .block_pool import BlockPool
 from .block_table import FREED
 from .errors import HFPagedError, UnsupportedModelError
-from .kernels.backends import select_backend
 from .kv_pool import KVPool
 from .metadata import DeviceBlockTable, build_metadata, to_device
 from .models import kv_layout, tp_heads
+from .placement import model_placement
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .pool_access import PoolAccess
 from .sampler import Sampler, SampleRow
@@ -47,14 +47,15 @@ class StepCache(PoolAccess, Cache):
     """The `past_key_values` of one engine forward: writes go to the slots of the step's
     metadata, attention reads each sequence's own blocks."""
 
-    def __init__(self, pool: KVPool, backend, num_heads: int, sliding_window: int | None):
+    def __init__(self, pool: KVPool, backend: str, num_heads: int, sliding_window: int | None):
+        """backend: the attention backend's name (one instance per pool shard)."""
         Cache.__init__(self, layers=[])
-        self.pool, self.backend = pool, backend
         self.num_layers, self.num_kv_heads, self.head_dim = (pool.num_layers, pool.num_kv_heads,
                                                              pool.head_dim)
         self.num_heads = num_heads
         self.sliding_window = sliding_window
-        self.meta = None
+        self._bind_backends(backend, pool)
+        self.pool = pool
         self._refresh_views()
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
@@ -201,37 +202,44 @@ class LLMEngine:
         self.model.eval()
         self._base = base
         text_config = base.config.get_text_config(decoder=True)
-        self.device, self.dtype = base.device, base.dtype
+        self.device, self.dtype = base.device, base.dtype  # the model's inputs' device
         cuda = self.device.type == "cuda"
         self.tp_size = getattr(base, "tp_size", None) or 1
         self.rank = torch.distributed.get_rank() if self.tp_size > 1 else 0
         num_layers, _, head_dim = kv_layout(text_config)
         num_heads, kv_heads = tp_heads(text_config, self.tp_size)  # this rank's heads
+        # A model spread by device_map keeps each layer's KV on that layer's device.
+        placement = model_placement(base, num_layers)
+        self.kv_device = placement.primary  # where block tables and metadata are built
         self.block_size = _positive("block_size", block_size)
         self.max_model_len = _positive("max_model_len", max_model_len
                                        or getattr(text_config, "max_position_embeddings", 2048))
         self.max_num_seqs = _positive("max_num_seqs", max_num_seqs or (256 if cuda else 64))
         self.max_num_batched_tokens = _positive(
             "max_num_batched_tokens", max_num_batched_tokens or (8192 if cuda else 2048))
-        per_block = num_layers * 2 * kv_heads * head_dim * self.block_size * \
-            torch.tensor([], dtype=self.dtype).element_size()
-        blocks = self._pool_blocks(num_blocks, kv_cache_bytes, gpu_memory_utilization, per_block)
+        per_layer = 2 * kv_heads * head_dim * self.block_size * \
+            torch.tensor([], dtype=self.dtype).element_size()  # bytes of one block, one layer
+        per_block = num_layers * per_layer
+        blocks = self._pool_blocks(num_blocks, kv_cache_bytes, gpu_memory_utilization,
+                                   per_layer, placement)
         if self.tp_size > 1:  # every rank must hold the same blocks: the smallest pool wins
             agreed = torch.tensor([blocks], device=self.device)
             torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
             blocks = int(agreed)
         self.pool = KVPool(num_layers, kv_heads, head_dim, self.block_size, blocks, self.dtype,
-                           self.device, growable=False)
-        logger.info("hf-paged engine: KV pool of %d blocks x %d tokens (%.1f MiB) on %s",
-                    blocks, self.block_size, blocks * per_block / 2**20, self.device)
+                           placement, growable=False)
+        logger.info("hf-paged engine: KV pool of %d blocks x %d tokens (%s)", blocks,
+                    self.block_size, ", ".join(
+                        f"{blocks * per_layer * len(layers) / 2**20:.1f} MiB on {device}"
+                        for device, layers in zip(placement.devices, placement.layers)))
         cpu_pool = None
         if preemption_mode == "swap":
             swap_blocks = (swap_space_bytes // per_block if swap_space_bytes is not None
                            else blocks)
             self.cpu_pool = KVPool(num_layers, kv_heads, head_dim, self.block_size,
-                                   swap_blocks, self.dtype, "cpu", growable=False)
-            if cuda:
-                self.cpu_pool.kv = self.cpu_pool.kv.pin_memory()
+                                   swap_blocks, self.dtype, placement.on("cpu"), growable=False)
+            if torch.cuda.is_available() and any(d.type == "cuda" for d in placement.devices):
+                self.cpu_pool.pin_memory()
             cpu_pool = self.cpu_pool.blocks
         else:
             self.cpu_pool = None
@@ -240,12 +248,11 @@ class LLMEngine:
                                    self.max_num_batched_tokens, self.max_model_len,
                                    self.sliding_window, enable_prefix_caching, preemption_mode,
                                    cpu_pool)
-        self.backend = select_backend(backend, self.device, self.dtype, self.block_size,
-                                      num_heads, kv_heads)
-        self.cache = StepCache(self.pool, self.backend, num_heads, self.sliding_window)
+        self.cache = StepCache(self.pool, backend, num_heads, self.sliding_window)
+        self.backend = self.cache.backend
         self.device_table = DeviceBlockTable(self.max_num_seqs,
                                              -(-self.max_model_len // self.block_size),
-                                             self.device)
+                                             self.kv_device)
         self.sampler = Sampler()
         self.vocab_size = base.get_output_embeddings().weight.shape[0]
         # Decode every step (servers stream text); otherwise only finished completions.
@@ -264,18 +271,25 @@ class LLMEngine:
         self.generation_tokens = 0
         self.debug = os.environ.get(DEBUG_ENV_VAR) == "1"
 
-    def _pool_blocks(self, num_blocks, kv_cache_bytes, utilization, per_block) -> int:
+    def _pool_blocks(self, num_blocks, kv_cache_bytes, utilization, per_layer,
+                     placement) -> int:
+        """Blocks of the pool. per_layer: bytes of one block of one layer. kv_cache_bytes
+        bounds all devices together; a CUDA budget from free memory holds on every device."""
         if num_blocks is not None and kv_cache_bytes is not None:
             raise ValueError("Give one of num_blocks and kv_cache_bytes, not both.")
         if num_blocks is not None:
             return _positive("num_blocks", num_blocks)
+        per_block = per_layer * placement.num_layers
         if kv_cache_bytes is None:
-            if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                kv_cache_bytes = int(free * utilization)
-            else:
-                physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-                kv_cache_bytes = min(2**30, physical // 4)
+            budgets = []
+            for device, layers in zip(placement.devices, placement.layers):
+                if device.type == "cuda":
+                    free, _ = torch.cuda.mem_get_info(device)
+                    budgets.append(int(free * utilization) // len(layers) * placement.num_layers)
+                else:
+                    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+                    budgets.append(min(2**30, physical // 4))
+            kv_cache_bytes = min(budgets)
         blocks = _positive("kv_cache_bytes", kv_cache_bytes) // per_block
         if blocks == 0:
             raise ValueError(f"kv_cache_bytes={kv_cache_bytes} is smaller than one KV block "
@@ -423,7 +437,10 @@ class LLMEngine:
         if self.debug and items is not None:
             self._check_isolation(items, meta)
         self.cache.meta = meta
-        keep = to_device(f.last or [len(f.ids) - 1], device)
+        keep = torch.tensor(f.last or [len(f.ids) - 1])
+        if self.pool.placement.is_single:
+            keep = keep.to(device, non_blocking=True)
+        # else: the last layers' device picks the rows; a host index serves any device
         extra = {}
         if f.adapter is not None:  # PEFT picks the adapter per batch row; the batch is one row
             extra["adapter_names"] = [f.adapter]
@@ -463,7 +480,7 @@ class LLMEngine:
     def _metadata(self, rows: list[int], context: list[int], counts: list[int]):
         """Packed-forward metadata of `rows` (block-table rows), each with `context` tokens
         cached and `counts` new ones."""
-        device = self.device
+        device = self.kv_device
         table = _Rows(self.device_table.table.index_select(0, to_device(rows, device)), device)
         lens = [c + n for c, n in zip(context, counts)]
         return build_metadata(table, to_device(context, device), counts, max(counts), max(lens),
@@ -481,24 +498,18 @@ class LLMEngine:
             where = [t for i in members for t in range(starts[i], starts[i + 1])]
             meta = self._metadata([rows[i] for i in members], [context[i] for i in members],
                                   [counts[i] for i in members])
-            parts.append((meta, to_device(where, self.device)))
+            parts.append((meta, to_device(where, self.kv_device)))
         return parts
 
     def _move_blocks(self, plan) -> None:
-        kv = self.pool.kv
         if plan.swap_out:
             gpu, cpu = zip(*plan.swap_out)
-            self.cpu_pool.kv.index_copy_(
-                2, to_device(cpu, "cpu"),
-                kv.index_select(2, to_device(gpu, self.device)).to("cpu", non_blocking=True))
+            self.pool.copy_to(self.cpu_pool, list(gpu), list(cpu))
         if plan.swap_in:
             cpu, gpu = zip(*plan.swap_in)
-            kv.index_copy_(2, to_device(gpu, self.device),
-                           self.cpu_pool.kv.index_select(2, to_device(cpu, "cpu")).to(
-                               self.device, non_blocking=True))
+            self.cpu_pool.copy_to(self.pool, list(cpu), list(gpu))
         if plan.copies:
-            src, dst = to_device(plan.copies, self.device).T
-            self.backend.copy_blocks(kv, src, dst)
+            self.cache.copy_blocks(plan.copies)
 
     def _sample(self, plan: Step, logits: torch.Tensor, touched: dict) -> None:
         """logits [S, V]: one row per scheduled item that samples, in order."""

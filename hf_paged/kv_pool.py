@@ -1,4 +1,5 @@
-"""The K/V block storage of one model: one tensor for all layers, plus its allocator."""
+"""The K/V block storage of one model: one tensor per device for its layers, plus the
+allocator they share."""
 
 from __future__ import annotations
 
@@ -12,10 +13,16 @@ import torch
 from .block_pool import BlockPool
 from .config import PagedCacheConfig
 from .errors import KVCacheExhaustedError, KVPoolAllocationError
+from .metadata import to_device
+from .placement import Placement
 
 
 class KVPool:
-    """Blocks of K and V for every layer, `[L, 2, NB, bs, Hkv, D]`, and their `BlockPool`.
+    """Blocks of K and V for every layer and their `BlockPool`.
+
+    `shards[s]` is `[L_s, 2, NB, bs, Hkv, D]` on `placement.devices[s]`, holding the layers
+    `placement.layers[s]`: one shard for a model on one device, one per device for a model
+    spread by `device_map`. Block b is block b in every shard.
 
     A sized pool (`num_blocks` / `max_kv_bytes`) is allocated once and kept for its model
     (`kept_pool`); the caches of every call with that sizing, concurrent ones included, draw
@@ -32,14 +39,21 @@ class KVPool:
         block_size: int,
         num_blocks: int,
         dtype: torch.dtype,
-        device: torch.device,
+        device: torch.device | Placement,
         growable: bool,
     ):
+        """device: the device of every layer, or a `Placement` of the layers over devices."""
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.block_size = block_size
-        self.dtype, self.device = dtype, torch.device(device)
+        self.placement = (device if isinstance(device, Placement)
+                          else Placement.single(num_layers, device))
+        if self.placement.num_layers != num_layers:
+            raise ValueError(f"the placement covers {self.placement.num_layers} layers; the "
+                             f"pool has {num_layers}")
+        self.dtype, self.device = dtype, self.placement.primary
         self.growable = growable
-        self.kv = self._zeros(num_blocks)  # first: an impossible size fails before the free list
+        # First: an impossible size fails before the free list exists.
+        self.shards = self._zeros(num_blocks)
         self.blocks = BlockPool(num_blocks, block_size)
         self.version = 0  # bumped when `kv` is reallocated, so views can be refreshed
 
@@ -47,7 +61,8 @@ class KVPool:
     def for_config(cls, config: PagedCacheConfig, num_layers: int, num_kv_heads: int,
                    head_dim: int, dtype: torch.dtype, device,
                    block_size: int | None = None) -> "KVPool":
-        """block_size: overrides the config's (an unsized cache may use shorter blocks)."""
+        """block_size: overrides the config's (an unsized cache may use shorter blocks).
+        device: a device or a `Placement`; `max_kv_bytes` bounds all devices together."""
         block_size = block_size or config.block_size
         per_block = (
             num_layers * 2 * num_kv_heads * head_dim * block_size
@@ -65,31 +80,66 @@ class KVPool:
         return cls(num_layers, num_kv_heads, head_dim, block_size, num_blocks or 0,
                    dtype, device, growable=not config.is_sized)
 
-    def _zeros(self, num_blocks: int) -> torch.Tensor:
+    def _zeros(self, num_blocks: int) -> list[torch.Tensor]:
         # Zeros, not empty: masked-out keys are still multiplied by 0 and must not be NaN.
         # Made outside inference mode so calls under no_grad and inference_mode can share it.
-        shape = (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        try:
-            with torch.inference_mode(False):
-                return torch.zeros(shape, dtype=self.dtype, device=self.device)
-        except (RuntimeError, MemoryError) as err:  # out of memory, or a size torch refuses
-            size = math.prod(shape) * torch.tensor([], dtype=self.dtype).element_size()
-            raise KVPoolAllocationError(
-                f"Could not allocate a KV pool of {num_blocks} block(s) of {self.block_size} "
-                f"tokens ({size / 2**30:.2f} GiB) on {self.device}: {err}. Lower "
-                "cache_config['num_blocks'] / ['max_kv_bytes'] / ['block_size'], the batch size "
-                "or max_new_tokens."
-            ) from err
+        tail = (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        shards = []
+        for device, layers in zip(self.placement.devices, self.placement.layers):
+            try:
+                with torch.inference_mode(False):
+                    shards.append(torch.zeros((len(layers), *tail), dtype=self.dtype,
+                                              device=device))
+            except (RuntimeError, MemoryError) as err:  # out of memory, or a size torch refuses
+                size = len(layers) * math.prod(tail) * torch.tensor(
+                    [], dtype=self.dtype).element_size()
+                raise KVPoolAllocationError(
+                    f"Could not allocate a KV pool of {num_blocks} block(s) of "
+                    f"{self.block_size} tokens ({size / 2**30:.2f} GiB for {len(layers)} "
+                    f"layer(s)) on {device}: {err}. Lower cache_config['num_blocks'] / "
+                    "['max_kv_bytes'] / ['block_size'], the batch size or max_new_tokens."
+                ) from err
+        return shards
+
+    @property
+    def kv(self) -> torch.Tensor:
+        """`[L, 2, NB, bs, Hkv, D]`, the whole pool of a model on one device."""
+        if not self.placement.is_single:
+            raise AttributeError("KVPool.kv: this pool is split over devices; use `shards` "
+                                 "or `layer_kv(layer)`")
+        return self.shards[0]
+
+    def layer_kv(self, layer: int) -> torch.Tensor:
+        """[2, NB, bs, Hkv, D]: K and V blocks of one layer, on that layer's device."""
+        shard, index = self.placement.where[layer]
+        return self.shards[shard][index]
+
+    def pin_memory(self) -> None:
+        """Page-locks a CPU pool (faster, asynchronous swaps to and from a GPU)."""
+        self.shards = [kv.pin_memory() for kv in self.shards]
+
+    def copy_to(self, other: "KVPool", src: list[int], dst: list[int]) -> None:
+        """Copies blocks `src` of this pool into blocks `dst` of `other` (a pool with the
+        same layer grouping, e.g. a CPU swap pool), shard by shard."""
+        for mine, theirs in zip(self.shards, other.shards):
+            moved = mine.index_select(2, to_device(src, mine.device))
+            # Into host memory the copy must be complete before the CPU writes it out.
+            moved = moved.to(theirs.device, non_blocking=theirs.device.type != "cpu")
+            theirs.index_copy_(2, to_device(dst, theirs.device), moved)
 
     # -- sizes -----------------------------------------------------------------------
     @property
     def bytes_per_token(self) -> int:
         """K+V bytes of one token over all layers."""
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.kv.element_size()
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.element_size
+
+    @property
+    def element_size(self) -> int:
+        return self.shards[0].element_size()
 
     @property
     def nbytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
+        return sum(kv.numel() for kv in self.shards) * self.element_size
 
     # -- growth -------------------------------------------------------------------------
     def ensure_free(self, needed: int, limit: int | None = None, held: int | None = None) -> None:
@@ -115,9 +165,10 @@ class KVPool:
         self._grow(target)
 
     def _grow(self, num_blocks: int) -> None:
-        old = self.kv
-        self.kv = self._zeros(num_blocks)
-        self.kv[:, :, : old.shape[2]] = old
+        old = self.shards
+        self.shards = self._zeros(num_blocks)
+        for new, kv in zip(self.shards, old):
+            new[:, :, : kv.shape[2]] = kv
         self.blocks.grow(num_blocks)
         self.version += 1
 
@@ -136,7 +187,7 @@ def kept_pool(model, config: PagedCacheConfig, num_layers: int, num_kv_heads: in
     pool is freed once the caches still using it are gone.
     """
     key = (config.block_size, config.num_blocks, config.max_kv_bytes, num_layers, num_kv_heads,
-           head_dim, dtype, str(device))
+           head_dim, dtype, device if isinstance(device, Placement) else str(device))
     with _kept_lock:
         kept = _kept.get(model)
         if kept is not None and kept[0] == key:

@@ -8,7 +8,7 @@ Python lists on a decode step.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import torch
@@ -112,6 +112,30 @@ class ForwardMetadata:
     @property
     def num_keys(self) -> int:
         return self.block_tables.shape[1] * self.block_size
+
+    def to(self, device: torch.device) -> "ForwardMetadata":
+        """This metadata on `device` (for the layers of a pool shard there): each tensor
+        copied once, host fields shared, the per-forward mask cache fresh."""
+        if self.block_tables_i32.device == device:
+            return self
+        # A copy into host memory must be complete before the CPU reads it.
+        non_blocking = device.type != "cpu"
+        return self.map_tensors(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def map_tensors(self, fn) -> "ForwardMetadata":
+        """A copy with `fn` applied to every tensor (parts included)."""
+        def move(t):
+            return None if t is None else fn(t)
+
+        table = move(self.block_tables_i32)
+        return replace(
+            self, block_tables=table.long(), block_tables_i32=table,
+            context_lens=move(self.context_lens), seq_lens=move(self.seq_lens),
+            query_pos=move(self.query_pos), is_query=move(self.is_query),
+            slot_mapping=move(self.slot_mapping), token_index=move(self.token_index),
+            key_hidden=move(self.key_hidden), _masks={},
+            parts=None if self.parts is None else [(m.map_tensors(fn), move(p))
+                                                   for m, p in self.parts])
 
     def length_groups(self) -> list[tuple[torch.Tensor, int]] | None:
         """Decode rows bucketed by length, as ([n] row indices, block columns they need),

@@ -2,19 +2,25 @@
 
 Both the generate-side `PagedCache` and the engine's per-step cache read and write the pool
 the same way, through the `ForwardMetadata` of the forward: this mixin holds that code. A
-subclass sets `pool`, `backend`, `meta`, `num_layers`, `num_kv_heads`, `head_dim` and
-`sliding_window`, and refreshes its layer views with `_refresh_views()` whenever
-`pool.version` changes.
+subclass sets `pool`, `num_heads`, `num_layers`, `num_kv_heads`, `head_dim` and
+`sliding_window`, calls `_bind_backends` once it has a pool, sets `meta` for each forward,
+and refreshes its layer views with `_refresh_views()` whenever `pool.version` changes.
+
+A pool split over devices (`device_map`) has one shard per device: each shard gets its own
+backend, and the forward's metadata, built on the first device, is copied to every other
+device once when it is set, never per layer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
 
 from .errors import BackwardNotSupportedError, HFPagedError
-from .kernels.backends import TorchBackend
+from .kernels.backends import TorchBackend, select_backend
+from .metadata import ForwardMetadata, to_device
 
 
 class _NoBackward(torch.autograd.Function):
@@ -41,7 +47,54 @@ class _NoBackward(torch.autograd.Function):
 class PoolAccess:
     """Per-layer pool views, the write of new tokens, and attention over the pool."""
 
-    _reference = None  # reference backend for forwards the kernels do not cover
+    pool = None
+    backend = None  # the first shard's backend
+    _backends: list = []  # one per pool shard
+    _references: list = []  # reference backends per shard, for forwards kernels do not cover
+    _meta: ForwardMetadata | None = None
+    _metas: list = [None]  # the forward's metadata on each shard's device
+
+    @property
+    def meta(self) -> ForwardMetadata | None:
+        """The metadata of the running forward (on the pool's first device)."""
+        return self._meta
+
+    @meta.setter
+    def meta(self, meta: ForwardMetadata | None) -> None:
+        self._meta = meta
+        if meta is None or self.pool is None or self.pool.placement.is_single:
+            self._metas = [meta]
+        else:
+            self._metas = [meta.to(device) for device in self.pool.placement.devices]
+
+    def meta_for(self, layer_idx: int) -> ForwardMetadata | None:
+        """The running forward's metadata on the device of layer `layer_idx`."""
+        if len(self._metas) == 1:
+            return self._meta
+        return self._metas[self.pool.placement.where[layer_idx][0]]
+
+    def _bind_backends(self, name: str, pool) -> None:
+        """One attention backend per shard of `pool`: kernels and buffers live on its device.
+        Raises ValueError (nothing changed) when the named backend cannot run there."""
+        self._backends = [select_backend(name, device, pool.dtype, pool.block_size,
+                                         self.num_heads, self.num_kv_heads)
+                          for device in pool.placement.devices]
+        self.backend = self._backends[0]
+        self._references = [None] * len(self._backends)
+
+    def _on_device(self, shard: int):
+        """Makes a CUDA shard's device current while its kernels launch (a model spread by
+        device_map runs layers on devices other than the current one)."""
+        device = self.pool.placement.devices[shard]
+        if len(self._backends) == 1 or device.type != "cuda":
+            return contextlib.nullcontext()
+        return torch.cuda.device(device)
+
+    def copy_blocks(self, pairs) -> None:
+        """Copies blocks (src, dst) in every shard (copy-on-write)."""
+        for kv, backend in zip(self.pool.shards, self._backends):
+            src, dst = to_device(pairs, kv.device).T
+            backend.copy_blocks(kv, src, dst)
 
     # What Transformers asks of a cache's layers: all are full or sliding attention layers
     # of one pool, and none is compileable (block tables change shape).
@@ -65,7 +118,7 @@ class PoolAccess:
         owner = weakref.ref(self)
         self._views = []
         for layer in range(self.num_layers):
-            k, v = self.pool.kv[layer, 0], self.pool.kv[layer, 1]
+            k, v = self.pool.layer_kv(layer)
             k._hf_paged_cache = owner  # lets the attention function find its metadata
             self._views.append((k, v))
         self._views_version = self.pool.version
@@ -78,18 +131,25 @@ class PoolAccess:
         the stored columns) or [1, Hkv, N, D] for a packed forward
         -> (k_cache, v_cache) [NB, bs, Hkv, D]
         """
-        meta = self.meta
+        meta = self.meta_for(layer_idx)
         k_cache, v_cache = self._views[layer_idx]
         if meta.num_new == 0:
             return k_cache, v_cache
+        if key_states.device != k_cache.device:
+            raise HFPagedError(
+                f"Layer {layer_idx} computed its keys on {key_states.device}, but its KV pool "
+                f"is on {k_cache.device}: the model moved after the cache was made. Make a "
+                "new cache (or call generate again) after moving the model."
+            )
         key = key_states.transpose(1, 2).reshape(-1, self.num_kv_heads, self.head_dim)
         value = value_states.transpose(1, 2).reshape(-1, self.num_kv_heads, self.head_dim)
         if meta.token_index is not None and not meta.packed:
             key = key.index_select(0, meta.token_index)
             value = value.index_select(0, meta.token_index)
-        with torch.no_grad():  # the pool holds plain values; no autograd history
-            self.backend.write_kv(k_cache, v_cache, key.to(k_cache.dtype),
-                                  value.to(v_cache.dtype), meta.slot_mapping)
+        shard = self.pool.placement.where[layer_idx][0]
+        with torch.no_grad(), self._on_device(shard):  # the pool holds plain values
+            self._backends[shard].write_kv(k_cache, v_cache, key.to(k_cache.dtype),
+                                           value.to(v_cache.dtype), meta.slot_mapping)
         return k_cache, v_cache
 
     def attend(self, query: torch.Tensor, layer_idx: int, scale: float,
@@ -104,14 +164,17 @@ class PoolAccess:
         ([R or 1, 1 or Hq, q, columns], bool or additive float); it replaces the causal and
         sliding-window masks, as in SDPA.
         """
-        out = self._attend(query.to(self.pool.dtype), layer_idx, scale, sliding_window,
-                           alibi_slopes, caller_mask).to(query.dtype)
+        shard = self.pool.placement.where[layer_idx][0]
+        with self._on_device(shard):
+            out = self._attend(query.to(self.pool.dtype), layer_idx, shard, scale,
+                               sliding_window, alibi_slopes, caller_mask).to(query.dtype)
         if torch.is_grad_enabled() and query.requires_grad:
             out = _NoBackward.apply(out, query)
         return out
 
-    def _attend(self, query, layer_idx, scale, sliding_window, alibi_slopes, caller_mask):
-        meta = self.meta
+    def _attend(self, query, layer_idx, shard, scale, sliding_window, alibi_slopes,
+                caller_mask):
+        meta = self.meta_for(layer_idx)
         k_cache, v_cache = self._views[layer_idx]
         if meta.max_seq_len == 0:  # every row is still all padding: no key to attend to
             return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
@@ -124,9 +187,10 @@ class PoolAccess:
                     "A 4D attention mask cannot be honoured after blocks left the sliding "
                     "window; call activate_past_recording() before the first forward."
                 )
-            return self._reference_backend().attention(query, k_cache, v_cache, meta, scale,
-                                                       caller_mask=caller_mask)
-        backend = self._reference_backend() if meta.needs_reference else self.backend
+            return self._reference_backend(shard).attention(query, k_cache, v_cache, meta,
+                                                            scale, caller_mask=caller_mask)
+        backend = (self._reference_backend(shard) if meta.needs_reference
+                   else self._backends[shard])
         if not meta.packed:
             return backend.attention(query, k_cache, v_cache, meta, scale, sliding_window,
                                      alibi_slopes)
@@ -161,12 +225,18 @@ class PoolAccess:
         """Whether blocks left a sliding window (a caller's 4D mask may need them)."""
         return False
 
-    def _reference_backend(self):
-        """The PyTorch reference, for forwards the kernels do not cover (hidden slots, a
-        caller's 4D mask)."""
-        if self.backend.name == "torch":
-            return self.backend
-        if self._reference is None:
-            self._reference = TorchBackend()
-        return self._reference
+    def _reference_backend(self, shard: int = 0):
+        """The PyTorch reference of a shard, for forwards the kernels do not cover (hidden
+        slots, a caller's 4D mask)."""
+        if self._backends[shard].name == "torch":
+            return self._backends[shard]
+        if self._references[shard] is None:
+            self._references[shard] = TorchBackend()
+        return self._references[shard]
+
+    @property
+    def workspace_bytes(self) -> int:
+        """Bytes of the backends' reusable buffers, all shards."""
+        return sum(b.workspace_bytes for b in self._backends + self._references
+                   if b is not None)
 

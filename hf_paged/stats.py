@@ -77,5 +77,5 @@ def measure(cache) -> MemoryStats:
         unshared_kv_bytes=sum(len(t) - f for t, f in zip(cache.tables.tables, cache.tables.freed))
         * bs * bpt,
         utilization=tokens / (in_use * bs) if in_use else 0.0,
-        workspace_bytes=cache.backend.workspace_bytes,
+        workspace_bytes=cache.workspace_bytes,
     )

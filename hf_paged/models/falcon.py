@@ -101,7 +101,7 @@ def paged_falcon_attention(original):
         # A mask here was prepared by the caller (4D): for a paged cache, paged_mask gives None.
         out = layer_past.attend(query, self.layer_idx, self.inv_norm_factor, alibi_slopes=slopes,
                                 caller_mask=attention_mask)
-        meta = layer_past.meta
+        meta = layer_past.meta_for(self.layer_idx)
         if (slopes is not None and meta.is_query is not None and not meta.packed
                 and meta.columns == q_len):
             # Falcon-RW adds its mask as a float bias (finfo.min), so in Transformers a query
