@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One command for a CUDA machine: install what is missing, run the GPU tests and both
-# benchmarks (kernels, generate, engine), write everything to OUT_DIR. Meant to finish in
-# under 8.5 minutes.
+# One command for a CUDA machine: install what is missing, run the GPU tests (kernels,
+# device_map across devices) and the benchmarks (kernels, generate, engine; tensor
+# parallelism with two or more GPUs), write everything to OUT_DIR. Its timeouts add up to
+# under 9.5 minutes on one GPU.
 #
 #   bash benchmarks/gpu_check.sh OUT_DIR [WHEEL_DIR]
 #
@@ -31,6 +32,10 @@ timeout 90 python3 -c "import time; t=time.time(); from hf_paged.kernels import 
 timeout 150 python3 -m pytest tests/test_kernels.py -q -x -p no:cacheprovider \
   -k "not emulated and not compile" 2>&1 | tee "$out/tests.txt" | tail -15
 tests_rc=${PIPESTATUS[0]}
+# device_map across real device boundaries: CPU + GPU here, two GPUs where there are two.
+timeout 45 python3 -m pytest tests/test_device_map.py -q -p no:cacheprovider \
+  -k "cpu_and_gpu or two_gpus" 2>&1 | tee "$out/tests_device_map.txt" | tail -5
+[ "${PIPESTATUS[0]}" -eq 0 ] || tests_rc=1
 
 timeout 90 python3 benchmarks/bench_attention.py --out "$out/bench_attention.json" 2>&1 | tee "$out/bench_attention.txt"
 timeout 50 python3 benchmarks/bench_generate.py --device cuda --repeats 1 --no-cb 2>&1 | tee "$out/bench_generate.txt"
@@ -38,4 +43,12 @@ timeout 50 python3 benchmarks/bench_generate.py --device cuda --repeats 1 --no-c
 timeout 120 python3 benchmarks/bench_engine.py --device cuda --dtype bfloat16 --model-size 7b \
   --requests 48 --kv-mib 16384 --methods engine,static-paged,static-dynamic --no-prefix-section \
   --out "$out/bench_engine.json" 2>&1 | tee "$out/bench_engine.txt"
+# Tensor parallelism (NCCL) where there are at least two GPUs: TP=1 vs TP=2, 7B shape.
+gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+if [ "$gpus" -ge 2 ]; then
+  for n in 1 2; do
+    timeout 100 torchrun --nproc-per-node "$n" benchmarks/bench_tp.py --device cuda \
+      --dtype bfloat16 --model-size 7b --requests 48 --kv-mib 8192 2>&1 | tee "$out/bench_tp_$n.txt" | tail -3
+  done
+fi
 exit "$tests_rc"

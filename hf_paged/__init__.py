@@ -8,7 +8,8 @@ requests together with `hf_paged.LLM(model).generate(prompts, hf_paged.SamplingP
 from .block_pool import BlockPool
 from .block_table import BlockTables
 from .cache import PagedCache
-from .stats import MemoryStats
+from .stats import DeviceMemory, MemoryStats
+from .placement import Placement, model_placement
 from .config import PagedCacheConfig
 from .errors import (
     BackwardNotSupportedError, HFPagedError, KVCacheExhaustedError, KVPoolAllocationError,
@@ -26,11 +27,11 @@ __version__ = "0.2.0"
 
 __all__ = [
     "AsyncLLM", "BackwardNotSupportedError", "BlockPool", "BlockTables", "CompletionOutput",
-    "EngineDeadError", "EngineStats", "HFPagedError", "IsolationError", "KVCacheExhaustedError",
+    "DeviceMemory", "EngineDeadError", "EngineStats", "HFPagedError", "IsolationError", "KVCacheExhaustedError",
     "KVPoolAllocationError", "LLM", "LLMEngine", "MemoryStats", "PagedCache",
-    "PagedCacheConfig", "RequestMetrics", "RequestOutput", "RequestRejectedError",
+    "PagedCacheConfig", "Placement", "RequestMetrics", "RequestOutput", "RequestRejectedError",
     "SUPPORTED_ARCHITECTURES", "SamplingParams", "UnsupportedModelError", "disable", "enable",
-    "is_enabled",
+    "is_enabled", "model_placement",
 ]
 
 enable()

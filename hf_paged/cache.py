@@ -244,8 +244,9 @@ class PagedCache(PoolAccess, Cache):
         # One packed forward of the prefix tokens: [1, Hkv, stored * V, D], rows back to back.
         self.expect_packed([length] * stored + [0] * (rows - stored), length)
         for layer, (k, v) in enumerate(zip(keys, values)):
+            device = self.pool.layer_kv(layer).device  # a layer's own device under device_map
             packed = [t[:stored].transpose(0, 1).reshape(1, heads, stored * length, dim)
-                      for t in (k, v)]
+                      .to(device) for t in (k, v)]
             self.update(packed[0], packed[1], layer)
         if shared and rows > 1:
             self.reorder_cache(torch.zeros(rows, dtype=torch.long))  # every row shares row 0's

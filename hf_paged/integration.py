@@ -49,6 +49,7 @@ from .models import kv_layout, tp_heads
 from .models.falcon import paged_falcon_attention
 from .config import PagedCacheConfig
 from .errors import HFPagedError, UnsupportedModelError
+from .placement import model_placement
 from .kv_pool import kept_pool
 from . import prefill as paged_prefill
 
@@ -186,21 +187,17 @@ def build_cache(model, generation_config, max_cache_length: int | None) -> Paged
     """
     cache_config = PagedCacheConfig.from_any(generation_config.cache_config)
     text_config = model.config.get_text_config(decoder=True)
-    dtype, device = model.dtype, model.device
-    devices = {str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}
-    if len(devices - {"cpu", "disk"}) > 1:
-        raise UnsupportedModelError(
-            f"hf-paged keeps one KV pool on one device; this model is spread over {sorted(devices)} "
-            "(device_map). Load it on a single device to use cache_implementation='paged'."
-        )
+    layers, _, head_dim = kv_layout(text_config)
+    # A model spread by device_map keeps each layer's KV on that layer's device.
+    placement = model_placement(model, layers)
     tp_size = getattr(model, "tp_size", None) or 1
     pool = None
     if cache_config.is_sized:
-        layers, _, head_dim = kv_layout(text_config)
         pool = kept_pool(model, cache_config, layers, tp_heads(text_config, tp_size)[1],
-                         head_dim, dtype, device)
-    return PagedCache(text_config, cache_config, dtype=dtype, device=device, pool=pool,
-                      max_cache_len=max_cache_length, tp_size=tp_size)
+                         head_dim, model.dtype, placement)
+    return PagedCache(text_config, cache_config, dtype=model.dtype, device=placement.primary,
+                      pool=pool, max_cache_len=max_cache_length, tp_size=tp_size,
+                      placement=placement)
 
 
 # -- wrappers -------------------------------------------------------------------------------
@@ -287,6 +284,8 @@ def _prepare_cache_for_generation(original):
             return None
         if paged:  # the user's cache, or an assistant's own cache coming back
             cache._is_user_defined = True
+            if cache.pool is None and cache.placement is None:  # its pool is made later
+                cache.placement = model_placement(self, cache.num_layers)
             if max_cache_length:  # this call's bound on sequence length
                 cache.max_cache_len = max(cache.max_cache_len or 0, max_cache_length)
         else:

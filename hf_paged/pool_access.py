@@ -138,8 +138,9 @@ class PoolAccess:
         if key_states.device != k_cache.device:
             raise HFPagedError(
                 f"Layer {layer_idx} computed its keys on {key_states.device}, but its KV pool "
-                f"is on {k_cache.device}: the model moved after the cache was made. Make a "
-                "new cache (or call generate again) after moving the model."
+                f"is on {k_cache.device}. The model moved after the cache was made (make a "
+                "new one), or its layers are spread over devices and the cache was made "
+                "without placement=hf_paged.model_placement(model)."
             )
         key = key_states.transpose(1, 2).reshape(-1, self.num_kv_heads, self.head_dim)
         value = value_states.transpose(1, 2).reshape(-1, self.num_kv_heads, self.head_dim)

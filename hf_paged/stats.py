@@ -8,6 +8,25 @@ from .block_table import FREED
 
 
 @dataclass(frozen=True)
+class DeviceMemory:
+    """The KV memory one device holds: the layers placed there (all of them for a model on
+    one device; a share for a model spread by `device_map`).
+
+    device:           the device, as a string ("cuda:1")
+    num_layers:       layers whose keys and values it holds
+    bytes_per_token:  K+V bytes of one token over those layers
+    pool_bytes:       bytes allocated there for the pool
+    kv_bytes_in_use:  bytes of the blocks the cache holds, there
+    """
+
+    device: str
+    num_layers: int
+    bytes_per_token: int
+    pool_bytes: int
+    kv_bytes_in_use: int
+
+
+@dataclass(frozen=True)
 class MemoryStats:
     """KV memory of a `PagedCache` at one moment.
 
@@ -26,6 +45,8 @@ class MemoryStats:
     utilization:         tokens_stored / (blocks_in_use * block_size)
     workspace_bytes:     the reference backend's gather buffer (one layer's K and V of the
                          batch, reused by every layer and step)
+    devices:             the same memory per device (`DeviceMemory`), one entry per pool
+                         shard (a device holding layers)
     """
 
     tokens_stored: int
@@ -40,6 +61,7 @@ class MemoryStats:
     unshared_kv_bytes: int
     utilization: float
     workspace_bytes: int = 0
+    devices: tuple[DeviceMemory, ...] = ()
 
     @property
     def kv_bytes_in_use(self) -> int:
@@ -78,4 +100,14 @@ def measure(cache) -> MemoryStats:
         * bs * bpt,
         utilization=tokens / (in_use * bs) if in_use else 0.0,
         workspace_bytes=cache.workspace_bytes,
+        devices=_per_device(cache.pool, in_use * bs),
     )
+
+
+def _per_device(pool, tokens_in_blocks: int) -> tuple[DeviceMemory, ...]:
+    """tokens_in_blocks: block slots the cache holds (blocks in use * block size)."""
+    per_layer = pool.bytes_per_token // pool.num_layers
+    return tuple(
+        DeviceMemory(str(device), len(layers), len(layers) * per_layer,
+                     kv.numel() * kv.element_size(), tokens_in_blocks * len(layers) * per_layer)
+        for device, layers, kv in zip(pool.placement.devices, pool.placement.layers, pool.shards))
