@@ -13,7 +13,7 @@ from .config import PagedCacheConfig
 from .errors import HFPagedError, KVCacheExhaustedError
 from .kv_pool import KVPool
 from .masking import HiddenSlots, StepPlan, check_mask_shape, plan_from_mask, plan_unmasked
-from .metadata import DeviceBlockTable, ForwardMetadata, build_metadata, to_device
+from .metadata import DeviceBlockTable, build_metadata, to_device
 from .placement import Placement
 from .pool_access import PoolAccess
 from .models import kv_layout, tp_heads

@@ -19,7 +19,6 @@ import torch
 from transformers.cache_utils import Cache
 
 from . import attention
-from .block_pool import BlockPool
 from .block_table import FREED
 from .errors import HFPagedError, UnsupportedModelError
 from .kv_pool import KVPool

@@ -30,17 +30,21 @@ def _common(**kw):
     return base
 
 
-def make_model(kind: str, seed: int = 0):
+def make_model(kind: str, seed: int = 0, sliding_window: int = 7, **overrides):
+    """A tiny random model of one layout; `overrides` change its config (layers, context)."""
     torch.manual_seed(seed)
     if kind == "llama_gqa":
-        model = LlamaForCausalLM(LlamaConfig(**_common(num_attention_heads=4, num_key_value_heads=2)))
+        model = LlamaForCausalLM(LlamaConfig(**_common(num_attention_heads=4,
+                                                       num_key_value_heads=2, **overrides)))
     elif kind == "llama_mha":
-        model = LlamaForCausalLM(LlamaConfig(**_common(num_attention_heads=4, num_key_value_heads=4)))
+        model = LlamaForCausalLM(LlamaConfig(**_common(num_attention_heads=4,
+                                                       num_key_value_heads=4, **overrides)))
     elif kind == "mistral_sw":
         model = MistralForCausalLM(MistralConfig(**_common(
-            num_attention_heads=4, num_key_value_heads=1, sliding_window=7)))
+            num_attention_heads=4, num_key_value_heads=1, sliding_window=sliding_window,
+            **overrides)))
     elif kind in FALCON_LAYOUTS:
-        base = _common(num_attention_heads=4)
+        base = _common(num_attention_heads=4, **overrides)
         base.pop("intermediate_size")
         model = FalconForCausalLM(FalconConfig(**base, **FALCON_LAYOUTS[kind]))
     else:

@@ -12,16 +12,13 @@ import types
 
 import pytest
 import torch
-from transformers import (
-    AutoModelForCausalLM, DynamicCache, FalconConfig, FalconForCausalLM, LlamaConfig,
-    LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-)
+from transformers import AutoModelForCausalLM, DynamicCache
 
 import hf_paged
 from hf_paged import HFPagedError, PagedCache, Placement, model_placement
 from hf_paged.metadata import ForwardMetadata
 from hf_paged.placement import layer_devices, normalize_device
-from conftest import FALCON_LAYOUTS, _common, assert_same, both, left_padded_batch
+from conftest import assert_same, both, left_padded_batch, make_model
 
 CPU = torch.device("cpu")
 KINDS = ["llama_gqa", "mistral_sw", "falcon_mq", "falcon_new", "falcon_alibi"]
@@ -32,21 +29,7 @@ _models: dict = {}
 
 def four_layer_model(kind: str):
     if kind not in _models:
-        torch.manual_seed(0)
-        base = _common(num_hidden_layers=4)
-        if kind == "llama_gqa":
-            model = LlamaForCausalLM(LlamaConfig(**base, num_attention_heads=4,
-                                                 num_key_value_heads=2))
-        elif kind == "mistral_sw":
-            model = MistralForCausalLM(MistralConfig(**base, num_attention_heads=4,
-                                                     num_key_value_heads=1, sliding_window=7))
-        else:
-            base.pop("intermediate_size")
-            model = FalconForCausalLM(FalconConfig(**base, num_attention_heads=4,
-                                                   **FALCON_LAYOUTS[kind]))
-        with torch.no_grad():
-            model.lm_head.weight.mul_(8.0)
-        _models[kind] = model.eval()
+        _models[kind] = make_model(kind, num_hidden_layers=4)
     return _models[kind]
 
 

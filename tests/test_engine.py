@@ -8,14 +8,11 @@ import random
 
 import pytest
 import torch
-from transformers import (
-    FalconConfig, FalconForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
-    MistralForCausalLM,
-)
+from transformers import LlamaForCausalLM
 
 import hf_paged
 from hf_paged import LLM, LLMEngine, RequestRejectedError, SamplingParams
-from conftest import FALCON_LAYOUTS, VOCAB, _common, make_tokenizer
+from conftest import VOCAB, make_model, make_tokenizer
 
 KINDS = ["llama_gqa", "mistral_sw", "falcon_mq", "falcon_new", "falcon_alibi"]
 _models: dict = {}
@@ -24,20 +21,7 @@ _models: dict = {}
 def long_model(kind: str):
     """The test models with room for 1000-token prompts (Mistral's window stays short)."""
     if kind not in _models:
-        torch.manual_seed(0)
-        base = _common(max_position_embeddings=1400)
-        if kind == "llama_gqa":
-            model = LlamaForCausalLM(LlamaConfig(**base, num_attention_heads=4, num_key_value_heads=2))
-        elif kind == "mistral_sw":
-            model = MistralForCausalLM(MistralConfig(**base, num_attention_heads=4,
-                                                     num_key_value_heads=1, sliding_window=24))
-        else:
-            base.pop("intermediate_size")
-            model = FalconForCausalLM(FalconConfig(**base, num_attention_heads=4,
-                                                   **FALCON_LAYOUTS[kind]))
-        with torch.no_grad():
-            model.lm_head.weight.mul_(8.0)
-        _models[kind] = model.eval()
+        _models[kind] = make_model(kind, sliding_window=24, max_position_embeddings=1400)
     return _models[kind]
 
 
