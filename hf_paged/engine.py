@@ -210,6 +210,7 @@ class LLMEngine:
         # A model spread by device_map keeps each layer's KV on that layer's device.
         placement = model_placement(base, num_layers)
         self.kv_device = placement.primary  # where block tables and metadata are built
+        self._dispatched = bool(getattr(base, "hf_device_map", None))
         self.block_size = _positive("block_size", block_size)
         self.max_model_len = _positive("max_model_len", max_model_len
                                        or getattr(text_config, "max_position_embeddings", 2048))
@@ -437,9 +438,9 @@ class LLMEngine:
             self._check_isolation(items, meta)
         self.cache.meta = meta
         keep = torch.tensor(f.last or [len(f.ids) - 1])
-        if self.pool.placement.is_single:
+        if not self._dispatched:
             keep = keep.to(device, non_blocking=True)
-        # else: the last layers' device picks the rows; a host index serves any device
+        # else: the final norm's device picks the rows; a host index serves any device
         extra = {}
         if f.adapter is not None:  # PEFT picks the adapter per batch row; the batch is one row
             extra["adapter_names"] = [f.adapter]

@@ -8,6 +8,7 @@ token by token with DynamicCache. Real device boundaries run where CUDA devices 
 
 from __future__ import annotations
 
+import copy
 import types
 
 import pytest
@@ -15,10 +16,11 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import hf_paged
-from hf_paged import HFPagedError, PagedCache, Placement, model_placement
+from hf_paged import HFPagedError, PagedCache, Placement, SamplingParams, model_placement
 from hf_paged.metadata import ForwardMetadata
 from hf_paged.placement import layer_devices, normalize_device
 from conftest import assert_same, both, left_padded_batch, make_model
+from test_engine import random_prompts, run_engine, stock_greedy
 
 CPU = torch.device("cpu")
 KINDS = ["llama_gqa", "mistral_sw", "falcon_mq", "falcon_new", "falcon_alibi"]
@@ -130,6 +132,12 @@ def test_offloaded_device_map_runs_on_one_pool_and_equals_stock(tmp_path, tokeni
                         return_dict_in_generate=True, **extra)
         assert_same(ref, out)
         assert out.past_key_values.pool.placement.is_single
+    engine = hf_paged.LLMEngine(model, block_size=4, num_blocks=64)
+    prompts = [[5, 9, 14, 3], [40, 41, 42, 43, 44, 45, 46], [7]]
+    done = run_engine(engine, prompts, SamplingParams(temperature=0, max_tokens=6,
+                                                      ignore_eos=True))
+    for i, prompt in enumerate(prompts):
+        assert done[str(i)].outputs[0].token_ids == stock_greedy(model, prompt, 6)
 
 
 # -- a pool split in shards ---------------------------------------------------------------------
@@ -249,16 +257,12 @@ def test_metadata_copy_moves_every_tensor():
 @pytest.mark.parametrize("kind", ["llama_gqa", "falcon_alibi"])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_engine_on_a_split_pool_equals_stock(kind, mode, split):
-    from test_engine import random_prompts, run_engine, stock_greedy
-
-    from hf_paged import LLMEngine, SamplingParams
-
     model = four_layer_model(kind)
     system = [7 + i % 50 for i in range(20)]
     prompts = random_prompts(2, 10, 1, 40, shared=system)
     max_tokens = [10 + (i * 5) % 13 for i in range(len(prompts))]
     refs = [stock_greedy(model, p, m) for p, m in zip(prompts, max_tokens)]
-    engine = LLMEngine(model, block_size=4, num_blocks=30, max_num_seqs=5,
+    engine = hf_paged.LLMEngine(model, block_size=4, num_blocks=30, max_num_seqs=5,
                        max_num_batched_tokens=32, preemption_mode=mode)
     assert engine.pool.placement == SPLIT
     if mode == "swap":
@@ -276,12 +280,8 @@ def test_engine_on_a_split_pool_equals_stock(kind, mode, split):
 def _dispatched(device_map: dict, main_device):
     import accelerate
 
-    torch.manual_seed(0)
-    model = four_layer_model("llama_gqa")
-    model = type(model)(model.config)
-    model.load_state_dict(four_layer_model("llama_gqa").state_dict())
-    return accelerate.dispatch_model(model.eval(), device_map=device_map,
-                                     main_device=main_device), model
+    model = copy.deepcopy(four_layer_model("llama_gqa"))
+    return accelerate.dispatch_model(model, device_map=device_map, main_device=main_device)
 
 
 def _check_dispatched(model, expected_devices):
@@ -295,6 +295,13 @@ def _check_dispatched(model, expected_devices):
         assert_same(ref, out)
         stats = out.past_key_values.memory_stats()
         assert [d.device for d in stats.devices] == expected_devices
+    engine = hf_paged.LLMEngine(model, block_size=16, num_blocks=64)
+    assert engine.pool.placement == placement
+    prompts = random_prompts(4, 6, 1, 40)
+    done = run_engine(engine, prompts, SamplingParams(temperature=0, max_tokens=8,
+                                                      ignore_eos=True))
+    for i, prompt in enumerate(prompts):
+        assert done[str(i)].outputs[0].token_ids == stock_greedy(model, prompt, 8)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -304,7 +311,7 @@ def test_layers_on_cpu_and_gpu():
     device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu",
                   "model.layers.1": "cpu", "model.layers.2": 0, "model.layers.3": 0,
                   "model.norm": 0, "lm_head": 0}
-    model, _ = _dispatched(device_map, "cpu")
+    model = _dispatched(device_map, "cpu")
     _check_dispatched(model, ["cpu", "cuda:0"])
 
 
@@ -313,5 +320,5 @@ def test_layers_on_two_gpus():
     device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0,
                   "model.layers.1": 0, "model.layers.2": 1, "model.layers.3": 1,
                   "model.norm": 1, "lm_head": 1}
-    model, _ = _dispatched(device_map, 0)
+    model = _dispatched(device_map, 0)
     _check_dispatched(model, ["cuda:0", "cuda:1"])
