@@ -26,12 +26,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(script: str, *args, nproc: int = 2, timeout: int = 300):
+def torchrun(script: str, *args, nproc: int = 2, timeout: int = 300, check: bool = True):
     env = dict(os.environ, PYTHONPATH=str(HERE.parent), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
            f"--master-port={free_port()}", str(HERE / "distributed" / script), *map(str, args)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    if check:
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
 
 
@@ -98,6 +99,22 @@ def test_tp_engine_equals_the_single_process_engine(tmp_path):
     assert got["greedy"] == [o.outputs[0].token_ids for o in greedy]
     assert got["sampled"] == [[c.token_ids for c in o.outputs] for o in sampled]
     assert got["preemptions"] > 0 and got["kv_heads"] == 1
+
+
+def test_a_rank_that_dies_brings_the_group_down(tmp_path):
+    """Rank 1 exits in the middle of serving: the whole group stops, promptly (well inside
+    the subprocess timeout, far from the process group's 30-minute one), and torchrun names
+    the failed rank and its exit code."""
+    import time
+
+    make_model("llama_gqa").save_pretrained(tmp_path / "model")
+    start = time.monotonic()
+    done = torchrun("tp_engine.py", tmp_path / "model", tmp_path / "out.json", "die",
+                    timeout=240, check=False)
+    assert done.returncode != 0
+    assert time.monotonic() - start < 240
+    assert not (tmp_path / "out.json").exists()
+    assert "exitcode  : 7" in done.stderr and "rank      : 1" in done.stderr, done.stderr[-3000:]
 
 
 def test_tp_server_answers_like_stock_and_stops(tmp_path):

@@ -1,9 +1,11 @@
 """Run by tests/test_tensor_parallel.py under `torchrun --nproc-per-node 2` (gloo, CPU).
 
 The engine on a model loaded with tp_plan="auto": rank 0 schedules and samples, every rank
-runs the forwards. Rank 0 writes the token ids of each request to argv[2] (JSON)."""
+runs the forwards. Rank 0 writes the token ids of each request to argv[2] (JSON).
+With argv[3] == "die", rank 1 exits abruptly at its third step."""
 
 import json
+import os
 import sys
 import warnings
 
@@ -40,7 +42,19 @@ def main():
                        "preemptions": stats.num_preemptions,
                        "kv_heads": llm.engine.pool.num_kv_heads}, f)
     else:
-        LLMEngine(model, **OPTIONS).worker_loop()
+        engine = LLMEngine(model, **OPTIONS)
+        if sys.argv[3:] == ["die"]:
+            steps = [0]
+            execute = engine._execute
+
+            def dying(*args):
+                steps[0] += 1
+                if steps[0] == 3:
+                    os._exit(7)
+                return execute(*args)
+
+            engine._execute = dying
+        engine.worker_loop()
     dist.barrier()
     dist.destroy_process_group()
 
