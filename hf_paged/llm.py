@@ -18,16 +18,25 @@ from .scheduler import RequestRejectedError
 _batches = itertools.count()
 
 
-def load_model(path, dtype="auto", device=None, tensor_parallel: bool = False):
+def load_model(path, dtype="auto", device=None, tensor_parallel: bool = False,
+               device_map=None):
     """A model and its tokenizer (None if the folder has none) from a local folder.
-    tensor_parallel: under torchrun, split the model over the ranks (tp_plan="auto")."""
+    tensor_parallel: under torchrun, split the model over the ranks (tp_plan="auto").
+    device_map: spread its layers over devices ("auto", "balanced", or a dict, as
+    Transformers takes it); the KV cache follows the layers."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    given = [n for n, v in (("device", device), ("device_map", device_map),
+                            ("tensor_parallel", tensor_parallel)) if v]
+    if len(given) > 1:
+        raise ValueError(f"give one of device, device_map and tensor_parallel; got {given}.")
     if tensor_parallel:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, tp_plan="auto")
+    elif device_map is not None:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    if device is not None and not tensor_parallel:
+    if device is not None:
         model = model.to(device)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)

@@ -3,11 +3,13 @@ loads a model (and LoRA adapters, unmerged) and serves the OpenAI API on it with
 
 Under `torchrun --nproc-per-node N -m hf_paged.serve MODEL ...` the model is split over the
 N ranks by Transformers' tensor parallelism: rank 0 serves HTTP and schedules, every rank
-runs the forwards."""
+runs the forwards. `--device-map auto` instead spreads the layers of one process's model
+over the visible devices (the KV cache follows the layers)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -25,6 +27,9 @@ def parser() -> argparse.ArgumentParser:
                    choices=["auto", "float32", "bfloat16", "float16"],
                    help="model dtype (auto: as saved)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: as loaded)")
+    p.add_argument("--device-map", default=None, type=_device_map,
+                   help="spread the layers over devices: auto, balanced, sequential, or a JSON "
+                        "object of module name -> device (the KV cache follows the layers)")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients ask for (default: the model argument)")
     p.add_argument("--lora", action="append", default=[], metavar="NAME=ADAPTER_DIR",
@@ -55,6 +60,19 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _device_map(text: str):
+    if text in ("auto", "balanced", "balanced_low_0", "sequential"):
+        return text
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(
+            f"expected auto, balanced, balanced_low_0, sequential or a JSON object; got {text!r}")
+    return value
+
+
 def world_size() -> int:
     """Processes started together by torchrun (1 without it)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
@@ -65,8 +83,12 @@ def load(args):
     rank's share of a model split by tensor parallelism."""
     from .llm import load_model
 
+    if args.device_map is not None and (args.device is not None or world_size() > 1):
+        raise SystemExit("--device-map spreads the model of one process over devices; it "
+                         "cannot be combined with --device or with torchrun (tensor "
+                         "parallelism).")
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device,
-                                  tensor_parallel=world_size() > 1)
+                                  tensor_parallel=world_size() > 1, device_map=args.device_map)
     for i, spec in enumerate(args.lora):
         name, _, folder = spec.partition("=")
         if not name or not folder:

@@ -322,3 +322,20 @@ def test_layers_on_two_gpus():
                   "model.norm": 1, "lm_head": 1}
     model = _dispatched(device_map, 0)
     _check_dispatched(model, ["cuda:0", "cuda:1"])
+
+
+def test_serve_loads_with_a_device_map(tmp_path, capsys):
+    from hf_paged import serve
+
+    four_layer_model("falcon_new").save_pretrained(tmp_path / "m")
+    for spec in ("auto", '{"": "cpu"}'):
+        args = serve.parser().parse_args([str(tmp_path / "m"), "--device-map", spec])
+        model, _ = serve.load(args)
+        assert model_placement(model, 4) == Placement.single(4, CPU)
+    with pytest.raises(SystemExit):
+        serve.parser().parse_args([str(tmp_path / "m"), "--device-map", "everywhere"])
+    assert "expected auto, balanced" in capsys.readouterr().err
+    args = serve.parser().parse_args([str(tmp_path / "m"), "--device-map", "auto",
+                                      "--device", "cpu"])
+    with pytest.raises(SystemExit, match="cannot be combined with --device"):
+        serve.load(args)
