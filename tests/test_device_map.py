@@ -40,8 +40,12 @@ def split(monkeypatch):
     """Makes every model's KV placement SPLIT and every metadata copy a real one (a clone);
     counts forwards and copies."""
     counts = {"forwards": 0, "copies": 0}
-    monkeypatch.setattr(hf_paged.integration, "model_placement", lambda model, n: SPLIT)
-    monkeypatch.setattr(hf_paged.engine, "model_placement", lambda model, n: SPLIT)
+    def placement(model, n):  # SPLIT, or even and odd layers for other depths
+        return SPLIT if n == 4 else Placement((CPU, CPU), (tuple(range(0, n, 2)),
+                                                           tuple(range(1, n, 2))))
+
+    monkeypatch.setattr(hf_paged.integration, "model_placement", placement)
+    monkeypatch.setattr(hf_paged.engine, "model_placement", placement)
 
     def to(meta, device):
         counts["copies"] += 1
@@ -339,3 +343,51 @@ def test_serve_loads_with_a_device_map(tmp_path, capsys):
                                       "--device", "cpu"])
     with pytest.raises(SystemExit, match="cannot be combined with --device"):
         serve.load(args)
+
+
+@pytest.mark.parametrize("kind", ["llama_gqa", "falcon_mq"])
+def test_split_pool_assisted_prompt_lookup_and_streaming(kind, split):
+    from transformers.generation.streamers import BaseStreamer
+
+    class Collect(BaseStreamer):
+        def __init__(self):
+            self.chunks = []
+
+        def put(self, value):
+            self.chunks.append(value.clone())
+
+        def end(self):
+            pass
+
+    model = four_layer_model(kind)
+    assistant = make_model(kind, seed=4)  # a two-layer draft model: its own split pool
+    ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 10, 11, 5, 6]])
+    for extra in (dict(assistant_model=assistant), dict(prompt_lookup_num_tokens=3)):
+        ref, out = both(model, input_ids=ids, max_new_tokens=12, do_sample=False, **extra)
+        assert_same(ref, out)
+    streamer = Collect()
+    out = model.generate(input_ids=ids, max_new_tokens=6, do_sample=False, streamer=streamer,
+                         cache_implementation="paged")
+    assert torch.equal(torch.cat([c.reshape(-1) for c in streamer.chunks]), out[0])
+
+
+@pytest.mark.parametrize("method", ["lora", "prefix"])
+def test_split_pool_serves_peft_adapters(method, split):
+    from peft import LoraConfig, PrefixTuningConfig, TaskType, get_peft_model
+
+    base = make_model("llama_gqa", num_hidden_layers=4)
+    config = (LoraConfig(task_type=TaskType.CAUSAL_LM, r=4, target_modules="all-linear",
+                         init_lora_weights=False) if method == "lora"
+              else PrefixTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=5))
+    model = get_peft_model(base, config).eval()
+    if method == "prefix":
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for p in model.prompt_encoder.parameters():
+                p.normal_(0, 1)
+    ids, mask = left_padded_batch([4, 9], seed=2)
+    for extra in (dict(do_sample=False), dict(num_beams=2)):
+        ref, out = both(model, input_ids=ids, attention_mask=mask, max_new_tokens=8,
+                        return_dict_in_generate=True, **extra)
+        assert_same(ref, out)
+        assert out.past_key_values.pool.placement == SPLIT
