@@ -92,9 +92,10 @@ class PoolAccess:
 
     def copy_blocks(self, pairs) -> None:
         """Copies blocks (src, dst) in every shard (copy-on-write)."""
-        for kv, backend in zip(self.pool.shards, self._backends):
+        for shard, (kv, backend) in enumerate(zip(self.pool.shards, self._backends)):
             src, dst = to_device(pairs, kv.device).T
-            backend.copy_blocks(kv, src, dst)
+            with self._on_device(shard):
+                backend.copy_blocks(kv, src, dst)
 
     # What Transformers asks of a cache's layers: all are full or sliding attention layers
     # of one pool, and none is compileable (block tables change shape).
