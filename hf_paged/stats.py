@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .block_table import FREED
 
@@ -45,8 +45,8 @@ class MemoryStats:
     utilization:         tokens_stored / (blocks_in_use * block_size)
     workspace_bytes:     the reference backend's gather buffer (one layer's K and V of the
                          batch, reused by every layer and step)
-    devices:             the same memory per device (`DeviceMemory`), one entry per pool
-                         shard (a device holding layers)
+    devices:             the same memory per device: {"cuda:1": DeviceMemory, ...}, one
+                         entry per device holding layers (one for a model on one device)
     """
 
     tokens_stored: int
@@ -61,7 +61,7 @@ class MemoryStats:
     unshared_kv_bytes: int
     utilization: float
     workspace_bytes: int = 0
-    devices: tuple[DeviceMemory, ...] = ()
+    devices: dict[str, DeviceMemory] = field(default_factory=dict)
 
     @property
     def kv_bytes_in_use(self) -> int:
@@ -104,10 +104,14 @@ def measure(cache) -> MemoryStats:
     )
 
 
-def _per_device(pool, tokens_in_blocks: int) -> tuple[DeviceMemory, ...]:
+def _per_device(pool, tokens_in_blocks: int) -> dict[str, DeviceMemory]:
     """tokens_in_blocks: block slots the cache holds (blocks in use * block size)."""
     per_layer = pool.bytes_per_token // pool.num_layers
-    return tuple(
-        DeviceMemory(str(device), len(layers), len(layers) * per_layer,
-                     kv.numel() * kv.element_size(), tokens_in_blocks * len(layers) * per_layer)
-        for device, layers, kv in zip(pool.placement.devices, pool.placement.layers, pool.shards))
+    totals: dict[str, list[int]] = {}  # device -> [layers, pool bytes]
+    for device, layers, kv in zip(pool.placement.devices, pool.placement.layers, pool.shards):
+        entry = totals.setdefault(str(device), [0, 0])
+        entry[0] += len(layers)
+        entry[1] += kv.numel() * kv.element_size()
+    return {device: DeviceMemory(device, n, n * per_layer, nbytes,
+                                 tokens_in_blocks * n * per_layer)
+            for device, (n, nbytes) in totals.items()}

@@ -163,10 +163,33 @@ def test_split_pool_generate_equals_stock(kind, mode, split):
     # One copy of the metadata per shard per forward, not per layer.
     assert split["forwards"] > 0 and split["copies"] == 3 * split["forwards"]
     stats = cache.memory_stats()
-    assert [d.num_layers for d in stats.devices] == [2, 1, 1]
-    assert sum(d.pool_bytes for d in stats.devices) == stats.pool_bytes == cache.pool.nbytes
-    assert sum(d.kv_bytes_in_use for d in stats.devices) == stats.kv_bytes_in_use > 0
-    assert sum(d.bytes_per_token for d in stats.devices) == stats.bytes_per_token
+    (cpu,) = stats.devices.values()  # three shards, all on the CPU here
+    assert cpu.device == "cpu" and cpu.num_layers == 4
+    assert cpu.pool_bytes == stats.pool_bytes == cache.pool.nbytes
+    assert cpu.kv_bytes_in_use == stats.kv_bytes_in_use > 0
+    assert cpu.bytes_per_token == stats.bytes_per_token
+
+
+def test_memory_stats_per_device():
+    """Figures per device for layers 0-2 on one device and layer 3 on another (the meta
+    device stands in: the accounting needs no forward)."""
+    model = four_layer_model("llama_gqa")
+    placement = Placement((CPU, torch.device("meta")), ((0, 1, 2), (3,)))
+    cache = PagedCache(model.config, {"block_size": 4, "num_blocks": 10}, dtype=torch.float16,
+                       placement=placement)
+    cache.tables.resize(2)
+    cache.tables.append([5, 9])  # 2 + 3 blocks
+    stats = cache.memory_stats()
+    per_layer = 2 * 2 * 16 * 2  # K+V, KV heads, head_dim, float16: bytes per token per layer
+    assert stats.bytes_per_token == 4 * per_layer and stats.blocks_in_use == 5
+    assert stats.devices == {
+        "cpu": hf_paged.DeviceMemory("cpu", 3, 3 * per_layer, 10 * 4 * 3 * per_layer,
+                                     5 * 4 * 3 * per_layer),
+        "meta": hf_paged.DeviceMemory("meta", 1, per_layer, 10 * 4 * per_layer,
+                                      5 * 4 * per_layer),
+    }
+    assert sum(d.kv_bytes_in_use for d in stats.devices.values()) == stats.kv_bytes_in_use
+    assert sum(d.pool_bytes for d in stats.devices.values()) == stats.pool_bytes
 
 
 @pytest.mark.parametrize("kind", ["llama_gqa", "falcon_new"])
@@ -298,7 +321,8 @@ def _check_dispatched(model, expected_devices):
                         return_dict_in_generate=True, **extra)
         assert_same(ref, out)
         stats = out.past_key_values.memory_stats()
-        assert [d.device for d in stats.devices] == expected_devices
+        assert list(stats.devices) == expected_devices
+        assert [d.num_layers for d in stats.devices.values()] == [2, 2]
     engine = hf_paged.LLMEngine(model, block_size=16, num_blocks=64)
     assert engine.pool.placement == placement
     prompts = random_prompts(4, 6, 1, 40)
