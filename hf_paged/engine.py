@@ -24,7 +24,7 @@ from .errors import HFPagedError, UnsupportedModelError
 from .kv_pool import KVPool
 from .metadata import DeviceBlockTable, build_metadata, to_device
 from .models import kv_layout, tp_heads
-from .placement import model_placement
+from .placement import input_device, logits_index_device, model_placement
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .pool_access import PoolAccess
 from .sampler import Sampler, SampleRow
@@ -201,8 +201,7 @@ class LLMEngine:
         self.model.eval()
         self._base = base
         text_config = base.config.get_text_config(decoder=True)
-        self.device, self.dtype = base.device, base.dtype  # the model's inputs' device
-        cuda = self.device.type == "cuda"
+        self.device, self.dtype = input_device(base), base.dtype  # the model's inputs' device
         self.tp_size = getattr(base, "tp_size", None) or 1
         self.rank = torch.distributed.get_rank() if self.tp_size > 1 else 0
         num_layers, _, head_dim = kv_layout(text_config)
@@ -210,7 +209,8 @@ class LLMEngine:
         # A model spread by device_map keeps each layer's KV on that layer's device.
         placement = model_placement(base, num_layers)
         self.kv_device = placement.primary  # where block tables and metadata are built
-        self._dispatched = bool(getattr(base, "hf_device_map", None))
+        self._index_device = logits_index_device(base)  # for logits_to_keep
+        cuda = any(d.type == "cuda" for d in placement.devices)
         self.block_size = _positive("block_size", block_size)
         self.max_model_len = _positive("max_model_len", max_model_len
                                        or getattr(text_config, "max_position_embeddings", 2048))
@@ -288,7 +288,7 @@ class LLMEngine:
                     budgets.append(int(free * utilization) // len(layers) * placement.num_layers)
                 else:
                     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-                    budgets.append(min(2**30, physical // 4))
+                    budgets.append(min(2**30, physical // 4) // len(layers) * placement.num_layers)
             kv_cache_bytes = min(budgets)
         blocks = _positive("kv_cache_bytes", kv_cache_bytes) // per_block
         if blocks == 0:
@@ -437,10 +437,7 @@ class LLMEngine:
         if self.debug and items is not None:
             self._check_isolation(items, meta)
         self.cache.meta = meta
-        keep = torch.tensor(f.last or [len(f.ids) - 1])
-        if not self._dispatched:
-            keep = keep.to(device, non_blocking=True)
-        # else: the final norm's device picks the rows; a host index serves any device
+        keep = to_device(f.last or [len(f.ids) - 1], self._index_device)
         extra = {}
         if f.adapter is not None:  # PEFT picks the adapter per batch row; the batch is one row
             extra["adapter_names"] = [f.adapter]

@@ -91,6 +91,31 @@ def _hook_device(module) -> torch.device | None:
     return None
 
 
+def input_device(model) -> torch.device:
+    """Where `model` takes its inputs: the execution device of accelerate's hook on a
+    dispatched model (its first weight may be offloaded, on "meta"), else `model.device`."""
+    return _hook_device(model) or model.device
+
+
+def logits_index_device(model) -> torch.device:
+    """The device for an index tensor passed as `logits_to_keep`.
+
+    The final norm of a dispatched model may sit on another device than its inputs, and
+    accelerate's top hook would move the index to the input device: that hook is told to
+    leave `logits_to_keep` alone, and the index stays on the host, which serves any device.
+    """
+    hook = getattr(model, "_hf_hook", None)
+    if hook is None:
+        return model.device
+    for h in [hook, *getattr(hook, "hooks", ())]:
+        if hasattr(h, "skip_keys"):
+            keys = h.skip_keys
+            keys = [] if keys is None else [keys] if isinstance(keys, str) else list(keys)
+            if "logits_to_keep" not in keys:
+                h.skip_keys = keys + ["logits_to_keep"]
+    return torch.device("cpu")
+
+
 def layer_devices(model, num_layers: int) -> list[torch.device]:
     """The device each decoder layer's attention runs on (where its keys and values are made).
 
@@ -110,12 +135,17 @@ def layer_devices(model, num_layers: int) -> list[torch.device]:
             weights = [p.device for p in module.parameters() if p.device.type != "meta"]
             device = normalize_device(weights[0]) if weights else None
         devices[layer] = device
-    fallback = normalize_device(model.device)
+    fallback = normalize_device(input_device(model))
     return [d if d is not None else fallback for d in devices]
 
 
-def model_placement(model, num_layers: int) -> Placement:
-    """The KV placement of `model`: one device unless `device_map` spread its layers."""
+def model_placement(model, num_layers: int | None = None) -> Placement:
+    """The KV placement of `model`: one device unless `device_map` spread its layers.
+    num_layers: the layers whose KV is cached (default: the model's decoder layers)."""
+    if num_layers is None:
+        from .models import kv_layout
+
+        num_layers = kv_layout(model.config.get_text_config(decoder=True))[0]
     if not getattr(model, "hf_device_map", None):
         return Placement.single(num_layers, model.device)
     return Placement.of_layers(layer_devices(model, num_layers))

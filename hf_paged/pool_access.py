@@ -53,6 +53,7 @@ class PoolAccess:
     _references: list = []  # reference backends per shard, for forwards kernels do not cover
     _meta: ForwardMetadata | None = None
     _metas: list = [None]  # the forward's metadata on each shard's device
+    _switch: list = [False]  # per shard: its CUDA device is not the current one
 
     @property
     def meta(self) -> ForwardMetadata | None:
@@ -62,7 +63,11 @@ class PoolAccess:
     @meta.setter
     def meta(self, meta: ForwardMetadata | None) -> None:
         self._meta = meta
-        if meta is None or self.pool is None or self.pool.placement.is_single:
+        if meta is None or self.pool is None:
+            self._metas = [meta]
+            return
+        self._check_current_device()
+        if self.pool.placement.is_single:
             self._metas = [meta]
         else:
             self._metas = [meta.to(device) for device in self.pool.placement.devices]
@@ -75,23 +80,44 @@ class PoolAccess:
 
     def _bind_backends(self, name: str, pool) -> None:
         """One attention backend per shard of `pool`: kernels and buffers live on its device.
-        Raises ValueError (nothing changed) when the named backend cannot run there."""
-        self._backends = [select_backend(name, device, pool.dtype, pool.block_size,
-                                         self.num_heads, self.num_kv_heads)
-                          for device in pool.placement.devices]
+        Raises ValueError (nothing changed) when the named backend cannot run there; in a
+        pool over several devices, a CPU shard a GPU backend cannot serve gets the reference."""
+        devices = pool.placement.devices
+
+        def select(device):
+            try:
+                return select_backend(name, device, pool.dtype, pool.block_size,
+                                      self.num_heads, self.num_kv_heads)
+            except ValueError:
+                if device.type == "cuda" or all(d.type != "cuda" for d in devices):
+                    raise
+                return TorchBackend()  # layers run on a CPU next to GPUs: the reference
+
+        self._backends = [select(device) for device in devices]
         self.backend = self._backends[0]
         self._references = [None] * len(self._backends)
+        self._switch = [False] * len(self._backends)
+
+    def _check_current_device(self) -> None:
+        """Notes which shards sit on a CUDA device other than the current one (once per
+        forward): Triton launches on the current device, and accelerate does not switch it
+        for the layers it places elsewhere."""
+        devices = self.pool.placement.devices
+        if all(d.type != "cuda" for d in devices):
+            self._switch = [False] * len(devices)
+            return
+        current = torch.cuda.current_device()
+        self._switch = [d.type == "cuda" and d.index != current for d in devices]
 
     def _on_device(self, shard: int):
-        """Makes a CUDA shard's device current while its kernels launch (a model spread by
-        device_map runs layers on devices other than the current one)."""
-        device = self.pool.placement.devices[shard]
-        if len(self._backends) == 1 or device.type != "cuda":
-            return contextlib.nullcontext()
-        return torch.cuda.device(device)
+        """Makes a shard's CUDA device current while its kernels launch, where needed."""
+        if self._switch[shard]:
+            return torch.cuda.device(self.pool.placement.devices[shard])
+        return contextlib.nullcontext()
 
     def copy_blocks(self, pairs) -> None:
         """Copies blocks (src, dst) in every shard (copy-on-write)."""
+        self._check_current_device()
         for shard, (kv, backend) in enumerate(zip(self.pool.shards, self._backends)):
             src, dst = to_device(pairs, kv.device).T
             with self._on_device(shard):

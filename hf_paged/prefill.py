@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from .cache import PagedCache, inner_padding
+from .placement import input_device, logits_index_device
 
 # model_kwargs keys these forwards know how to honour; anything else takes the stock path.
 _HANDLED_KWARGS = {"attention_mask", "position_ids", "use_cache", "past_key_values",
@@ -71,7 +72,7 @@ def paged_prefill(model, input_ids: torch.Tensor, generation_config, model_kwarg
     if not padded and e == 1:
         return None
     cache: PagedCache = model_kwargs["past_key_values"]
-    device = model.device
+    device = input_device(model)
     user_positions = model_kwargs.get("position_ids")
     user_positions = user_positions[::e] if user_positions is not None else None
     if padded:
@@ -84,7 +85,8 @@ def paged_prefill(model, input_ids: torch.Tensor, generation_config, model_kwarg
         last = counts.cumsum(0) - 1  # [B] index of each row's last token in the pack
         cache.expect_packed(counts_list, ids.shape[1])
         outputs = model(input_ids=tokens.to(device), position_ids=positions.to(device),
-                        past_key_values=cache, use_cache=True, logits_to_keep=last.to(device),
+                        past_key_values=cache, use_cache=True,
+                        logits_to_keep=last.to(logits_index_device(model)),
                         return_dict=True)
         outputs.logits = outputs.logits.transpose(0, 1)  # [1, B, V] -> [B, 1, V]
     else:

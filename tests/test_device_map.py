@@ -18,7 +18,9 @@ from transformers import AutoModelForCausalLM, DynamicCache
 import hf_paged
 from hf_paged import HFPagedError, PagedCache, Placement, SamplingParams, model_placement
 from hf_paged.metadata import ForwardMetadata
-from hf_paged.placement import layer_devices, normalize_device
+from hf_paged.placement import (
+    input_device, layer_devices, logits_index_device, normalize_device,
+)
 from conftest import assert_same, both, left_padded_batch, make_model
 from test_engine import random_prompts, run_engine, stock_greedy
 
@@ -122,14 +124,16 @@ def test_layer_devices_follow_accelerate_hooks_then_weights(kind):
 
 def test_offloaded_device_map_runs_on_one_pool_and_equals_stock(tmp_path, tokenizer):
     """A real accelerate dispatch on this machine: some layers on the CPU, some offloaded to
-    disk (run on the CPU): one shard; generate equals stock."""
+    disk (run on the CPU), the embeddings too (the model's first weight is then on "meta"):
+    one shard; generate and the engine equal stock."""
     four_layer_model("llama_gqa").save_pretrained(tmp_path / "m")
-    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
+    device_map = {"model.embed_tokens": "disk", "model.layers.0": "cpu", "model.layers.1": "disk",
                   "model.layers.2": "cpu", "model.layers.3": "disk", "model.norm": "cpu",
                   "model.rotary_emb": "cpu", "lm_head": "cpu"}
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "m", device_map=device_map,
                                                  offload_folder=str(tmp_path / "off")).eval()
-    assert model_placement(model, 4) == Placement.single(4, CPU)
+    assert model.device.type == "meta" and input_device(model) == CPU
+    assert model_placement(model) == Placement.single(4, CPU)
     ids, mask = left_padded_batch([5, 9, 2])
     for extra in (dict(do_sample=False), dict(num_beams=3, num_return_sequences=2)):
         ref, out = both(model, input_ids=ids, attention_mask=mask, max_new_tokens=8,
@@ -137,11 +141,38 @@ def test_offloaded_device_map_runs_on_one_pool_and_equals_stock(tmp_path, tokeni
         assert_same(ref, out)
         assert out.past_key_values.pool.placement.is_single
     engine = hf_paged.LLMEngine(model, block_size=4, num_blocks=64)
+    assert engine.device == CPU and "logits_to_keep" in model._hf_hook.skip_keys
     prompts = [[5, 9, 14, 3], [40, 41, 42, 43, 44, 45, 46], [7]]
     done = run_engine(engine, prompts, SamplingParams(temperature=0, max_tokens=6,
                                                       ignore_eos=True))
     for i, prompt in enumerate(prompts):
         assert done[str(i)].outputs[0].token_ids == stock_greedy(model, prompt, 6)
+
+
+def test_logits_index_stays_on_the_host_past_accelerate_hooks():
+    """The final norm of a dispatched model may sit on another device than the inputs: the
+    index of the rows to keep must not be moved to the input device by the top hook."""
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    seen = {}
+
+    class Top(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, logits_to_keep=0):
+            seen.update(ids=input_ids.device, keep=logits_to_keep.device)
+            return input_ids
+
+    top = Top()
+    add_hook_to_module(top, AlignDevicesHook(execution_device="meta",
+                                             skip_keys="past_key_values"))
+    assert input_device(top) == torch.device("meta")
+    top(input_ids=torch.tensor([[1, 2]]), logits_to_keep=torch.tensor([1]))
+    assert seen == {"ids": torch.device("meta"), "keep": torch.device("meta")}  # as it was
+    assert logits_index_device(top) == CPU
+    top(input_ids=torch.tensor([[1, 2]]), logits_to_keep=torch.tensor([1]))
+    assert seen == {"ids": torch.device("meta"), "keep": CPU}
+    assert top._hf_hook.skip_keys == ["past_key_values", "logits_to_keep"]
+    plain = four_layer_model("llama_gqa")
+    assert logits_index_device(plain) == plain.device == input_device(plain)
 
 
 # -- a pool split in shards ---------------------------------------------------------------------
@@ -341,6 +372,14 @@ def test_layers_on_cpu_and_gpu():
                   "model.norm": 0, "lm_head": 0}
     model = _dispatched(device_map, "cpu")
     _check_dispatched(model, ["cpu", "cuda:0"])
+    # Asking for Triton by name: the GPU layers get it, the CPU layers the reference.
+    ids, mask = left_padded_batch([5, 12, 3])
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10,
+                         do_sample=False, cache_implementation="paged",
+                         cache_config={"backend": "triton"}, return_dict_in_generate=True)
+    assert [b.name for b in out.past_key_values._backends] == ["torch", "triton"]
+    assert_same(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10,
+                               do_sample=False), out)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")

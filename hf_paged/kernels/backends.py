@@ -210,6 +210,8 @@ def select_backend(name: str, device: torch.device | str, dtype: torch.dtype = t
         from . import cuda_ops
 
         reason = cuda_ops.unavailable_reason()
+        if reason is None and device.type != "cuda":
+            reason = f"the pool is on {device.type}; the CUDA kernels need a CUDA device"
         if reason is None and num_heads // num_kv_heads not in (1, 2, 4, 8, 16):
             reason = f"the decode kernel takes 1, 2, 4, 8 or 16 query heads per KV head, not {num_heads // num_kv_heads}"
         if reason is not None:
