@@ -12,6 +12,7 @@ bench_engine.py's long-tailed requests through hf_paged.LLM; rank 0 prints outpu
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import sys
 import tempfile
@@ -38,11 +39,16 @@ def main():
     parser.add_argument("--model-size", default="168m", choices=["168m", "7b"],
                         help="random Llama shape (168m)")
     args = parser.parse_args()
-    backend = "nccl" if args.device == "cuda" else "gloo"
-    dist.init_process_group(backend)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    # Rank 0 builds and saves a random model while the others wait: allow for a 7B one.
+    timeout = datetime.timedelta(hours=1)
     if args.device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device, timeout=timeout)
+    else:  # Transformers would place a TP model on visible GPUs
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        dist.init_process_group("gloo", timeout=timeout)
+    rank, world = dist.get_rank(), dist.get_world_size()
     dtype = getattr(torch, args.dtype)
     folder = [tempfile.mkdtemp(prefix="hf_paged_tp_") if rank == 0 else None]
     dist.broadcast_object_list(folder, src=0)
@@ -64,7 +70,7 @@ def main():
         seconds = time.perf_counter() - start
         llm.engine.stop_workers()
         tokens = sum(n for _, n in requests)
-        print(f"TP={world} ({backend}, {torch.get_num_threads()} threads per rank): "
+        print(f"TP={world} ({dist.get_backend()}, {torch.get_num_threads()} threads per rank): "
               f"{len(requests)} requests, {tokens} output tokens in {seconds:.1f} s = "
               f"{tokens / seconds:.1f} tokens/s")
     else:

@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
+import sys
 import threading
 from typing import AsyncIterator
+
+import torch
 
 from .engine import LLMEngine
 from .errors import HFPagedError
@@ -23,6 +27,7 @@ from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
 _ids = itertools.count()
+logger = logging.getLogger("hf_paged")
 
 
 class EngineDeadError(HFPagedError, RuntimeError):
@@ -92,12 +97,21 @@ class AsyncLLM:
         self._dead = True
         self._wake.set()
         self._thread.join(timeout=60)
+        if self._thread.is_alive() and self.engine.tp_size > 1:
+            # A step is stuck, so the other ranks cannot be told to stop: end this process
+            # (non-zero) and torchrun takes the group down instead of waiting on them.
+            logger.critical("hf-paged: the engine did not stop within 60 s; ending the "
+                            "process group")
+            sys.stderr.flush()
+            os._exit(1)
 
     # -- the stepping thread ------------------------------------------------------------------
     HEARTBEAT_S = 60.0  # under tensor parallelism, idle rank 0 pings the others this often
 
     def _run(self) -> None:
         tp = self.engine.tp_size > 1
+        if self.engine.device.type == "cuda":  # a new thread starts on device 0
+            torch.cuda.set_device(self.engine.device)
         while not self._dead:
             woken = self._wake.wait(self.HEARTBEAT_S if tp else None)
             self._wake.clear()

@@ -79,8 +79,9 @@ class PagedCache(PoolAccess, Cache):
         pool are given, the pool is made at the first forward with the keys' dtype and device.
         max_cache_len: the longest sequence the cache will hold, when known; an unsized pool
         then never uses blocks longer than that (rounded up to a power of two, at least 16).
-        tp_size: the ranks of a model loaded with Transformers' tensor parallelism
-        (`model.tp_size`); each rank's cache holds its own heads.
+        tp_size: the ranks a model loaded with Transformers' tensor parallelism splits its
+        attention heads over (`hf_paged.models.attention_tp_size(model)`, usually
+        `model.tp_size`); each rank's cache holds its own heads.
         placement: for a model spread over devices by `device_map`, where each layer's
         keys and values go (`hf_paged.model_placement(model)`; generate finds it itself):
         one pool shard per device. Default: every layer on the pool's device."""

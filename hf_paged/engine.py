@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass, field, replace
 
@@ -23,7 +24,7 @@ from .block_table import FREED
 from .errors import HFPagedError, UnsupportedModelError
 from .kv_pool import KVPool
 from .metadata import DeviceBlockTable, build_metadata, to_device
-from .models import kv_layout, tp_heads
+from .models import attention_tp_size, kv_layout, tp_heads
 from .placement import input_device, logits_index_device, model_placement
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .pool_access import PoolAccess
@@ -36,6 +37,16 @@ logger = logging.getLogger("hf_paged")
 
 DEBUG_ENV_VAR = "HF_PAGED_DEBUG"  # "1": check every step's tables and slots (isolation)
 BASE = "__base__"  # the adapter name of a PEFT model's base model (PEFT's own name for it)
+
+
+def _end_group() -> None:
+    """Ends this process after a step failed on rank 0 once the other ranks had started it:
+    they wait in its collectives, so no later step could pair up with theirs. torchrun then
+    takes the whole group down, naming this rank."""
+    logger.critical("hf-paged: a tensor-parallel step failed on rank 0 after the other ranks "
+                    "started it; ending the process group", exc_info=True)
+    sys.stderr.flush()
+    os._exit(1)
 
 
 class IsolationError(HFPagedError, AssertionError):
@@ -180,7 +191,8 @@ class LLMEngine:
       max_num_batched_tokens: tokens per step, decodes and prompt chunks (2048 / 8192)
       enable_prefix_caching: share cached full blocks of common prompt prefixes (True)
       preemption_mode:   "recompute" (default) or "swap" (to a CPU pool of
-                         `swap_space_bytes`, by default the size of the KV pool)
+                         `swap_space_bytes`, by default the size of the KV pool, at
+                         most a quarter of host memory shared by the ranks of a machine)
       max_model_len:     the longest sequence (the model's max_position_embeddings)
       backend:           attention backend, as `cache_config["backend"]`
     """
@@ -205,7 +217,7 @@ class LLMEngine:
         self.tp_size = getattr(base, "tp_size", None) or 1
         self.rank = torch.distributed.get_rank() if self.tp_size > 1 else 0
         num_layers, _, head_dim = kv_layout(text_config)
-        num_heads, kv_heads = tp_heads(text_config, self.tp_size)  # this rank's heads
+        num_heads, kv_heads = tp_heads(text_config, attention_tp_size(base))  # this rank's
         # A model spread by device_map keeps each layer's KV on that layer's device.
         placement = model_placement(base, num_layers)
         self.kv_device = placement.primary  # where block tables and metadata are built
@@ -222,10 +234,14 @@ class LLMEngine:
         per_block = num_layers * per_layer
         blocks = self._pool_blocks(num_blocks, kv_cache_bytes, gpu_memory_utilization,
                                    per_layer, placement)
+        self._control = None
         if self.tp_size > 1:  # every rank must hold the same blocks: the smallest pool wins
             agreed = torch.tensor([blocks], device=self.device)
             torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
             blocks = int(agreed)
+            # Step plans travel over a CPU (gloo) group: an idle worker then waits in a
+            # socket, not in a GPU collective, and pickled plans skip the device.
+            self._control = torch.distributed.new_group(backend="gloo")
         self.pool = KVPool(num_layers, kv_heads, head_dim, self.block_size, blocks, self.dtype,
                            placement, growable=False)
         logger.info("hf-paged engine: KV pool of %d blocks x %d tokens (%s)", blocks,
@@ -234,8 +250,12 @@ class LLMEngine:
                         for device, layers in zip(placement.devices, placement.layers)))
         cpu_pool = None
         if preemption_mode == "swap":
-            swap_blocks = (swap_space_bytes // per_block if swap_space_bytes is not None
-                           else blocks)
+            if swap_space_bytes is None:  # the pool's size, within a share of host memory
+                physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+                ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+                swap_blocks = min(blocks, physical // 4 // ranks_here // per_block)
+            else:
+                swap_blocks = swap_space_bytes // per_block
             self.cpu_pool = KVPool(num_layers, kv_heads, head_dim, self.block_size,
                                    swap_blocks, self.dtype, placement.on("cpu"), growable=False)
             if torch.cuda.is_available() and any(d.type == "cuda" for d in placement.devices):
@@ -396,8 +416,14 @@ class LLMEngine:
                           [self._forward_plan(items, salt.decode() or None)
                            for salt, items in groups.items()])
         self._broadcast(work)  # under tensor parallelism every rank runs the same step
+        try:
+            results = self._execute(work, list(groups.values()))
+        except BaseException:
+            if self.tp_size > 1:
+                _end_group()
+            raise
         logits = {}
-        for items, rows in zip(groups.values(), self._execute(work, list(groups.values()))):
+        for items, rows in zip(groups.values(), results):
             logits.update((id(i), r) for i, r in zip((i for i in items if i.sample), rows))
         self.scheduler.after_step(plan)
         order = [logits[id(i)] for i in plan.scheduled if i.sample]
@@ -454,13 +480,13 @@ class LLMEngine:
     # -- tensor parallelism: rank 0 schedules, every rank runs the forwards ---------------------
     def _broadcast(self, message) -> None:
         if self.tp_size > 1:
-            torch.distributed.broadcast_object_list([message], src=0)
+            torch.distributed.broadcast_object_list([message], src=0, group=self._control)
 
     def worker_loop(self) -> None:
         """On ranks other than 0: run the steps rank 0 broadcasts until it stops them."""
         while True:
             box = [None]
-            torch.distributed.broadcast_object_list(box, src=0)
+            torch.distributed.broadcast_object_list(box, src=0, group=self._control)
             if box[0] is None:
                 return
             if isinstance(box[0], DeviceStep):

@@ -45,7 +45,7 @@ from transformers.models.mistral.modeling_mistral import MistralForCausalLM
 
 from .attention import ATTENTION_NAME, paged_attention_forward, paged_mask
 from .cache import PagedCache
-from .models import kv_layout, tp_heads
+from .models import attention_tp_size, kv_layout, tp_heads
 from .models.falcon import paged_falcon_attention
 from .config import PagedCacheConfig
 from .errors import HFPagedError, UnsupportedModelError
@@ -190,7 +190,7 @@ def build_cache(model, generation_config, max_cache_length: int | None) -> Paged
     layers, _, head_dim = kv_layout(text_config)
     # A model spread by device_map keeps each layer's KV on that layer's device.
     placement = model_placement(model, layers)
-    tp_size = getattr(model, "tp_size", None) or 1
+    tp_size = attention_tp_size(model)
     pool = None
     if cache_config.is_sized:
         pool = kept_pool(model, cache_config, layers, tp_heads(text_config, tp_size)[1],

@@ -127,6 +127,7 @@ def main(argv=None) -> None:
         from .engine import LLMEngine
 
         LLMEngine(model, tokenizer, **engine_options(args)).worker_loop()
+        torch.distributed.destroy_process_group()
         return
     app = build_app(model, tokenizer, served_model_name=args.served_model_name or args.model,
                     api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
@@ -136,8 +137,12 @@ def main(argv=None) -> None:
     # re-raises the signal to the handler it found: exit 0, the shutdown was clean.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: sys.exit(0))
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=10)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=10)
+    finally:
+        if world_size() > 1 and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

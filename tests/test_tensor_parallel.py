@@ -18,6 +18,9 @@ from transformers import AutoModelForCausalLM
 from conftest import make_model
 
 HERE = Path(__file__).resolve().parent
+# The ranks run on the CPU with gloo even where GPUs exist (Transformers would put a TP
+# model on them), so that they compare with the CPU references here.
+CPU_ONLY = dict(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
 
 
 def free_port() -> int:
@@ -27,7 +30,7 @@ def free_port() -> int:
 
 
 def torchrun(script: str, *args, nproc: int = 2, timeout: int = 300, check: bool = True):
-    env = dict(os.environ, PYTHONPATH=str(HERE.parent), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(HERE.parent), **CPU_ONLY)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
            f"--master-port={free_port()}", str(HERE / "distributed" / script), *map(str, args)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -101,20 +104,27 @@ def test_tp_engine_equals_the_single_process_engine(tmp_path):
     assert got["preemptions"] > 0 and got["kv_heads"] == 1
 
 
-def test_a_rank_that_dies_brings_the_group_down(tmp_path):
-    """Rank 1 exits in the middle of serving: the whole group stops, promptly (well inside
-    the subprocess timeout, far from the process group's 30-minute one), and torchrun names
-    the failed rank and its exit code."""
+@pytest.mark.parametrize("how", ["die", "fail"])
+def test_a_rank_that_dies_or_fails_brings_the_group_down(how, tmp_path):
+    """die: rank 1 exits in the middle of serving. fail: a step raises on rank 0 after the
+    workers started it (they wait in its collectives; no later step could pair with
+    theirs). Either way the whole group stops, promptly (well inside the subprocess
+    timeout, far from the process group's 30-minute one), and torchrun names the rank."""
     import time
 
     make_model("llama_gqa").save_pretrained(tmp_path / "model")
     start = time.monotonic()
-    done = torchrun("tp_engine.py", tmp_path / "model", tmp_path / "out.json", "die",
+    done = torchrun("tp_engine.py", tmp_path / "model", tmp_path / "out.json", how,
                     timeout=240, check=False)
     assert done.returncode != 0
     assert time.monotonic() - start < 240
     assert not (tmp_path / "out.json").exists()
-    assert "exitcode  : 7" in done.stderr and "rank      : 1" in done.stderr, done.stderr[-3000:]
+    if how == "die":
+        assert "exitcode  : 7" in done.stderr and "rank      : 1" in done.stderr, \
+            done.stderr[-3000:]
+    else:
+        assert "a tensor-parallel step failed on rank 0" in done.stderr, done.stderr[-3000:]
+        assert "exitcode  : 1" in done.stderr and "rank      : 0" in done.stderr
 
 
 def test_tp_server_answers_like_stock_and_stops(tmp_path):
@@ -130,7 +140,7 @@ def test_tp_server_answers_like_stock_and_stops(tmp_path):
     model.save_pretrained(tmp_path / "model")
     make_tokenizer().save_pretrained(tmp_path / "model")
     port = free_port()
-    env = dict(os.environ, PYTHONPATH=str(HERE.parent), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(HERE.parent), **CPU_ONLY)
     proc = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
          f"--master-port={free_port()}", "-m", "hf_paged.serve", str(tmp_path / "model"),

@@ -37,3 +37,17 @@ def tp_heads(config, tp_size: int) -> tuple[int, int]:
             "Use a world size that divides both."
         )
     return heads // tp_size, kv_heads // tp_size
+
+
+def attention_tp_size(model) -> int:
+    """The ranks `model`'s attention heads are split over by Transformers' tensor
+    parallelism: `model.tp_size`, or 1 when it runs alone or its plan leaves the key
+    projections whole (Transformers' own rule for its caches)."""
+    tp_size = getattr(model, "tp_size", None) or 1
+    if tp_size == 1:
+        return 1
+    from transformers.distributed.tensor_parallel import get_kv_heads_per_rank
+
+    heads = kv_layout(model.config.get_text_config(decoder=True))[1]
+    per_rank = get_kv_heads_per_rank(getattr(model, "tp_plan", None) or {}, heads, tp_size)
+    return 1 if per_rank == heads else tp_size

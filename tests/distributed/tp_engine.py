@@ -2,7 +2,8 @@
 
 The engine on a model loaded with tp_plan="auto": rank 0 schedules and samples, every rank
 runs the forwards. Rank 0 writes the token ids of each request to argv[2] (JSON).
-With argv[3] == "die", rank 1 exits abruptly at its third step."""
+With argv[3] == "die", rank 1 exits abruptly at its third step; with "fail", rank 0's third
+forward raises (after the step was broadcast)."""
 
 import json
 import os
@@ -30,6 +31,17 @@ def main():
                                                  dtype=torch.float32).eval()
     if dist.get_rank() == 0:
         llm = LLM(model, **OPTIONS)
+        if sys.argv[3:] == ["fail"]:
+            forwards = [0]
+            forward = llm.engine._forward
+
+            def failing(*args):
+                forwards[0] += 1
+                if forwards[0] == 3:
+                    raise RuntimeError("injected failure")
+                return forward(*args)
+
+            llm.engine._forward = failing
         greedy = llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=12,
                                                         ignore_eos=True), use_tqdm=False)
         sampled = llm.generate(prompts()[:3], SamplingParams(temperature=1.0, seed=3,
