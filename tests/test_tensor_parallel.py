@@ -170,3 +170,22 @@ def test_tp_server_answers_like_stock_and_stops(tmp_path):
             proc.wait(timeout=60)
         finally:
             proc.kill()
+
+
+def test_attention_split_follows_the_tp_plan():
+    """Heads are split only where the plan splits the key projection (Transformers' rule for
+    its own caches); a plan that splits only the MLPs leaves every head on every rank."""
+    import types
+
+    from hf_paged.models import attention_tp_size
+
+    config = make_model("llama_gqa").config
+
+    def fake(tp_size, plan):
+        return types.SimpleNamespace(tp_size=tp_size, tp_plan=plan, config=config)
+
+    split = {"model.layers.*.self_attn.k_proj": "colwise", "model.layers.*.mlp.up_proj": "colwise"}
+    assert attention_tp_size(fake(2, split)) == 2
+    assert attention_tp_size(fake(2, {"model.layers.*.mlp.up_proj": "colwise"})) == 1
+    assert attention_tp_size(fake(None, split)) == 1
+    assert attention_tp_size(make_model("llama_gqa")) == 1
