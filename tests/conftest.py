@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import socket
+import time
 
 import pytest
 import torch
@@ -135,3 +137,27 @@ def assert_same(ref, out):
     out = getattr(out, "sequences", out)
     assert ref.shape == out.shape
     assert torch.equal(ref, out), f"first mismatches at {(ref != out).nonzero()[:3].tolist()}"
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(proc, port: int, timeout: float = 120) -> None:
+    """Waits until the server process `proc` answers /health on `port` with 200; fails with
+    its output if it exits first, or after `timeout` seconds."""
+    import httpx
+
+    deadline = time.time() + timeout
+    while True:
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.time() < deadline, "the server did not start"
+        time.sleep(0.2)

@@ -5,10 +5,8 @@ concurrency, disconnects, bad requests, metrics, adapters, auth, the CLI and shu
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,18 +23,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import LlamaForCausalLM
 
 from hf_paged.server import build_app
-from conftest import make_tokenizer
+from conftest import free_port, make_tokenizer, wait_healthy
 from test_engine import long_model
 
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }} </s> {% endfor %}"
                  "{% if add_generation_prompt %}<s>{% endif %}")
 KEY = "secret"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerThread:
@@ -316,16 +308,7 @@ def test_cli_serves_a_trained_lora_and_stops_on_sigterm(tmp_path):
          "--num-blocks", "100", "--block-size", "8", "--log-level", "warning"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.time() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.time() < deadline, "the server did not start"
-            time.sleep(0.2)
+        wait_healthy(proc, port)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
                                max_retries=0)
         assert [m.id for m in client.models.list().data] == ["base", "counting"]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,18 +14,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import make_model
+from conftest import free_port, make_model, wait_healthy
 
 HERE = Path(__file__).resolve().parent
 # The ranks run on the CPU with gloo even where GPUs exist (Transformers would put a TP
 # model on them), so that they compare with the CPU references here.
 CPU_ONLY = dict(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(script: str, *args, nproc: int = 2, timeout: int = 300, check: bool = True):
@@ -130,7 +123,6 @@ def test_a_rank_that_dies_or_fails_brings_the_group_down(how, tmp_path):
 def test_tp_server_answers_like_stock_and_stops(tmp_path):
     """`torchrun --nproc-per-node 2 -m hf_paged.serve MODEL`: rank 0 serves HTTP."""
     import signal
-    import time
 
     import httpx
 
@@ -148,16 +140,7 @@ def test_tp_server_answers_like_stock_and_stops(tmp_path):
          "--block-size", "8", "--log-level", "warning"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.time() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()[-3000:]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.time() < deadline, "the server did not start"
-            time.sleep(0.2)
+        wait_healthy(proc, port)
         body = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 8, "temperature": 0,
                 "ignore_eos": True}
         texts = [httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body,
