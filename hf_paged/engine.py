@@ -22,7 +22,7 @@ from transformers.cache_utils import Cache
 from . import attention
 from .block_table import FREED
 from .errors import HFPagedError, UnsupportedModelError
-from .kv_pool import KVPool
+from .kv_pool import KVPool, block_bytes
 from .metadata import DeviceBlockTable, build_metadata, to_device
 from .models import attention_tp_size, kv_layout, tp_heads
 from .placement import input_device, logits_index_device, model_placement
@@ -229,8 +229,7 @@ class LLMEngine:
         self.max_num_seqs = _positive("max_num_seqs", max_num_seqs or (256 if cuda else 64))
         self.max_num_batched_tokens = _positive(
             "max_num_batched_tokens", max_num_batched_tokens or (8192 if cuda else 2048))
-        per_layer = 2 * kv_heads * head_dim * self.block_size * \
-            torch.tensor([], dtype=self.dtype).element_size()  # bytes of one block, one layer
+        per_layer = block_bytes(1, kv_heads, head_dim, self.block_size, self.dtype)
         per_block = num_layers * per_layer
         blocks = self._pool_blocks(num_blocks, kv_cache_bytes, gpu_memory_utilization,
                                    per_layer, placement)
@@ -269,7 +268,6 @@ class LLMEngine:
                                    self.sliding_window, enable_prefix_caching, preemption_mode,
                                    cpu_pool)
         self.cache = StepCache(self.pool, backend, num_heads, self.sliding_window)
-        self.backend = self.cache.backend
         self.device_table = DeviceBlockTable(self.max_num_seqs,
                                              -(-self.max_model_len // self.block_size),
                                              self.kv_device)
@@ -600,7 +598,8 @@ class LLMEngine:
         if params.stop and self.tokenizer is not None:
             text = self.tokenizer.decode(seq.output, skip_special_tokens=True)
             start = max(0, len(request.texts[k]) - max(len(s) for s in params.stop))
-            hits = [(text.find(s, start), s) for s in params.stop if text.find(s, start) >= 0]
+            hits = [(at, s) for at, s in ((text.find(s, start), s) for s in params.stop)
+                    if at >= 0]
             request.texts[k] = text
             if hits:
                 at, stop = min(hits)
@@ -686,7 +685,6 @@ class LLMEngine:
     def _new_seq(self) -> int:
         self._next_seq += 1
         return self._next_seq
-
 
 
 def _positive(name: str, value) -> int:

@@ -4,7 +4,6 @@ allocator they share."""
 from __future__ import annotations
 
 import gc
-import math
 import threading
 import weakref
 
@@ -15,6 +14,13 @@ from .config import PagedCacheConfig
 from .errors import KVCacheExhaustedError, KVPoolAllocationError
 from .metadata import to_device
 from .placement import Placement
+
+
+def block_bytes(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+                dtype: torch.dtype) -> int:
+    """Bytes of one block's K and V over `num_layers` layers."""
+    return (num_layers * 2 * num_kv_heads * head_dim * block_size
+            * torch.tensor([], dtype=dtype).element_size())
 
 
 class KVPool:
@@ -64,10 +70,7 @@ class KVPool:
         """block_size: overrides the config's (an unsized cache may use shorter blocks).
         device: a device or a `Placement`; `max_kv_bytes` bounds all devices together."""
         block_size = block_size or config.block_size
-        per_block = (
-            num_layers * 2 * num_kv_heads * head_dim * block_size
-            * torch.tensor([], dtype=dtype).element_size()
-        )
+        per_block = block_bytes(num_layers, num_kv_heads, head_dim, block_size, dtype)
         num_blocks = config.num_blocks
         if config.max_kv_bytes is not None:
             num_blocks = config.max_kv_bytes // per_block
@@ -91,8 +94,8 @@ class KVPool:
                     shards.append(torch.zeros((len(layers), *tail), dtype=self.dtype,
                                               device=device))
             except (RuntimeError, MemoryError) as err:  # out of memory, or a size torch refuses
-                size = len(layers) * math.prod(tail) * torch.tensor(
-                    [], dtype=self.dtype).element_size()
+                size = block_bytes(len(layers), self.num_kv_heads, self.head_dim,
+                                   self.block_size, self.dtype) * num_blocks
                 raise KVPoolAllocationError(
                     f"Could not allocate a KV pool of {num_blocks} block(s) of "
                     f"{self.block_size} tokens ({size / 2**30:.2f} GiB for {len(layers)} "

@@ -81,10 +81,15 @@ class Placement:
         return Placement((torch.device(device),) * len(self.layers), self.layers)
 
 
+def _hooks(module) -> list:
+    """accelerate's hooks on `module` (a SequentialHook holds several)."""
+    hook = getattr(module, "_hf_hook", None)
+    return [] if hook is None else [hook, *getattr(hook, "hooks", ())]
+
+
 def _hook_device(module) -> torch.device | None:
     """The execution device accelerate's hook on `module` moves its inputs to, if any."""
-    hook = getattr(module, "_hf_hook", None)
-    for h in [hook, *getattr(hook, "hooks", ())]:  # a SequentialHook holds several
+    for h in _hooks(module):
         device = getattr(h, "execution_device", None)
         if device is not None:
             return normalize_device(device)
@@ -104,10 +109,10 @@ def logits_index_device(model) -> torch.device:
     accelerate's top hook would move the index to the input device: that hook is told to
     leave `logits_to_keep` alone, and the index stays on the host, which serves any device.
     """
-    hook = getattr(model, "_hf_hook", None)
-    if hook is None:
+    hooks = _hooks(model)
+    if not hooks:
         return model.device
-    for h in [hook, *getattr(hook, "hooks", ())]:
+    for h in hooks:
         if hasattr(h, "skip_keys"):
             keys = h.skip_keys
             keys = [] if keys is None else [keys] if isinstance(keys, str) else list(keys)
