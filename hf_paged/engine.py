@@ -6,10 +6,20 @@ copies and block-table entries on the device, runs the model once on all tokens 
 one row ([1, N], no padding; `StepCache` hands the step's metadata to the "paged"
 attention), samples each sequence that reached its last token with its request's own
 settings, and records tokens, stops and finished requests.
+
+One request's trouble stays with it. Settings that can be checked against the model are
+checked when a request is added (`prepare_request`). What cannot be checked up front is
+contained when it happens: a forward that raises is re-run on halves of its sequences until
+the ones that fail alone are found; a sampling row that raises (or whose distribution is
+not finite) is sampled apart, with seeded generators rewound first; a request whose stop
+check or text fails ends alone. Those requests end with finish_reason "error" and the
+message in `error`; every other request goes on with the tokens it would have produced.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import os
 import sys
@@ -21,14 +31,16 @@ from transformers.cache_utils import Cache
 
 from . import attention
 from .block_table import FREED
-from .errors import HFPagedError, UnsupportedModelError
+from .detokenizer import IncrementalText
+from .errors import HFPagedError, InvalidRequestError, UnsupportedModelError
 from .kv_pool import KVPool, block_bytes
 from .metadata import DeviceBlockTable, build_metadata, to_device
 from .models import attention_tp_size, kv_layout, tp_heads
 from .placement import input_device, logits_index_device, model_placement
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .pool_access import PoolAccess
-from .sampler import Sampler, SampleRow
+from .prefix_cache import namespace
+from .sampler import SampleResult, Sampler, SampleRow
 from .sampling_params import SamplingParams, generation_defaults
 from .scheduler import RequestRejectedError, Scheduler, Step
 from .sequence import Sequence
@@ -120,17 +132,24 @@ class DeviceStep:
 
 @dataclass
 class _Request:
+    """A request as the engine keeps it (made by `prepare_request`, queued by
+    `add_prepared`)."""
+
     request_id: str
     prompt: str | None
     prompt_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence]
+    params: SamplingParams  # resolved
+    priority: int
+    adapter: str | None
+    salt: bytes  # prefix-cache namespace
     completions: list[CompletionOutput]
     generators: list[torch.Generator | None]
     stop_ids: set[int]
     metrics: RequestMetrics
+    texts: list[IncrementalText] | None  # per completion, when text is followed as it grows
+    deadline: float | None = None  # time.monotonic() past which it ends ("timeout")
+    seqs: list[Sequence] = field(default_factory=list)
     error: str | None = None
-    texts: list[str] = field(default_factory=list)  # decoded text per completion
 
     @property
     def finished(self) -> bool:
@@ -279,12 +298,13 @@ class LLMEngine:
         eos = getattr(getattr(base, "generation_config", None), "eos_token_id", None)
         if eos is None:
             eos = getattr(text_config, "eos_token_id", None)
-        self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None
-                           else [])
+        eos = eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else []
+        self.eos_ids = {e for e in eos if isinstance(e, int) and 0 <= e < self.vocab_size}
         self.requests: dict[str, _Request] = {}
         self._aborts: set[str] = set()
-        self._next_seq = 0
-        self._arrivals = 0
+        self._deadlines: list = []  # heap of (deadline, tie-break, request)
+        self._seq_ids = itertools.count(1)
+        self._arrivals = itertools.count()
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.debug = os.environ.get(DEBUG_ENV_VAR) == "1"
@@ -318,44 +338,86 @@ class LLMEngine:
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, priority: int = 0,
-                    adapter: str | None = None) -> None:
-        """Queues a request. Raises ValueError for malformed input and RequestRejectedError
-        for a request that could never run; either way nothing else is affected.
+                    adapter: str | None = None, cache_salt: str | None = None) -> None:
+        """Queues a request. Raises InvalidRequestError (a ValueError) for malformed input
+        and RequestRejectedError for a request that could never run; either way nothing
+        else is affected.
 
         adapter: for a PEFT model, the name of one of its LoRA adapters, or BASE for the
         model without them; None runs the model as it is (its active adapter). Requests of
         different adapters run in separate forwards of a step and never share prefix-cache
-        entries."""
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use.")
+        entries. cache_salt: the request's prefix-cache namespace (as SamplingParams'):
+        requests with different salts never share cached blocks."""
+        self.add_prepared(self.prepare_request(request_id, prompt, params, priority, adapter,
+                                               cache_salt))
+
+    def prepare_request(self, request_id: str, prompt: str | list[int],
+                        params: SamplingParams | None = None, priority: int = 0,
+                        adapter: str | None = None,
+                        cache_salt: str | None = None) -> _Request:
+        """Checks a request against the model and the pool and tokenizes it, changing no
+        engine state (a server may call it on its own thread while the engine steps);
+        `add_prepared` then queues it."""
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError(f"request ids are non-empty strings; got {request_id!r}.")
         if adapter is not None and adapter not in self.adapters + [BASE]:
-            raise ValueError(f"unknown adapter {adapter!r}; the model has {self.adapters}.")
+            raise InvalidRequestError(f"unknown adapter {adapter!r}; the model has "
+                                      f"{self.adapters}.", "model")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequestError(f"priority must be an integer; got {priority!r}.",
+                                      "priority")
         params = (params or SamplingParams()).resolved(self.defaults)
+        params.check_vocab(self.vocab_size)
+        if cache_salt is not None and params.cache_salt not in (None, cache_salt):
+            raise InvalidRequestError("cache_salt is given twice, with different values.",
+                                      "cache_salt")
+        salt = cache_salt if cache_salt is not None else params.cache_salt
+        if salt is not None and not (isinstance(salt, str) and salt):
+            raise InvalidRequestError(f"cache_salt must be a non-empty string; got {salt!r}.",
+                                      "cache_salt")
         text = None
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("A text prompt needs a tokenizer; pass token ids, or give the "
-                                 "engine a tokenizer.")
+                raise InvalidRequestError("A text prompt needs a tokenizer; pass token ids, or "
+                                          "give the engine a tokenizer.", "prompt")
             text, prompt = prompt, self.tokenizer(prompt)["input_ids"]
-        prompt = [int(t) for t in prompt]
+        prompt = list(prompt)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise InvalidRequestError("prompt token ids must be integers.", "prompt")
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}.")
+            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size}); "
+                                      f"got {bad[:5]}.", "prompt")
         self.scheduler.check_fits(len(prompt), params.max_tokens, params.n)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
-        seq = Sequence(self._new_seq(), request_id, prompt, params.max_tokens, priority,
-                       self._arrivals, salt=(adapter or "").encode(), forks=params.n - 1)
-        self._arrivals += 1
         generators = [None] * params.n
         if params.seed is not None:
-            generators = [torch.Generator(self.device).manual_seed(params.seed + i)
+            generators = [torch.Generator(self.device).manual_seed(params.generator_seed(i))
                           for i in range(params.n)]
-        self.requests[request_id] = _Request(
-            request_id, text, prompt, params, [seq],
-            [CompletionOutput(i, logprobs=[] if params.logprobs is not None else None,
-                              cumulative_logprob=0.0 if params.logprobs is not None else None)
+        follow = self.tokenizer is not None and (self.incremental_text or bool(params.stop))
+        arrival = time.monotonic()
+        logprobs = params.logprobs is not None
+        return _Request(
+            request_id, text, prompt, params, priority, adapter, namespace(adapter, salt),
+            [CompletionOutput(i, logprobs=[] if logprobs else None,
+                              cumulative_logprob=0.0 if logprobs else None)
              for i in range(params.n)],
-            generators, stop_ids, RequestMetrics(time.monotonic()), texts=[""] * params.n)
+            generators, stop_ids, RequestMetrics(arrival),
+            [IncrementalText(self.tokenizer) for _ in range(params.n)] if follow else None,
+            None if params.timeout is None else arrival + params.timeout)
+
+    def add_prepared(self, request: _Request) -> None:
+        """Queues a request made by `prepare_request`."""
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use.")
+        params = request.params
+        seq = Sequence(next(self._seq_ids), request.request_id, request.prompt_ids,
+                       params.max_tokens, request.priority, next(self._arrivals),
+                       salt=request.salt, forks=params.n - 1, adapter=request.adapter)
+        request.seqs = [seq]
+        self.requests[request.request_id] = request
+        if request.deadline is not None:
+            heapq.heappush(self._deadlines, (request.deadline, next(self._arrivals), request))
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> None:
@@ -363,8 +425,29 @@ class LLMEngine:
         if request_id in self.requests and not self.requests[request_id].finished:
             self._aborts.add(request_id)
 
+    def remove_request(self, request_id: str) -> None:
+        """Ends the request now, between steps, freeing its blocks; it yields no output."""
+        request = self.requests.pop(request_id, None)
+        self._aborts.discard(request_id)
+        if request is not None:
+            for seq in request.seqs:
+                self.scheduler.abort(seq)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work or bool(self._aborts)
+
+    def num_waiting_sequences(self) -> int:
+        """Sequences queued and not started (a waiting request of n completions counts n).
+        Safe to read from another thread while the engine steps."""
+        return sum(1 + s.forks for s in list(self.scheduler.waiting))
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.blocks.num_blocks
+
+    @property
+    def model_name(self) -> str:
+        return str(getattr(self._base.config, "name_or_path", "") or "model")
 
     def stats(self) -> EngineStats:
         s, pool = self.scheduler, self.pool.blocks
@@ -383,12 +466,10 @@ class LLMEngine:
         touched: dict[str, _Request] = {}
         for request_id in self._aborts:
             request = self.requests[request_id]
-            for i, seq in enumerate(request.seqs):
-                self.scheduler.abort(seq)
-            for c in request.completions:
-                c.finish_reason = c.finish_reason or "abort"
+            self._end(request, "abort")
             touched[request_id] = request
         self._aborts.clear()
+        self._expire(touched)  # before scheduling: a request past its deadline never runs
         plan = self.scheduler.schedule()
         if plan.scheduled:
             self._run(plan, touched)
@@ -397,36 +478,103 @@ class LLMEngine:
             raise HFPagedError("the scheduler could not run any waiting request; "
                                f"{self.stats()}")
         now = time.monotonic()
+        outputs = []
         for request in touched.values():
             if request.finished:
                 request.metrics.finished_time = now
-        outputs = [self._output(r) for r in touched.values()]
+            try:
+                outputs.append(self._output(request))
+            except Exception as err:  # noqa: BLE001 (its text failed: it alone ends)
+                self._fail(request, f"its output could not be built: {_describe(err)}", {})
+                request.metrics.finished_time = now
+                outputs.append(self._output(request, with_text=False))
         for request in touched.values():
             if request.finished:
                 del self.requests[request.request_id]
         return outputs
 
+    def _expire(self, touched: dict) -> None:
+        now = time.monotonic()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, request = heapq.heappop(self._deadlines)
+            if self.requests.get(request.request_id) is request and not request.finished:
+                self._end(request, "timeout")
+                touched[request.request_id] = request
+
+    def _end(self, request: _Request, reason: str) -> None:
+        """Ends every unfinished completion of `request` with `reason`, freeing its blocks."""
+        for seq in request.seqs:
+            self.scheduler.finish(seq, reason)
+        for k, c in enumerate(request.completions):
+            if c.finish_reason is None:
+                c.finish_reason = reason
+                if request.texts is not None:
+                    request.texts[k].finish(c.token_ids)
+                    c.text = request.texts[k].text
+
+    def _fail(self, request: _Request, message: str, touched: dict) -> None:
+        """Ends `request` alone with finish_reason "error" and `message`."""
+        logger.warning("hf-paged: request %s failed: %s", request.request_id, message)
+        self._end(request, "error")
+        request.error = message
+        touched[request.request_id] = request
+
     def _run(self, plan: Step, touched: dict) -> None:
-        groups: dict[bytes, list] = {}  # one forward per adapter (the salt names it)
+        groups: dict[str | None, list] = {}  # one forward per adapter
         for item in plan.scheduled:
-            groups.setdefault(item.seq.salt, []).append(item)
+            groups.setdefault(item.seq.adapter, []).append(item)
+            seq = item.seq
+            if item.start < len(seq.prompt):
+                self.prompt_tokens += min(item.count, len(seq.prompt) - item.start)
         work = DeviceStep(plan.swap_out, plan.swap_in, plan.copies, plan.entries,
-                          [self._forward_plan(items, salt.decode() or None)
-                           for salt, items in groups.items()])
+                          [self._forward_plan(items, adapter) for adapter, items in groups.items()])
         self._broadcast(work)  # under tensor parallelism every rank runs the same step
+        logits: dict[int, torch.Tensor] = {}  # id(scheduled item) -> its logits [V]
+        tp = self.tp_size > 1
         try:
-            results = self._execute(work, list(groups.values()))
+            self._move_blocks(work)
+            self.device_table.apply(work.entries)
+            if tp:  # the other ranks run this step's collectives: no forward can be re-run
+                for f, items in zip(work.forwards, groups.values()):
+                    self._keep(logits, items, self._forward(f, items))
         except BaseException:
-            if self.tp_size > 1:
+            if tp:
                 _end_group()
             raise
-        logits = {}
-        for items, rows in zip(groups.values(), results):
-            logits.update((id(i), r) for i, r in zip((i for i in items if i.sample), rows))
+        if not tp:
+            for f, (adapter, items) in zip(work.forwards, groups.items()):
+                self._forward_isolated(f, items, adapter, logits, touched)
         self.scheduler.after_step(plan)
-        order = [logits[id(i)] for i in plan.scheduled if i.sample]
-        if order:
-            self._sample(plan, torch.stack(order), touched)
+        sampling = [i for i in plan.scheduled if i.sample and not i.seq.finished]
+        if sampling:
+            self._sample(sampling, torch.stack([logits[id(i)] for i in sampling]), touched)
+
+    @staticmethod
+    def _keep(logits: dict, items: list, rows: torch.Tensor) -> None:
+        logits.update(zip((id(i) for i in items if i.sample), rows))
+
+    def _forward_isolated(self, f: "Forward", items: list, adapter, logits: dict,
+                          touched: dict) -> None:
+        """Runs one forward; if it raises, runs each half apart (bisection) until the
+        sequences that fail alone are found, and fails their requests alone. Re-running
+        writes the same K/V into the same slots, so the others are as if nothing happened."""
+        try:
+            self._keep(logits, items, self._forward(f, items))
+            return
+        except IsolationError:
+            raise  # an engine bug, never a request's
+        except Exception as err:  # noqa: BLE001
+            if len(items) == 1:
+                request = self.requests[items[0].seq.request_id]
+                self._fail(request, f"the model's forward failed on it: {_describe(err)}",
+                           touched)
+                return
+        half = len(items) // 2
+        for part in (items[:half], items[half:]):
+            part = [i for i in part if not i.seq.finished]  # a sibling may have failed
+            if part:
+                self._forward_isolated(self._forward_plan(part, adapter), part, adapter,
+                                       logits, touched)
 
     def _forward_plan(self, items: list, adapter: str | None) -> "Forward":
         """The host-side inputs of one packed forward over `items` (scheduled sequences)."""
@@ -440,39 +588,39 @@ class LLMEngine:
             f.counts.append(item.count)
             if item.sample:
                 f.last.append(len(f.ids) - 1)
-            if item.start < len(seq.prompt):
-                self.prompt_tokens += min(item.count, len(seq.prompt) - item.start)
         return f
 
-    def _execute(self, work: "DeviceStep", items: list | None = None) -> list[torch.Tensor]:
-        """The device side of a step, the same on every rank: block moves, table entries,
-        then each forward; returns each forward's logits [S, V] of the rows that sample.
-        items: the scheduled sequences of each forward (rank 0), for the debug checks."""
+    def _execute(self, work: "DeviceStep") -> list[torch.Tensor]:
+        """The device side of a step on a rank other than 0: block moves, table entries,
+        then each forward."""
         self._move_blocks(work)
         self.device_table.apply(work.entries)
-        return [self._forward(f, None if items is None else items[k])
-                for k, f in enumerate(work.forwards)]
+        return [self._forward(f, None) for f in work.forwards]
 
     def _forward(self, f: "Forward", items: list | None) -> torch.Tensor:
+        """Returns the logits [S, V] of the rows of `f` that sample.
+        items: the scheduled sequences of the forward (rank 0), for the debug checks."""
         device = self.device
         meta = self._metadata(f.rows, f.context, f.counts)
         if 1 in f.counts and max(f.counts) > 1:
             meta.parts = self._parts(f.rows, f.context, f.counts)
         if self.debug and items is not None:
             self._check_isolation(items, meta)
-        self.cache.meta = meta
         keep = to_device(f.last or [len(f.ids) - 1], self._index_device)
         extra = {}
         if f.adapter is not None:  # PEFT picks the adapter per batch row; the batch is one row
             extra["adapter_names"] = [f.adapter]
         from .integration import paged_attention
 
-        with torch.inference_mode(), paged_attention(self._base):
-            out = self.model(input_ids=to_device(f.ids, device)[None],
-                             position_ids=to_device(f.positions, device)[None],
-                             past_key_values=self.cache, use_cache=True, logits_to_keep=keep,
-                             **extra)
-        self.cache.meta = None
+        self.cache.meta = meta
+        try:
+            with torch.inference_mode(), paged_attention(self._base):
+                out = self.model(input_ids=to_device(f.ids, device)[None],
+                                 position_ids=to_device(f.positions, device)[None],
+                                 past_key_values=self.cache, use_cache=True, logits_to_keep=keep,
+                                 **extra)
+        finally:
+            self.cache.meta = None
         return out.logits[0, :len(f.last)]
 
     # -- tensor parallelism: rank 0 schedules, every rank runs the forwards ---------------------
@@ -532,10 +680,10 @@ class LLMEngine:
         if plan.copies:
             self.cache.copy_blocks(plan.copies)
 
-    def _sample(self, plan: Step, logits: torch.Tensor, touched: dict) -> None:
-        """logits [S, V]: one row per scheduled item that samples, in order."""
+    def _sample(self, items: list, logits: torch.Tensor, touched: dict) -> None:
+        """items: the scheduled sequences that sample; logits [S, V], one row each."""
         rows, owners, index = [], [], []
-        for row_of_logits, item in enumerate(i for i in plan.scheduled if i.sample):
+        for row_of_logits, item in enumerate(items):
             seq = item.seq
             request = self.requests[seq.request_id]
             targets = [seq] + [None] * seq.forks  # None: a sibling forked from this row
@@ -544,27 +692,70 @@ class LLMEngine:
                 rows.append(self._sample_row(request, seq, completion))
                 owners.append((request, seq, target, completion))
                 index.append(row_of_logits)
-        result = self.sampler(logits[torch.tensor(index, device=logits.device)], rows)
+        result, errors = self._sample_rows(logits[torch.tensor(index, device=logits.device)],
+                                           rows)
+        failed: dict[str, str] = {}
+        for j, message in errors.items():
+            failed.setdefault(owners[j][0].request_id, message)
         children: dict[int, list[Sequence]] = {}
         for (request, seq, target, completion), token, lp, tlp in zip(
                 owners, result.tokens, result.logprobs, result.token_logprobs):
+            if request.request_id in failed:
+                continue
             if target is None:
-                child = Sequence(self._new_seq(), seq.request_id, seq.prompt, seq.max_tokens,
-                                 seq.priority, seq.arrival, seq.salt)
+                child = Sequence(next(self._seq_ids), seq.request_id, seq.prompt,
+                                 seq.max_tokens, seq.priority, seq.arrival, seq.salt,
+                                 adapter=seq.adapter)
                 request.seqs.append(child)
                 children.setdefault(id(seq), []).append(child)
                 target = child
             self._append(request, target, completion, token, lp, tlp)
             touched[request.request_id] = request
-        for item in plan.scheduled:
+        for request_id, message in failed.items():
+            self._fail(self.requests[request_id], message, touched)
+        for item in items:
             seq = item.seq
             if id(seq) in children:
                 seq.forks = 0
                 self.scheduler.fork(seq, children[id(seq)])
         for request in list(touched.values()):
-            for k, seq in enumerate(request.seqs):
-                if not seq.finished:
-                    self._check_stop(request, seq, k)
+            if request.finished:
+                continue
+            try:
+                for k, seq in enumerate(request.seqs):
+                    if not seq.finished:
+                        self._check_stop(request, seq, k)
+            except Exception as err:  # noqa: BLE001 (e.g. its tokens do not decode)
+                self._fail(request, f"its stop check failed: {_describe(err)}", touched)
+
+    def _sample_rows(self, logits: torch.Tensor, rows: list[SampleRow]):
+        """(SampleResult, {row: error message}) for logits [S, V]. If sampling the rows
+        together raises, each row is sampled alone (seeded generators rewound first), so
+        one row's failure costs only its own request."""
+        states = [(r.generator, r.generator.get_state()) for r in rows
+                  if r.generator is not None]
+        try:
+            result = self.sampler(logits, rows)
+        except Exception as err:  # noqa: BLE001
+            logger.warning("hf-paged: sampling %d rows together failed (%s); sampling them "
+                           "apart", len(rows), _describe(err))
+            for generator, state in states:
+                generator.set_state(state)
+            tokens, lps, tlps, errors = [], [], [], {}
+            for j, row in enumerate(rows):
+                try:
+                    one = self.sampler(logits[j:j + 1], [row])
+                    bad = bool(one.failed)
+                except Exception as row_err:  # noqa: BLE001
+                    one, bad = None, True
+                    errors[j] = f"sampling failed: {_describe(row_err)}"
+                if bad and j not in errors:
+                    errors[j] = _NOT_FINITE
+                tokens.append(one.tokens[0] if one else 0)
+                lps.append(one.logprobs[0] if one else None)
+                tlps.append(one.token_logprobs[0] if one else None)
+            return SampleResult(tokens, lps, tlps, sorted(errors)), errors
+        return result, {j: _NOT_FINITE for j in result.failed}
 
     def _sample_row(self, request: _Request, seq: Sequence, completion: int) -> SampleRow:
         params = request.params
@@ -590,57 +781,67 @@ class LLMEngine:
         out = request.completions[k]
         params = request.params
         token = seq.output[-1]
+        before = 0
+        if request.texts is not None:  # the text grows with each token (held back while a
+            text = request.texts[k]     # character is incomplete)
+            before = len(text.text)
+            text.update(seq.output)
+            out.text = text.text
         if token in request.stop_ids:  # masked until min_tokens, so never too early
             eos = token in self.eos_ids and token not in params.stop_token_ids
             out.stop_reason = None if eos else token
             self._finish(request, seq, k, "stop")
             return
-        if params.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.output, skip_special_tokens=True)
-            start = max(0, len(request.texts[k]) - max(len(s) for s in params.stop))
-            hits = [(at, s) for at, s in ((text.find(s, start), s) for s in params.stop)
+        if params.stop and request.texts is not None and len(out.text) > before:
+            start = max(0, before - max(len(s) for s in params.stop) + 1)
+            hits = [(at, s) for at, s in ((out.text.find(s, start), s) for s in params.stop)
                     if at >= 0]
-            request.texts[k] = text
             if hits:
                 at, stop = min(hits)
-                request.texts[k] = text[:at]
+                out.text = out.text[:at]  # cut before the stop string
                 out.stop_reason = stop
-                self._finish(request, seq, k, "stop")
+                self.scheduler.finish(seq, "stop")
+                out.finish_reason = "stop"
                 return
         if len(seq.output) >= seq.max_tokens:
             self._finish(request, seq, k, "length")
 
     def _finish(self, request, seq, k, reason) -> None:
         self.scheduler.finish(seq, reason)
-        request.completions[k].finish_reason = reason
+        out = request.completions[k]
+        out.finish_reason = reason
+        if request.texts is not None:
+            request.texts[k].finish(out.token_ids)
+            out.text = request.texts[k].text
 
-    def _output(self, request: _Request) -> RequestOutput:
-        """A snapshot of the request (later steps do not change it)."""
+    def _output(self, request: _Request, with_text: bool = True) -> RequestOutput:
+        """A snapshot of the request (later steps do not change it). Text that is not
+        followed token by token is decoded once its completion has ended."""
         completions = []
-        for k, out in enumerate(request.completions):
-            if self.tokenizer is not None and out.token_ids and (
-                    out.finished or self.incremental_text):
-                if out.finish_reason == "stop" and isinstance(out.stop_reason, str):
-                    out.text = request.texts[k]  # cut before the stop string
-                else:
-                    out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        for out in request.completions:
+            if (with_text and request.texts is None and self.tokenizer is not None
+                    and out.finished and out.token_ids and not out.text):
+                out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
             completions.append(replace(
                 out, token_ids=list(out.token_ids),
                 logprobs=None if out.logprobs is None else list(out.logprobs)))
+        cached = request.seqs[0].cached_tokens if request.seqs else 0
         return RequestOutput(request.request_id, request.prompt, request.prompt_ids,
-                             completions, request.finished, request.error,
-                             request.seqs[0].cached_tokens, replace(request.metrics))
+                             completions, request.finished, request.error, cached,
+                             replace(request.metrics))
 
     def fail_all(self, error: str) -> list[RequestOutput]:
-        """Ends every request with `error` (after a step failed); the engine stays usable."""
+        """Ends every request with `error` (after a failure no single request caused, or at
+        shutdown); the engine stays usable."""
         outputs = []
         for request in list(self.requests.values()):
-            for seq in request.seqs:
-                self.scheduler.finish(seq, "error")
-            for c in request.completions:
-                c.finish_reason = c.finish_reason or "error"
+            self._end(request, "error")
             request.error = error
-            outputs.append(self._output(request))
+            request.metrics.finished_time = time.monotonic()
+            try:
+                outputs.append(self._output(request))
+            except Exception:  # noqa: BLE001
+                outputs.append(self._output(request, with_text=False))
             del self.requests[request.request_id]
         self._aborts.clear()
         return outputs
@@ -681,10 +882,13 @@ class LLMEngine:
                     raise IsolationError(f"device table of sequence {item.seq.seq_id} has "
                                          f"{table[col]} at {col}, the scheduler {block}")
 
-    # -- helpers ---------------------------------------------------------------------------------
-    def _new_seq(self) -> int:
-        self._next_seq += 1
-        return self._next_seq
+
+_NOT_FINITE = ("its next-token distribution is not finite (NaN or infinity from the model's "
+               "logits or its sampling settings)")
+
+
+def _describe(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}"
 
 
 def _positive(name: str, value) -> int:

@@ -44,3 +44,12 @@ class KVPoolAllocationError(HFPagedError, MemoryError):
 
 class BackwardNotSupportedError(HFPagedError, RuntimeError):
     """Gradients were asked through a forward on a PagedCache."""
+
+
+class InvalidRequestError(HFPagedError, ValueError):
+    """A request setting is malformed or out of range for this model. `param` names the
+    setting (as the OpenAI API names its fields), so a server can say which one."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param

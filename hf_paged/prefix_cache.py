@@ -1,7 +1,11 @@
 """Prefix caching: full blocks addressed by the content of every token up to their end.
 
-A block's key is a SHA-256 chain: the parent block's key, the block's tokens and a salt
-(the model or adapter whose K/V they are). A block is registered once it is full; the cache
+A block's key is a SHA-256 chain over the parent block's key, a namespace and the block's
+tokens. The namespace (`namespace(adapter, cache_salt)`) holds the adapter whose K/V the
+block has and the request's cache salt (its tenant), so two tenants, or two adapters, never
+share a block. Every part is framed by its length, so no two different inputs give one key
+(the adapter "m" with tokens "123, ..." is not the adapter "m1" with "23, ...").
+A block is registered once it is full; the cache
 then holds one reference on it, so it outlives the sequence that computed it. A cached block
 no sequence holds is *evictable*: it goes back to the free list, least recently used first,
 only when the pool needs the space. Plain Python, no torch.
@@ -10,16 +14,32 @@ only when the pool needs the space. Plain Python, no torch.
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections import OrderedDict
 from typing import Iterable, Sequence
 
 from .block_pool import BlockPool
 
 
+def _framed(part: str | None) -> bytes:
+    """None, or a string with its length in front."""
+    if part is None:
+        return b"\0"
+    data = part.encode("utf-8", "surrogatepass")
+    return b"\1" + struct.pack("<Q", len(data)) + data
+
+
+def namespace(adapter: str | None = None, cache_salt: str | None = None) -> bytes:
+    """The prefix-cache namespace of a request: its adapter and cache salt, framed."""
+    return _framed(adapter) + _framed(cache_salt)
+
+
 def block_key(parent: bytes | None, tokens: Sequence[int], salt: bytes = b"") -> bytes:
+    """parent: the previous block's key (None for the first block); salt: the namespace."""
     digest = hashlib.sha256(parent or b"\0" * 32)
+    digest.update(struct.pack("<Q", len(salt)))
     digest.update(salt)
-    digest.update(b",".join(str(t).encode() for t in tokens))
+    digest.update(struct.pack(f"<Q{len(tokens)}q", len(tokens), *tokens))
     return digest.digest()
 
 

@@ -3,9 +3,12 @@
 Rows are processed together: `penalize` applies Transformers' repetition penalty, OpenAI's
 presence/frequency penalties and the min-tokens mask; `warp` then applies, to sampled rows,
 temperature, top-k, top-p and min-p (Transformers' warpers, in its order, with its tie and
-minimum-kept rules). Greedy rows take the argmax of the penalized logits. Sampling draws one exponential per
-vocabulary entry and takes argmax(p / e), which is a draw from p; a seeded request draws
-its exponentials from a generator of its own, so its tokens do not depend on the batch.
+minimum-kept rules). Greedy rows take the argmax of the penalized logits. Sampling draws one
+exponential per vocabulary entry and takes argmax(p / e), which is a draw from p; a seeded
+request draws its exponentials from a generator of its own, so its tokens do not depend on
+the batch. A row whose distribution is not a distribution (NaN, +inf, or nothing left to
+draw from) gets no token: it is reported in `SampleResult.failed`, and the other rows are
+not affected.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class SampleResult:
     tokens: list[int]
     logprobs: list[dict[int, float] | None]  # per row, when asked for
     token_logprobs: list[float | None]
+    failed: list[int]  # rows with no valid distribution (their tokens are meaningless)
 
 
 def _padded(lists: list[list[int]], fill: int, device) -> torch.Tensor:
@@ -48,13 +52,15 @@ class Sampler:
         want_logprobs = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         raw = torch.log_softmax(logits, -1) if want_logprobs else None
         logits = self.penalize(logits.clone(), rows)
-        greedy = [r.params.temperature == 0 for r in rows]
+        greedy = [r.params.greedy for r in rows]
         if all(greedy):
-            tokens = logits.argmax(-1)
+            tokens, valid = logits.argmax(-1), _valid(logits)
         else:
             scores = self.warp(logits, rows)
             tokens = self._draw(logits, scores, rows, greedy)
-        return self._result(tokens, raw, rows, want_logprobs)
+            valid = torch.where(torch.tensor(greedy, device=logits.device), _valid(logits),
+                                _valid(scores))
+        return self._result(tokens, valid, raw, rows, want_logprobs)
 
     # -- processors -----------------------------------------------------------------------
     def penalize(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -96,13 +102,16 @@ class Sampler:
         whose softmax is the distribution drawn from (greedy rows pass unchanged)."""
         device = logits.device
         params = [r.params for r in rows]
-        greedy = [p.temperature == 0 for p in params]
+        greedy = [p.greedy for p in params]
+        vocab = logits.shape[1]
         temperature = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)],
                                    device=device)
         scores = logits / temperature[:, None]
-        top_k = [0 if g or p.top_k in (0, -1) else p.top_k for g, p in zip(greedy, params)]
+        # top_k at or above the vocabulary keeps every token (as vLLM).
+        top_k = [0 if g or p.top_k in (0, -1) or p.top_k >= vocab else p.top_k
+                 for g, p in zip(greedy, params)]
         if any(top_k):
-            k = torch.tensor([k or scores.shape[1] for k in top_k], device=device)
+            k = torch.tensor([k or vocab for k in top_k], device=device)
             kth = scores.topk(int(k.max()), -1).values.gather(1, (k - 1)[:, None])
             scores = scores.masked_fill(scores < kth, float("-inf"))
         top_p = [1.0 if g else p.top_p for g, p in zip(greedy, params)]
@@ -133,14 +142,16 @@ class Sampler:
         return torch.where(torch.tensor(greedy, device=device), logits.argmax(-1), sampled)
 
     @staticmethod
-    def _result(tokens, raw, rows, want):
-        token_list = tokens.tolist()  # the one host sync of the sampler
+    def _result(tokens, valid, raw, rows, want):
+        # The one host sync of the sampler: tokens and validity together.
+        token_list, valid_list = torch.stack([tokens, valid.long()]).tolist()
+        failed = [i for i, ok in enumerate(valid_list) if not ok]
         logprobs: list = [None] * len(rows)
         token_logprobs: list = [None] * len(rows)
         if want:
             idx = torch.tensor(want, device=tokens.device)
             lp = raw[idx]
-            k = max(rows[i].params.logprobs for i in want)
+            k = min(max(rows[i].params.logprobs for i in want), lp.shape[1])
             top = lp.topk(max(k, 1), -1)
             chosen = lp.gather(1, tokens[idx][:, None])[:, 0]
             values, indices, chosen = top.values.tolist(), top.indices.tolist(), chosen.tolist()
@@ -149,4 +160,10 @@ class Sampler:
                 entry = dict(zip(indices[j][:n], values[j][:n]))
                 entry[token_list[i]] = chosen[j]
                 logprobs[i], token_logprobs[i] = entry, chosen[j]
-        return SampleResult(token_list, logprobs, token_logprobs)
+        return SampleResult(token_list, logprobs, token_logprobs, failed)
+
+
+def _valid(scores: torch.Tensor) -> torch.Tensor:
+    """[S, V] -> [S] bool: the row is a distribution to draw from (no NaN or +inf, and at
+    least one finite entry)."""
+    return torch.isfinite(scores).any(-1) & ~(torch.isnan(scores) | torch.isposinf(scores)).any(-1)

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
+
+from .errors import InvalidRequestError
 
 # vLLM's defaults, for settings neither the request nor the model's generation_config gives.
 FALLBACKS = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
                  max_tokens=16)
+# A temperature below this samples greedily (as vLLM): dividing logits by it would overflow.
+GREEDY_BELOW = 1e-5
+# Smaller repetition penalties divide logits into infinities (and the softmax into NaN).
+MIN_REPETITION_PENALTY = 1e-4
+SEED_RANGE = (-2**63, 2**64 - 1)  # what torch.Generator.manual_seed takes
 
 
 @dataclass
@@ -17,19 +25,26 @@ class SamplingParams:
 
     n:                  completions of the prompt (they share its cached blocks)
     max_tokens:         tokens to generate at most ("length" ends the completion)
-    temperature:        0 is greedy; otherwise logits are divided by it before sampling
+    temperature:        0 (or below 1e-5) is greedy; otherwise logits are divided by it
     top_p, top_k, min_p: nucleus, top-k (0 or -1: off) and min-p filtering, as Transformers'
                         warpers do, in the order temperature, top-k, top-p, min-p
     repetition_penalty: Transformers' multiplicative penalty on prompt and output tokens
+                        (at least 1e-4)
     presence_penalty, frequency_penalty: OpenAI's additive penalties on output tokens
     seed:               a generator of the request's own: the same tokens alone or in a batch
+                        (any integer torch takes, -2**63 .. 2**64-1; completion i uses seed + i)
     stop:               strings that end a completion ("stop"); they are not in the text
     stop_token_ids:     token ids that end a completion ("stop"); they are in `token_ids`
     ignore_eos:         keep going past the model's EOS token
     min_tokens:         EOS and stop token ids are masked until this many tokens are out
     logprobs:           return the log-probabilities (of the model's raw distribution) of
                         this many most likely tokens at each step, plus the sampled one's
+    cache_salt:         prefix-cache namespace: prompts with different salts never share
+                        cached blocks (one salt per tenant), as vLLM's `cache_salt`
+    timeout:            seconds from arrival after which the request ends ("timeout"),
+                        queued or running; its blocks are freed at once
     Unset settings (None) take the model's generation_config values, else vLLM's defaults.
+    Out-of-range settings raise InvalidRequestError (a ValueError) naming the setting.
     """
 
     n: int = 1
@@ -47,13 +62,19 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    cache_salt: str | None = None
+    timeout: float | None = None
     _resolved: bool = field(default=False, repr=False, compare=False)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
-        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        ids = list(self.stop_token_ids or [])
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise InvalidRequestError(f"SamplingParams.stop_token_ids must be integers; got "
+                                      f"{ids!r:.200}.", "stop_token_ids")
+        self.stop_token_ids = [int(t) for t in ids]
         _check(self.n, "n", int, lambda v: v >= 1, "an integer >= 1")
         _check(self.max_tokens, "max_tokens", int, lambda v: v >= 1, "an integer >= 1", none=True)
         _check(self.temperature, "temperature", float, lambda v: v >= 0, "a number >= 0", none=True)
@@ -61,24 +82,44 @@ class SamplingParams:
         _check(self.top_k, "top_k", int, lambda v: v >= -1, "an integer >= -1 (0 or -1: off)",
                none=True)
         _check(self.min_p, "min_p", float, lambda v: 0 <= v <= 1, "a number in [0, 1]", none=True)
-        _check(self.repetition_penalty, "repetition_penalty", float, lambda v: v > 0,
-               "a number > 0", none=True)
+        _check(self.repetition_penalty, "repetition_penalty", float,
+               lambda v: v >= MIN_REPETITION_PENALTY, f"a number >= {MIN_REPETITION_PENALTY}",
+               none=True)
         for name in ("presence_penalty", "frequency_penalty"):
             _check(getattr(self, name), name, float, lambda v: -2 <= v <= 2,
                    "a number in [-2, 2]")
-        _check(self.seed, "seed", int, lambda v: True, "an integer", none=True)
+        _check(self.seed, "seed", int, lambda v: SEED_RANGE[0] <= v <= SEED_RANGE[1],
+               "an integer in [-2**63, 2**64 - 1]", none=True)
         _check(self.min_tokens, "min_tokens", int, lambda v: v >= 0, "an integer >= 0")
         _check(self.logprobs, "logprobs", int, lambda v: 0 <= v <= 20, "an integer in [0, 20]",
                none=True)
+        _check(self.timeout, "timeout", float, lambda v: v > 0, "a number of seconds > 0",
+               none=True)
         if not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"SamplingParams.stop must be non-empty strings; got {self.stop!r}.")
+            raise InvalidRequestError(
+                f"SamplingParams.stop must be non-empty strings; got {self.stop!r:.200}.", "stop")
+        if self.cache_salt is not None and not (isinstance(self.cache_salt, str)
+                                                and self.cache_salt):
+            raise InvalidRequestError(f"SamplingParams.cache_salt must be a non-empty string; "
+                                      f"got {self.cache_salt!r:.200}.", "cache_salt")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"SamplingParams.min_tokens ({self.min_tokens}) must not exceed "
-                             f"max_tokens ({self.max_tokens}).")
+            raise InvalidRequestError(f"SamplingParams.min_tokens ({self.min_tokens}) must not "
+                                      f"exceed max_tokens ({self.max_tokens}).", "min_tokens")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raises InvalidRequestError for token ids the model does not have."""
+        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequestError(f"SamplingParams.stop_token_ids must be token ids in "
+                                      f"[0, {vocab_size}); got {bad[:5]}.", "stop_token_ids")
+
+    def generator_seed(self, completion: int) -> int:
+        """The seed of completion `completion`'s generator (wraps as torch does)."""
+        return (self.seed + completion) % 2**64
 
     def resolved(self, defaults: dict[str, Any]) -> "SamplingParams":
         """A copy with every unset setting taken from `defaults`, then vLLM's."""
@@ -90,8 +131,8 @@ class SamplingParams:
             values[name] = value if value is not None else defaults.get(name, fallback)
         out = replace(self, **values, _resolved=True)
         if out.min_tokens > out.max_tokens:
-            raise ValueError(f"SamplingParams.min_tokens ({out.min_tokens}) must not exceed "
-                             f"max_tokens ({out.max_tokens}).")
+            raise InvalidRequestError(f"SamplingParams.min_tokens ({out.min_tokens}) must not "
+                                      f"exceed max_tokens ({out.max_tokens}).", "min_tokens")
         return out
 
 
@@ -99,8 +140,10 @@ def _check(value, name, kind, ok, allowed, none=False):
     if value is None and none:
         return
     numeric = (int, float) if kind is float else (int,)
-    if isinstance(value, bool) or not isinstance(value, numeric) or not ok(value):
-        raise ValueError(f"SamplingParams.{name} must be {allowed}; got {value!r}.")
+    if (isinstance(value, bool) or not isinstance(value, numeric)
+            or (isinstance(value, float) and not math.isfinite(value)) or not ok(value)):
+        raise InvalidRequestError(f"SamplingParams.{name} must be {allowed}; got {value!r}.",
+                                  name)
 
 
 def generation_defaults(generation_config) -> dict[str, Any]:

@@ -28,7 +28,7 @@ class Sequence:
     max_tokens: int
     priority: int = 0  # lower runs first
     arrival: int = 0  # order of arrival, the tie-break within a priority
-    salt: bytes = b""  # prefix-cache namespace: the model or adapter that computes the K/V
+    salt: bytes = b""  # prefix-cache namespace (prefix_cache.namespace: adapter, cache salt)
     output: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     row: int | None = None
@@ -42,6 +42,7 @@ class Sequence:
     preemptions: int = 0
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     finish_reason: str | None = None
+    adapter: str | None = None  # the PEFT adapter that runs it (None: the model as it is)
 
     @property
     def num_tokens(self) -> int:
