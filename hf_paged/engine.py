@@ -301,7 +301,7 @@ class LLMEngine:
         eos = eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else []
         self.eos_ids = {e for e in eos if isinstance(e, int) and 0 <= e < self.vocab_size}
         self.requests: dict[str, _Request] = {}
-        self._aborts: set[str] = set()
+        self._aborts: dict[str, str | None] = {}  # request id -> why (None: asked to)
         self._deadlines: list = []  # heap of (deadline, tie-break, request)
         self._seq_ids = itertools.count(1)
         self._arrivals = itertools.count()
@@ -420,15 +420,16 @@ class LLMEngine:
             heapq.heappush(self._deadlines, (request.deadline, next(self._arrivals), request))
         self.scheduler.add(seq)
 
-    def abort(self, request_id: str) -> None:
-        """Ends the request at the next step boundary, freeing its blocks ("abort")."""
+    def abort(self, request_id: str, error: str | None = None) -> None:
+        """Ends the request at the next step boundary, freeing its blocks ("abort");
+        `error`, if given, says why (in the output's `error`)."""
         if request_id in self.requests and not self.requests[request_id].finished:
-            self._aborts.add(request_id)
+            self._aborts[request_id] = error
 
     def remove_request(self, request_id: str) -> None:
         """Ends the request now, between steps, freeing its blocks; it yields no output."""
         request = self.requests.pop(request_id, None)
-        self._aborts.discard(request_id)
+        self._aborts.pop(request_id, None)
         if request is not None:
             for seq in request.seqs:
                 self.scheduler.abort(seq)
@@ -464,9 +465,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Runs one step; returns the outputs of the requests it changed."""
         touched: dict[str, _Request] = {}
-        for request_id in self._aborts:
+        for request_id, error in self._aborts.items():
             request = self.requests[request_id]
             self._end(request, "abort")
+            if error is not None:
+                logger.warning("hf-paged: request %s aborted: %s", request_id, error)
+                request.error = error
             touched[request_id] = request
         self._aborts.clear()
         self._expire(touched)  # before scheduling: a request past its deadline never runs

@@ -11,6 +11,7 @@ import itertools
 import os
 
 from .engine import LLMEngine
+from .errors import HFPagedError
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import RequestRejectedError
@@ -72,7 +73,10 @@ class LLM:
                  use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
         """prompts: a string, a list of token ids, or a list of either. A request that can
         never run (too long for the model or the pool) comes back with finish_reason "error"
-        and `error` set; the others run normally."""
+        and `error` set, as does one that fails while running; the others run normally.
+        Malformed input raises InvalidRequestError before anything runs. If the call raises
+        (or is interrupted), none of its requests stays queued: the `LLM` serves the next
+        call as if this one had not happened."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                         and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -83,22 +87,39 @@ class LLM:
             params = sampling_params
         else:
             params = [sampling_params or SamplingParams()] * len(prompts)
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"{len(priority)} priorities for {len(prompts)} prompts.")
         batch = next(_batches)
         ids = [f"llm-{batch}-{i}" for i in range(len(prompts))]
         results: dict[str, RequestOutput] = {}
+        engine = self.engine
+        prepared = []
         for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params)):
-            try:
-                self.engine.add_request(rid, prompt, p, priority[i] if priority else 0)
+            try:  # every request checked before any is queued
+                prepared.append(engine.prepare_request(rid, prompt, p,
+                                                       priority[i] if priority else 0))
             except RequestRejectedError as err:
                 results[rid] = _rejected(rid, prompt, p, str(err))
         bar = _progress(len(prompts), use_tqdm)
         bar.update(len(results))
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
-                    results[out.request_id] = out
-                    bar.update(1)
-        bar.close()
+        try:
+            for request in prepared:
+                engine.add_prepared(request)
+            mine = set(ids) - set(results)
+            while mine:
+                if not engine.has_unfinished_requests():
+                    raise HFPagedError(f"the engine lost {len(mine)} request(s) of this call.")
+                for out in engine.step():
+                    if out.finished and out.request_id in mine:
+                        mine.discard(out.request_id)
+                        results[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            for rid in ids:  # nothing of this call stays queued
+                engine.remove_request(rid)
+            raise
+        finally:
+            bar.close()
         return [results[rid] for rid in ids]
 
 

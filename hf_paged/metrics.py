@@ -1,5 +1,8 @@
 """Prometheus metrics of a served engine: the engine's state read at scrape time, and
-per-request latency histograms observed as requests finish."""
+per-request latency histograms observed as requests finish. Per-tenant counters (tenant:
+the API key's position, "key-0", ...; "default" without keys) count each tenant's requests,
+prompt tokens and prefix-cache hits: with keys, a tenant's hits come from its own prompts
+only."""
 
 from __future__ import annotations
 
@@ -73,11 +76,24 @@ class ServerMetrics:
         self.rejected = Counter("hf_paged_requests_rejected",
                                 "Requests refused before running, by HTTP status.",
                                 labels + ["status"], registry=self.registry)
+        tenant = labels + ["tenant"]
+        self.tenant_requests = Counter("hf_paged_tenant_requests",
+                                       "Finished requests per tenant.", tenant,
+                                       registry=self.registry)
+        self.tenant_prompt_tokens = Counter("hf_paged_tenant_prompt_tokens",
+                                            "Prompt tokens per tenant.", tenant,
+                                            registry=self.registry)
+        self.tenant_hits = Counter("hf_paged_tenant_prefix_cache_hit_tokens",
+                                   "Prompt tokens served from the prefix cache, per tenant.",
+                                   tenant, registry=self.registry)
 
-    def finished(self, out: RequestOutput) -> None:
+    def finished(self, out: RequestOutput, tenant: str = "default") -> None:
         m = out.metrics
         for c in out.outputs:
             self.requests.labels(self.model_name, c.finish_reason or "unknown").inc()
+        self.tenant_requests.labels(self.model_name, tenant).inc()
+        self.tenant_prompt_tokens.labels(self.model_name, tenant).inc(len(out.prompt_token_ids))
+        self.tenant_hits.labels(self.model_name, tenant).inc(out.num_cached_tokens)
         if m is None or m.finished_time is None:
             return
         self.e2e.labels(self.model_name).observe(m.finished_time - m.arrival_time)

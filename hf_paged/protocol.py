@@ -1,8 +1,9 @@
 """The OpenAI API's request and response shapes, and their translation to the engine's.
 
 Requests are validated with pydantic: a field of the wrong type or out of range is a 400
-naming it (unknown fields are ignored, as OpenAI's own server does). Responses and stream
-chunks are plain dicts in OpenAI's layout.
+naming it (unknown fields are ignored, as OpenAI's own server does), and so is a string that
+is not valid Unicode (a lone surrogate such as "\ud800"). Responses and stream chunks are
+plain dicts in OpenAI's layout.
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ import time
 import uuid
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from .detokenizer import TokenPieces
+from .errors import InvalidRequestError
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
 
@@ -38,10 +41,37 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+def _check_unicode(data: Any) -> None:
+    """APIError 400 naming the top-level field of the first string that UTF-8 cannot
+    encode (walked without recursion: a deeply nested body cannot exhaust the stack)."""
+    if not isinstance(data, dict):
+        return
+    todo = [(key, value) for key, value in data.items()]
+    while todo:
+        field, value = todo.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise APIError(400, f"{field}: strings must be valid Unicode (no lone "
+                               "surrogates such as \\ud800).", str(field)) from None
+        elif isinstance(value, dict):
+            todo += [(field, k) for k in value] + [(field, v) for v in value.values()]
+        elif isinstance(value, list):
+            todo += [(field, v) for v in value]
+
+
 class _Sampling(BaseModel):
     """Fields shared by completions and chat (OpenAI's, then the extras vLLM accepts)."""
 
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode(cls, data):
+        _check_unicode(data)
+        return data
+
     model: str
     n: int = Field(1, ge=1, le=64)
     max_tokens: int | None = Field(None, ge=1)
@@ -62,8 +92,14 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     priority: int = 0
+    cache_salt: str | None = Field(None, min_length=1)  # vLLM's: a prefix-cache namespace
+    timeout: float | None = Field(None, gt=0)  # seconds until the request ends ("timeout")
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        timeout: float | None = None) -> SamplingParams:
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported.", "logit_bias")
         if self.stream_options is not None and not self.stream:
@@ -75,11 +111,10 @@ class _Sampling(BaseModel):
                 top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
-                ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, logprobs=logprobs)
-        except ValueError as err:
-            field = str(err).split("SamplingParams.")[-1].split(" ")[0] if "SamplingParams." in \
-                str(err) else None
-            raise APIError(400, str(err), field) from err
+                ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, logprobs=logprobs,
+                timeout=timeout)
+        except InvalidRequestError as err:
+            raise APIError(400, str(err), err.param) from err
 
     @property
     def include_usage(self) -> bool:
@@ -143,76 +178,88 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-class TokenText:
-    """Token ids -> the text pieces OpenAI reports for logprobs."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-
-    def __call__(self, token: int) -> str:
-        if self.tokenizer is None:
-            return f"token_id:{token}"
-        return self.tokenizer.decode([token])
+def error_body(message: str) -> dict:
+    """The error object of a request that failed while running (finish_reason "error")."""
+    return {"message": message, "type": "server_error", "param": None, "code": None}
 
 
-def completion_logprobs(out: CompletionOutput, start: int, text: TokenText, offset: int) -> dict:
-    """Completions-API logprobs of tokens [start:] of a completion."""
+def completion_logprobs(out: CompletionOutput, start: int, pieces: TokenPieces,
+                        offset: int) -> dict:
+    """Completions-API logprobs of tokens [start:] of a completion. Each position's
+    `top_logprobs` holds the chosen token under its own string, then the others; a token
+    whose string another one already has is keyed `token_id:N` (nothing collapses)."""
     tokens, token_lps, tops, offsets = [], [], [], []
     for token, entry in zip(out.token_ids[start:], out.logprobs[start:]):
-        piece = text(token)
+        piece = pieces.text(token)
         tokens.append(piece)
         token_lps.append(entry[token])
-        tops.append({text(t): lp for t, lp in entry.items()})
+        top = {piece: entry[token]}
+        for t, lp in sorted(entry.items(), key=lambda kv: -kv[1]):
+            if t != token:
+                key = pieces.text(t)
+                top[f"token_id:{t}" if key in top else key] = lp
+        tops.append(top)
         offsets.append(offset)
-        offset += len(piece)
+        offset += 0 if piece.startswith("bytes:") else len(piece)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
             "text_offset": offsets}
 
 
-def chat_logprobs(out: CompletionOutput, start: int, text: TokenText, top: int) -> dict:
-    """Chat-API logprobs of tokens [start:] of a completion."""
+def chat_logprobs(out: CompletionOutput, start: int, pieces: TokenPieces, top: int) -> dict:
+    """Chat-API logprobs of tokens [start:] of a completion; `bytes` are each token's own."""
     content = []
     for token, entry in zip(out.token_ids[start:], out.logprobs[start:]):
-        piece = text(token)
         ranked = sorted(entry.items(), key=lambda kv: -kv[1])[:top]
         content.append({
-            "token": piece, "logprob": entry[token], "bytes": list(piece.encode()),
-            "top_logprobs": [{"token": text(t), "logprob": lp, "bytes": list(text(t).encode())}
+            "token": pieces.text(token), "logprob": entry[token], "bytes": pieces.bytes(token),
+            "top_logprobs": [{"token": pieces.text(t), "logprob": lp, "bytes": pieces.bytes(t)}
                              for t, lp in ranked]})
     return {"content": content}
 
 
 def completion_response(request_id: str, model: str, results: list[RequestOutput], n: int,
-                        text: TokenText) -> dict:
-    choices, prompt_tokens, completion_tokens = [], 0, 0
+                        pieces: TokenPieces) -> dict:
+    choices, prompt_tokens, completion_tokens, cached = [], 0, 0, 0
+    errors = []
     for i, result in enumerate(results):
         prompt_tokens += len(result.prompt_token_ids)
+        cached += result.num_cached_tokens
+        if result.error:
+            errors.append(f"prompt {i}: {result.error}" if len(results) > 1 else result.error)
         for out in result.outputs:
             completion_tokens += len(out.token_ids)
             choices.append({
                 "index": i * n + out.index, "text": out.text,
-                "logprobs": completion_logprobs(out, 0, text, 0) if out.logprobs is not None
+                "logprobs": completion_logprobs(out, 0, pieces, 0) if out.logprobs is not None
                 else None,
                 "finish_reason": out.finish_reason, "stop_reason": out.stop_reason})
-    return {"id": request_id, "object": "text_completion", "created": int(time.time()),
+    body = {"id": request_id, "object": "text_completion", "created": int(time.time()),
             "model": model, "choices": choices,
-            "usage": usage(prompt_tokens, completion_tokens)}
+            "usage": usage(prompt_tokens, completion_tokens, cached)}
+    if errors:
+        body["error"] = error_body("; ".join(errors))
+    return body
 
 
-def chat_response(request_id: str, model: str, result: RequestOutput, text: TokenText,
+def chat_response(request_id: str, model: str, result: RequestOutput, pieces: TokenPieces,
                   top: int) -> dict:
     choices = []
     for out in result.outputs:
         choices.append({
             "index": out.index, "message": {"role": "assistant", "content": out.text},
-            "logprobs": chat_logprobs(out, 0, text, top) if out.logprobs is not None else None,
+            "logprobs": chat_logprobs(out, 0, pieces, top) if out.logprobs is not None else None,
             "finish_reason": out.finish_reason, "stop_reason": out.stop_reason})
     completion_tokens = sum(len(o.token_ids) for o in result.outputs)
-    return {"id": request_id, "object": "chat.completion", "created": int(time.time()),
+    body = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
             "model": model, "choices": choices,
-            "usage": usage(len(result.prompt_token_ids), completion_tokens)}
+            "usage": usage(len(result.prompt_token_ids), completion_tokens,
+                           result.num_cached_tokens)}
+    if result.error:
+        body["error"] = error_body(result.error)
+    return body

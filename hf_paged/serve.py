@@ -34,9 +34,33 @@ def parser() -> argparse.ArgumentParser:
                    help="the model name clients ask for (default: the model argument)")
     p.add_argument("--lora", action="append", default=[], metavar="NAME=ADAPTER_DIR",
                    help="serve a PEFT LoRA adapter, unmerged, as model NAME (repeatable)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
-    p.add_argument("--max-waiting-requests", type=int, default=512,
-                   help="waiting sequences past which requests get 503 + Retry-After (512)")
+    s = p.add_argument_group("security and limits")
+    s.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every path but /health; "
+                        "repeatable, one tenant per key")
+    s.add_argument("--salt-by-api-key", action=argparse.BooleanOptionalAction, default=True,
+                   help="cache each key's prompts apart: tenants never share prefix-cache "
+                        "blocks (on)")
+    s.add_argument("--metrics-without-auth", action="store_true",
+                   help="serve /metrics without a key (for a scraper inside the network)")
+    s.add_argument("--max-waiting-requests", type=int, default=512,
+                   help="waiting sequences (prompts x n) past which requests get 503 + "
+                        "Retry-After (512)")
+    s.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
+                   help="largest request body in bytes; larger ones get 413 (4 MiB)")
+    s.add_argument("--max-stop-strings", type=int, default=64,
+                   help="stop strings per request (64)")
+    s.add_argument("--max-stop-chars", type=int, default=8192,
+                   help="total characters of a request's stop strings (8192)")
+    s.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds a request may take, queued or running; it then ends with "
+                        "finish_reason 'timeout' (no limit)")
+    s.add_argument("--max-unread-outputs", type=int, default=256,
+                   help="outputs a stream may leave unread before its request is aborted "
+                        "(256)")
+    s.add_argument("--shutdown-grace", type=float, default=10.0,
+                   help="at SIGTERM, seconds open requests get before they end with an "
+                        "error (10)")
     e = p.add_argument_group("engine")
     e.add_argument("--block-size", type=int, default=16, help="tokens per KV block (16)")
     budget = e.add_mutually_exclusive_group()
@@ -113,9 +137,7 @@ def engine_options(args) -> dict:
 
 
 def main(argv=None) -> None:
-    import uvicorn
-
-    from .server import build_app
+    from .server import ServerLimits, build_app
 
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO)
@@ -129,20 +151,38 @@ def main(argv=None) -> None:
         LLMEngine(model, tokenizer, **engine_options(args)).worker_loop()
         torch.distributed.destroy_process_group()
         return
+    limits = ServerLimits(args.max_waiting_requests, args.max_request_bytes,
+                          args.max_stop_strings, args.max_stop_chars, args.request_timeout,
+                          args.shutdown_grace)
     app = build_app(model, tokenizer, served_model_name=args.served_model_name or args.model,
-                    api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
-                    **engine_options(args))
-    # SIGINT/SIGTERM: uvicorn stops accepting, gives open requests 10 s, then the app's
-    # shutdown ends whatever still runs (their streams get an error and [DONE]). uvicorn then
-    # re-raises the signal to the handler it found: exit 0, the shutdown was clean.
+                    api_key=args.api_key, limits=limits, salt_by_api_key=args.salt_by_api_key,
+                    metrics_without_auth=args.metrics_without_auth,
+                    max_unread_outputs=args.max_unread_outputs, **engine_options(args))
+    # SIGINT/SIGTERM: uvicorn stops accepting; open requests get --shutdown-grace seconds,
+    # then end with an error (streams: an error event and [DONE]). uvicorn then re-raises
+    # the signal to the handler it found: exit 0, the shutdown was clean.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: sys.exit(0))
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=10)
+        _serve(app, app.state.server.begin_shutdown, host=args.host, port=args.port,
+               log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_grace + 5)
     finally:
         if world_size() > 1 and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def _serve(app, on_exit, **config) -> None:
+    """uvicorn, telling the app when a signal starts the shutdown (the app then ends its
+    open requests properly instead of having them cut)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            if not self.should_exit:
+                on_exit()
+            super().handle_exit(sig, frame)
+
+    Server(uvicorn.Config(app, **config)).run()
 
 
 if __name__ == "__main__":

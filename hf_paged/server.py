@@ -4,6 +4,14 @@ A thin layer: it validates requests (`protocol.py`), hands them to an `AsyncLLM`
 its outputs into OpenAI responses or server-sent events. `build_app` makes the ASGI app from
 a loaded model (a notebook or a training script can serve the model it just trained);
 `hf-paged serve` (`serve.py`) loads a folder and runs it with uvicorn.
+
+One client cannot hold up or end another's requests: keys and body sizes are checked before
+anything is parsed (`guard.py`); tokenization and chat templating run on worker threads, not
+the event loop; every request is checked in full, and admitted against the bound on waiting
+sequences, before any of its sequences is queued; a request that fails while running ends
+alone with finish_reason "error" and the message (in the body, or as a last error event of
+its stream); a stream its client does not read is aborted; each tenant (API key) gets its
+own prefix-cache namespace.
 """
 
 from __future__ import annotations
@@ -11,34 +19,75 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .async_llm import AsyncLLM, EngineDeadError
+from .async_llm import AsyncLLM, RequestStream
+from .detokenizer import TokenPieces
 from .engine import BASE
+from .errors import InvalidRequestError
+from .guard import RequestGuard
 from .metrics import ServerMetrics
 from .outputs import RequestOutput
 from .protocol import (
-    APIError, ChatCompletionRequest, CompletionRequest, TokenText, chat_logprobs,
-    chat_response, completion_logprobs, completion_response, new_id, usage,
+    APIError, ChatCompletionRequest, CompletionRequest, chat_logprobs, chat_response,
+    completion_logprobs, completion_response, error_body, new_id, usage,
 )
 from .scheduler import RequestRejectedError
 
+logger = logging.getLogger("hf_paged")
+SHUTDOWN_MESSAGE = "the server is shutting down"
+
+
+@dataclass
+class ServerLimits:
+    """What one request may ask of the server (each has a `hf-paged serve` flag).
+
+    max_waiting_sequences: sequences (prompts x n) queued and not started, past which a
+        request gets 503 + Retry-After; a request with more than this alone gets 400
+    max_request_bytes:     largest request body (413 past it)
+    max_stop_strings, max_stop_chars: stop strings per request, and their total length
+    request_timeout:       seconds a request may take, queued or running (None: no limit);
+        a request's own `timeout` may ask for less, never more
+    shutdown_grace:        seconds open requests get at shutdown before they end with an error
+    """
+
+    max_waiting_sequences: int = 512
+    max_request_bytes: int = 4 * 2**20
+    max_stop_strings: int = 64
+    max_stop_chars: int = 8192
+    request_timeout: float | None = None
+    shutdown_grace: float = 10.0
+
 
 class _Server:
-    """What the endpoints share: the engine, model names, limits and metrics."""
+    """What the endpoints share: the engine, model names, tenants, limits and metrics."""
 
     def __init__(self, llm: AsyncLLM, model_name: str, adapters: list[str],
-                 api_key: str | None, max_waiting: int):
+                 limits: ServerLimits, salt_by_api_key: bool):
         self.llm, self.model_name, self.adapters = llm, model_name, list(adapters)
-        self.api_key, self.max_waiting = api_key, max_waiting
+        self.limits, self.salt_by_api_key = limits, salt_by_api_key
         self.metrics = ServerMetrics(llm.stats, model_name)
-        self.text = TokenText(llm.tokenizer)
+        self.pieces = TokenPieces(llm.tokenizer)
         self.started = int(time.time())
+        # Tokenizing a long prompt takes long: never on the event loop.
+        self.executor = ThreadPoolExecutor(4, thread_name_prefix="hf-paged-tokenize")
+        self.draining = False
+        self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop, once started
+
+    # -- checks, before anything is queued --------------------------------------------------
+    def check_open(self) -> None:
+        if self.draining:
+            raise APIError(503, "The server is shutting down.", None, "server_busy",
+                           headers={"Retry-After": "5"})
 
     def adapter_for(self, model: str) -> str | None:
         """The engine adapter of a request's `model`; APIError 404 for an unknown one."""
@@ -50,59 +99,134 @@ class _Server:
                        f"{[self.model_name] + self.adapters}.", "model", "not_found_error",
                        "model_not_found")
 
-    def admit(self) -> None:
-        """503 with Retry-After past the bound of waiting sequences (no unbounded growth)."""
-        stats = self.llm.stats()
-        if stats.waiting >= self.max_waiting:
-            self.metrics.rejected.labels(self.model_name, "503").inc()
-            raise APIError(503, f"The server has {stats.waiting} requests waiting (the limit is "
-                           f"{self.max_waiting}); retry shortly.", None, "server_busy",
-                           headers={"Retry-After": "1"})
+    def check_stops(self, stops: list[str]) -> None:
+        limits = self.limits
+        if len(stops) > limits.max_stop_strings:
+            raise APIError(400, f"stop: at most {limits.max_stop_strings} stop strings; got "
+                           f"{len(stops)}.", "stop")
+        total = sum(len(s) for s in stops)
+        if total > limits.max_stop_chars:
+            raise APIError(400, f"stop: the stop strings may have {limits.max_stop_chars} "
+                           f"characters in all; got {total}.", "stop")
 
-    def tokens(self, prompt, param: str) -> list[int]:
+    def timeout_for(self, asked: float | None) -> float | None:
+        limit = self.limits.request_timeout
+        return limit if asked is None else asked if limit is None else min(asked, limit)
+
+    def salt_for(self, tenant: str, asked: str | None) -> str | None:
+        """The request's prefix-cache namespace: its tenant's (with API keys) and its own."""
+        if not self.salt_by_api_key or tenant is None:
+            return asked
+        return json.dumps([tenant, asked])
+
+    async def _off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def tokens(self, prompt, param: str) -> list[int]:
         if isinstance(prompt, str):
-            if self.llm.tokenizer is None:
+            tokenizer = self.llm.tokenizer
+            if tokenizer is None:
                 raise APIError(400, "This server has no tokenizer; send token ids.", param)
-            return self.llm.tokenizer(prompt)["input_ids"]
+            return (await self._off_loop(tokenizer, prompt))["input_ids"]
         return list(prompt)
 
-    def chat_tokens(self, request: ChatCompletionRequest) -> list[int]:
+    async def chat_tokens(self, request: ChatCompletionRequest) -> list[int]:
         tokenizer = self.llm.tokenizer
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "The model's tokenizer has no chat template, so chat completions "
                            "cannot be formatted; use /v1/completions.", "messages")
         messages = [m.as_template_input() for m in request.messages]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)
+
+        def render():
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                tokenize=True)
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+        try:
+            return await self._off_loop(render)
+        except Exception as err:  # noqa: BLE001 (a template that rejects these messages)
+            raise APIError(400, f"The chat template could not format these messages: "
+                           f"{type(err).__name__}: {err}", "messages") from err
 
     def default_max_tokens(self, prompt_len: int) -> int:
         """Chat without max_tokens: as much as the context and the pool leave."""
         engine = self.llm.engine
-        room = engine.scheduler.pool.num_blocks * engine.block_size
+        room = engine.num_blocks * engine.block_size
         return max(1, min(engine.max_model_len, room) - prompt_len - engine.block_size)
 
-    async def run(self, prompt: list[int], params, adapter, priority, request: Request):
-        """The final output of one request; aborted if the client leaves first."""
-        stream = self.llm.generate(prompt, params, new_id("req"), priority, adapter)
-        task = asyncio.ensure_future(_last(stream))
-        while not task.done():
-            await asyncio.wait([task], timeout=0.5)
-            if not task.done() and await request.is_disconnected():
+    # -- running -----------------------------------------------------------------------------
+    def start(self, prompts: list[list[int]], params, adapter, priority: int,
+              cache_salt: str | None, field: str) -> list[RequestStream]:
+        """Checks every prompt, admits them together, then queues them (no await between
+        the admission and the queueing: concurrent requests cannot overshoot the bound)."""
+        prepared = []
+        for prompt in prompts:
+            try:
+                prepared.append(self.llm.prepare(prompt, params, new_id("req"), priority,
+                                                 adapter, cache_salt))
+            except RequestRejectedError as err:
+                self.metrics.rejected.labels(self.model_name, "400").inc()
+                raise APIError(400, str(err), field, code="context_length_exceeded") from err
+            except InvalidRequestError as err:
+                param = field if err.param in (None, "prompt") else err.param
+                raise APIError(400, str(err), param) from err
+        new = sum(r.params.n for r in prepared)
+        bound = self.limits.max_waiting_sequences
+        if 0 < bound < new:
+            self.metrics.rejected.labels(self.model_name, "400").inc()
+            raise APIError(400, f"This request has {new} sequences (prompts x n); the server "
+                           f"queues at most {bound} (--max-waiting-requests).", "n")
+        waiting = self.llm.num_waiting_sequences()
+        if waiting + new > bound:
+            self.metrics.rejected.labels(self.model_name, "503").inc()
+            raise APIError(503, f"The server has {waiting} sequences waiting (the limit is "
+                           f"{bound}); retry shortly.", None, "server_busy",
+                           headers={"Retry-After": "1"})
+        return [self.llm.submit(r) for r in prepared]
+
+    async def collect(self, streams: list[RequestStream], request: Request):
+        """The final outputs of `streams`, or None if the client left first (then they are
+        aborted, their blocks freed)."""
+        tasks = [asyncio.ensure_future(_last(s)) for s in streams]
+        try:
+            while True:
+                _, pending = await asyncio.wait(tasks, timeout=0.5)
+                if not pending:
+                    break
+                if await request.is_disconnected():
+                    return None
+            results = [t.result() for t in tasks]
+        finally:
+            for stream in streams:
+                stream.abort()
+            for task in tasks:
                 task.cancel()
-                await stream.aclose()
-                raise asyncio.CancelledError
-        out = task.result()
-        self.metrics.finished(out)
-        return out
+        for result in results:
+            if isinstance(result, BaseException):
+                raise APIError(500, f"{type(result).__name__}: {result}", None, "server_error")
+        return results
+
+    def finished(self, out: RequestOutput, tenant: str) -> None:
+        self.metrics.finished(out, tenant)
+
+    def begin_shutdown(self) -> None:
+        """Safe from a signal handler or another thread: refuse new requests (503), give
+        open ones `limits.shutdown_grace` seconds, then end them with an error (streams with
+        an error event and [DONE])."""
+        if self.draining or self.loop is None:
+            return
+        self.draining = True
+        self.loop.call_soon_threadsafe(self.loop.call_later, self.limits.shutdown_grace,
+                                       self.llm.abort_all, SHUTDOWN_MESSAGE)
 
 
-async def _last(stream):
+async def _last(stream: RequestStream):
     out = None
-    async with contextlib.aclosing(stream):
+    try:
         async for out in stream:
             pass
+    except Exception as err:  # noqa: BLE001 (reported by the caller)
+        return err
     return out
 
 
@@ -114,28 +238,62 @@ def _sse(data: Any) -> str:
     return f"data: {json.dumps(data)}\n\n"
 
 
+class _EventStream(StreamingResponse):
+    """Server-sent events whose generator is closed however the response ends (a client
+    gone mid-send included), so its requests are always aborted."""
+
+    def __init__(self, events, streams: list[RequestStream]):
+        super().__init__(events, media_type="text/event-stream")
+        self._events, self._streams = events, streams
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for stream in self._streams:
+                stream.abort()
+            await self._events.aclose()
+
+
 def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
-              served_model_name: str | None = None, api_key: str | None = None,
-              max_waiting_requests: int = 512, **engine_options) -> FastAPI:
+              served_model_name: str | None = None, api_key: str | list[str] | None = None,
+              max_waiting_requests: int | None = None, limits: ServerLimits | None = None,
+              salt_by_api_key: bool = True, metrics_without_auth: bool = False,
+              max_unread_outputs: int = 256, **engine_options) -> FastAPI:
     """The ASGI app serving `model` (a loaded model, a PEFT model with LoRA adapters, or a
     folder), or an existing `llm` (which the app then does not shut down). Adapters of a
     PEFT model are served under their names, the base model under `served_model_name` (by
-    default the model's name_or_path). `engine_options` are `LLMEngine`'s."""
+    default the model's name_or_path). `engine_options` are `LLMEngine`'s.
+
+    api_key: one key or several (one tenant each); with keys, every path but /health needs
+    one (/metrics too, unless `metrics_without_auth`), and each tenant's prompts are cached
+    apart (`salt_by_api_key`). limits: see `ServerLimits` (`max_waiting_requests` sets its
+    max_waiting_sequences)."""
     owned = llm is None
     if owned:
-        llm = AsyncLLM(model, tokenizer, **engine_options)
+        llm = AsyncLLM(model, tokenizer, max_unread_outputs=max_unread_outputs, **engine_options)
+    limits = limits or ServerLimits()
+    if max_waiting_requests is not None:
+        limits.max_waiting_sequences = max_waiting_requests
+    keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+    if any(not isinstance(k, str) or not k for k in keys):
+        raise ValueError("API keys must be non-empty strings.")
     engine = llm.engine
-    name = served_model_name or str(getattr(engine._base.config, "name_or_path", "") or "model")
-    server = _Server(llm, name, engine.adapters, api_key, max_waiting_requests)
+    name = served_model_name or engine.model_name
+    server = _Server(llm, name, engine.adapters, limits, salt_by_api_key and bool(keys))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        server.loop = asyncio.get_running_loop()
         yield
+        server.executor.shutdown(wait=False, cancel_futures=True)
         if owned:  # in-flight requests end with an error; their streams close
             llm.shutdown()
 
     app = FastAPI(title="hf-paged", lifespan=lifespan)
     app.state.server = server
+    app.add_middleware(RequestGuard, api_keys=keys, max_request_bytes=limits.max_request_bytes,
+                       metrics_without_auth=metrics_without_auth)
 
     @app.exception_handler(APIError)
     async def api_error(request, err: APIError):
@@ -152,18 +310,23 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
         return _error(APIError(400, f"{'.'.join(loc) + ': ' if loc else ''}{message}",
                                loc[0] if loc else None))
 
-    @app.middleware("http")
-    async def auth(request: Request, call_next):
-        if server.api_key and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization") != f"Bearer {server.api_key}":
-                return _error(APIError(401, "Missing or wrong API key (Authorization: Bearer).",
-                                       None, "authentication_error", "invalid_api_key"))
-        return await call_next(request)
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, err: StarletteHTTPException):
+        if err.status_code == 400:  # FastAPI could not parse the body (bad UTF-8, too deep)
+            message = "The request body could not be parsed as JSON (invalid UTF-8, or nested " \
+                      "too deeply)."
+        else:
+            message = str(err.detail)
+        kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+        return _error(APIError(err.status_code, message, None, kind,
+                               headers=getattr(err, "headers", None)))
 
     @app.get("/health")
     async def health():
-        if not llm._thread.is_alive():
+        if not llm.is_alive:
             return JSONResponse({"status": "dead"}, status_code=503)
+        if server.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -179,69 +342,59 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
+        server.check_open()
         adapter = server.adapter_for(body.model)
-        prompts = [server.tokens(p, "prompt") for p in body.prompts()]
-        params = body.sampling_params(body.max_tokens or 16, body.logprobs)
-        for p in prompts:
-            _check(server, p, params)
-        server.admit()
+        server.check_stops(body.stops())
+        params = body.sampling_params(body.max_tokens or 16, body.logprobs,
+                                      server.timeout_for(body.timeout))
+        raw = body.prompts()
+        prompts = [await server.tokens(p, "prompt") for p in raw]
+        tenant = request.state.tenant
+        streams = server.start(prompts, params, adapter, body.priority,
+                               server.salt_for(tenant, body.cache_salt), "prompt")
         rid = new_id("cmpl")
         if body.stream:
-            return StreamingResponse(_stream_completions(server, body, rid, prompts, params,
-                                                         adapter), media_type="text/event-stream")
-        results = await asyncio.gather(*(server.run(p, params, adapter, body.priority, request)
-                                         for p in prompts))
-        return completion_response(rid, body.model, results, body.n, server.text)
+            return _EventStream(_completion_events(server, body, rid, streams, params, tenant),
+                                streams)
+        results = await server.collect(streams, request)
+        if results is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        for out in results:
+            server.finished(out, tenant)
+        return completion_response(rid, body.model, results, body.n, server.pieces)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
+        server.check_open()
         adapter = server.adapter_for(body.model)
-        prompt = server.chat_tokens(body)
+        server.check_stops(body.stops())
+        top = body.logprob_count()
+        prompt = await server.chat_tokens(body)
         max_tokens = body.max_completion_tokens or body.max_tokens or \
             server.default_max_tokens(len(prompt))
-        top = body.logprob_count()
-        params = body.sampling_params(max_tokens, top)
-        _check(server, prompt, params, "messages")
-        server.admit()
+        params = body.sampling_params(max_tokens, top, server.timeout_for(body.timeout))
+        tenant = request.state.tenant
+        streams = server.start([prompt], params, adapter, body.priority,
+                               server.salt_for(tenant, body.cache_salt), "messages")
         rid = new_id("chatcmpl")
         if body.stream:
-            return StreamingResponse(_stream_chat(server, body, rid, prompt, params, adapter,
-                                                  top or 0), media_type="text/event-stream")
-        result = await server.run(prompt, params, adapter, body.priority, request)
-        return chat_response(rid, body.model, result, server.text, top or 0)
+            return _EventStream(_chat_events(server, body, rid, streams[0], params, top or 0,
+                                             tenant), streams)
+        results = await server.collect(streams, request)
+        if results is None:
+            return Response(status_code=499)
+        server.finished(results[0], tenant)
+        return chat_response(rid, body.model, results[0], server.pieces, top or 0)
 
     return app
-
-
-def _check(server: _Server, prompt: list[int], params, field: str = "prompt") -> None:
-    """The engine's own checks, as 400s naming the field, before anything runs."""
-    engine = server.llm.engine
-    bad = [t for t in prompt if not 0 <= t < engine.vocab_size]
-    if bad:
-        raise APIError(400, f"prompt token ids must be in [0, {engine.vocab_size}); got "
-                       f"{bad[:5]}.", field)
-    resolved = params.resolved(engine.defaults)
-    try:
-        engine.scheduler.check_fits(len(prompt), resolved.max_tokens, resolved.n)
-    except RequestRejectedError as err:
-        server.metrics.rejected.labels(server.model_name, "400").inc()
-        raise APIError(400, str(err), field, code="context_length_exceeded") from err
-
-
-async def _outputs(server: _Server, prompt, params, adapter, priority):
-    """The request's outputs as they come; the last one is observed in the metrics."""
-    stream = server.llm.generate(prompt, params, new_id("req"), priority, adapter)
-    async with contextlib.aclosing(stream):
-        async for out in stream:
-            if out.finished:
-                server.metrics.finished(out)
-            yield out
 
 
 class _Deltas:
     """What each choice of a stream has been sent: tokens, characters, and whether its end.
     While a completion may still end on a stop string, the last characters that could be
-    the start of one are held back (the final text is cut before the stop string)."""
+    the start of one are held back (the final text is cut before the stop string). The
+    engine's text only grows (an incomplete character is held back there), so the deltas
+    add up to the final text."""
 
     def __init__(self, params):
         self.hold = max((len(s) for s in params.stop), default=1) - 1
@@ -258,31 +411,43 @@ class _Deltas:
         return tokens, c.text[chars:visible]
 
 
-async def _stream_completions(server, body, rid, prompts, params, adapter):
-    created, n = int(time.time()), body.n
-    deltas = _Deltas(params)
-    prompt_tokens = completion_tokens = 0
-    queue: asyncio.Queue = asyncio.Queue()
+async def _merged(streams: list[RequestStream]):
+    """(index, output) of several streams as they come. A bounded queue keeps the readers
+    in step with the client: a client that stops reading leaves the engine's per-request
+    buffers to fill, and those requests are aborted."""
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
 
-    async def pump(i, prompt):
+    async def pump(i, stream):
         try:
-            async for out in _outputs(server, prompt, params, adapter, body.priority):
+            async for out in stream:
                 await queue.put((i, out))
         except Exception as err:  # noqa: BLE001 (reported in the stream)
             await queue.put((i, err))
         await queue.put((i, None))
 
-    tasks = [asyncio.ensure_future(pump(i, p)) for i, p in enumerate(prompts)]
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
     try:
-        live = len(prompts)
+        live = len(streams)
         while live:
             i, out = await queue.get()
             if out is None:
                 live -= 1
-                continue
-            if isinstance(out, Exception):
-                yield _sse(APIError(500, f"{type(out).__name__}: {out}", None,
-                                    "server_error").body())
+            else:
+                yield i, out
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _completion_events(server, body, rid, streams, params, tenant):
+    created, n = int(time.time()), body.n
+    deltas = _Deltas(params)
+    prompt_tokens = completion_tokens = cached = 0
+    errors = []
+    async with contextlib.aclosing(_merged(streams)) as merged:
+        async for i, out in merged:
+            if isinstance(out, BaseException):
+                errors.append(f"{type(out).__name__}: {out}")
                 continue
             for c in out.outputs:
                 index = i * n + c.index
@@ -293,29 +458,33 @@ async def _stream_completions(server, body, rid, prompts, params, adapter):
                 start, text = delta
                 choice = {"index": index, "text": text, "finish_reason": c.finish_reason,
                           "logprobs": None if c.logprobs is None else
-                          completion_logprobs(c, start, server.text, chars_before)}
+                          completion_logprobs(c, start, server.pieces, chars_before)}
                 yield _sse({"id": rid, "object": "text_completion", "created": created,
                             "model": body.model, "choices": [choice]})
             if out.finished:
+                server.finished(out, tenant)
                 prompt_tokens += len(out.prompt_token_ids)
                 completion_tokens += sum(len(c.token_ids) for c in out.outputs)
-        if body.include_usage:
-            yield _sse({"id": rid, "object": "text_completion", "created": created,
-                        "model": body.model, "choices": [],
-                        "usage": usage(prompt_tokens, completion_tokens)})
-        yield "data: [DONE]\n\n"
-    finally:
-        for task in tasks:
-            task.cancel()
+                cached += out.num_cached_tokens
+                if out.error:
+                    errors.append(out.error if len(streams) == 1 else f"prompt {i}: {out.error}")
+    if errors:
+        yield _sse({"error": error_body("; ".join(errors))})
+    if body.include_usage:
+        yield _sse({"id": rid, "object": "text_completion", "created": created,
+                    "model": body.model, "choices": [],
+                    "usage": usage(prompt_tokens, completion_tokens, cached)})
+    yield "data: [DONE]\n\n"
 
 
-async def _stream_chat(server, body, rid, prompt, params, adapter, top):
+async def _chat_events(server, body, rid, stream, params, top, tenant):
     head = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
             "model": body.model}
     deltas = _Deltas(params)
     last: RequestOutput | None = None
+    error = None
     try:
-        async for out in _outputs(server, prompt, params, adapter, body.priority):
+        async for out in stream:
             last = out
             for c in out.outputs:
                 if c.index not in deltas.sent:  # the role first, as OpenAI streams it
@@ -328,11 +497,17 @@ async def _stream_chat(server, body, rid, prompt, params, adapter, top):
                 start, text = delta
                 choice = {"index": c.index, "delta": {"content": text},
                           "finish_reason": c.finish_reason, "logprobs": None if c.logprobs
-                          is None else chat_logprobs(c, start, server.text, top)}
+                          is None else chat_logprobs(c, start, server.pieces, top)}
                 yield _sse(dict(head, choices=[choice]))
-    except (EngineDeadError, RequestRejectedError) as err:
-        yield _sse(APIError(500, str(err), None, "server_error").body())
+    except Exception as err:  # noqa: BLE001 (reported in the stream)
+        error = f"{type(err).__name__}: {err}"
+    if last is not None and last.finished:
+        server.finished(last, tenant)
+        error = error or last.error
+    if error:
+        yield _sse({"error": error_body(error)})
     if body.include_usage and last is not None:
         yield _sse(dict(head, choices=[], usage=usage(
-            len(last.prompt_token_ids), sum(len(c.token_ids) for c in last.outputs))))
+            len(last.prompt_token_ids), sum(len(c.token_ids) for c in last.outputs),
+            last.num_cached_tokens)))
     yield "data: [DONE]\n\n"

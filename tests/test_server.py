@@ -204,7 +204,7 @@ def test_concurrent_streaming_clients(served):
 
 
 def metrics(served) -> dict:
-    text = httpx.get(served.url + "/metrics").text
+    text = httpx.get(served.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
 
 
