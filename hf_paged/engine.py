@@ -18,6 +18,7 @@ message in `error`; every other request goes on with the tokens it would have pr
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import logging
@@ -512,8 +513,9 @@ class LLMEngine:
         for k, c in enumerate(request.completions):
             if c.finish_reason is None:
                 c.finish_reason = reason
-                if request.texts is not None:
-                    request.texts[k].finish(c.token_ids)
+                if request.texts is not None and reason != "error":
+                    with contextlib.suppress(Exception):  # its text so far stands
+                        request.texts[k].finish(c.token_ids)
                     c.text = request.texts[k].text
 
     def _fail(self, request: _Request, message: str, touched: dict) -> None:
