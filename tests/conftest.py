@@ -161,3 +161,41 @@ def wait_healthy(proc, port: int, timeout: float = 120) -> None:
             pass
         assert time.time() < deadline, "the server did not start"
         time.sleep(0.2)
+
+
+BYTE_CORPUS = ["héllo wörld café naïve €5 日本語 テスト 😀 ünïcödé", "the quick brown fox jumps"]
+
+
+def make_byte_tokenizer(vocab_size: int = 300) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer (GPT-2 style) trained offline on a little text with
+    accents, CJK and emoji: many characters span several tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "</s>", "<s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(BYTE_CORPUS * 20, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>",
+                                   bos_token="<s>")
+
+
+def make_byte_fallback_tokenizer() -> PreTrainedTokenizerFast:
+    """A SentencePiece-style tokenizer (Metaspace, byte fallback: unknown characters become
+    <0xNN> byte tokens), over a small vocabulary of words."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    vocab = {"<pad>": PAD, "</s>": EOS, "<s>": BOS}
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    for word in ["▁the", "▁quick", "▁fox", "▁café", "▁a", "b", "c", "▁"]:
+        vocab[word] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token=None))
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first",
+                                                 split=False)
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>",
+                                   bos_token="<s>")
