@@ -12,11 +12,11 @@ from .stats import DeviceMemory, MemoryStats
 from .placement import Placement, model_placement
 from .config import PagedCacheConfig
 from .errors import (
-    BackwardNotSupportedError, HFPagedError, KVCacheExhaustedError, KVPoolAllocationError,
-    UnsupportedModelError,
+    BackwardNotSupportedError, HFPagedError, InvalidRequestError, KVCacheExhaustedError,
+    KVPoolAllocationError, UnsupportedModelError,
 )
 from .integration import SUPPORTED_ARCHITECTURES, disable, enable, is_enabled
-from .async_llm import AsyncLLM, EngineDeadError
+from .async_llm import AsyncLLM, EngineDeadError, RequestStream
 from .engine import EngineStats, IsolationError, LLMEngine
 from .llm import LLM
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -27,9 +27,10 @@ __version__ = "0.2.0"
 
 __all__ = [
     "AsyncLLM", "BackwardNotSupportedError", "BlockPool", "BlockTables", "CompletionOutput",
-    "DeviceMemory", "EngineDeadError", "EngineStats", "HFPagedError", "IsolationError", "KVCacheExhaustedError",
-    "KVPoolAllocationError", "LLM", "LLMEngine", "MemoryStats", "PagedCache",
-    "PagedCacheConfig", "Placement", "RequestMetrics", "RequestOutput", "RequestRejectedError",
+    "DeviceMemory", "EngineDeadError", "EngineStats", "HFPagedError", "InvalidRequestError",
+    "IsolationError", "KVCacheExhaustedError", "KVPoolAllocationError", "LLM", "LLMEngine",
+    "MemoryStats", "PagedCache", "PagedCacheConfig", "Placement", "RequestMetrics",
+    "RequestOutput", "RequestRejectedError", "RequestStream",
     "SUPPORTED_ARCHITECTURES", "SamplingParams", "UnsupportedModelError", "disable", "enable",
     "is_enabled", "model_placement",
 ]

@@ -736,27 +736,24 @@ class LLMEngine:
 
     def _sample_rows(self, logits: torch.Tensor, rows: list[SampleRow]):
         """(SampleResult, {row: error message}) for logits [S, V]. If sampling the rows
-        together raises, each row is sampled alone (seeded generators rewound first), so
-        one row's failure costs only its own request."""
-        states = [(r.generator, r.generator.get_state()) for r in rows
-                  if r.generator is not None]
+        together raises, each row is sampled alone with the same noise (drawn once, before,
+        so a seeded generator is never drawn from twice): one row's failure costs only its
+        own request, and every other row gets the token it would have got."""
+        noise = self.sampler.noise(logits.shape[0], logits.shape[1], rows, logits.device)
         try:
-            result = self.sampler(logits, rows)
+            result = self.sampler(logits, rows, noise)
         except Exception as err:  # noqa: BLE001
             logger.warning("hf-paged: sampling %d rows together failed (%s); sampling them "
                            "apart", len(rows), _describe(err))
-            for generator, state in states:
-                generator.set_state(state)
             tokens, lps, tlps, errors = [], [], [], {}
             for j, row in enumerate(rows):
                 try:
-                    one = self.sampler(logits[j:j + 1], [row])
-                    bad = bool(one.failed)
+                    one = self.sampler(logits[j:j + 1], [row],
+                                       None if noise is None else noise[j:j + 1])
+                    if one.failed:
+                        errors[j] = _NOT_FINITE
                 except Exception as row_err:  # noqa: BLE001
-                    one, bad = None, True
-                    errors[j] = f"sampling failed: {_describe(row_err)}"
-                if bad and j not in errors:
-                    errors[j] = _NOT_FINITE
+                    one, errors[j] = None, f"sampling failed: {_describe(row_err)}"
                 tokens.append(one.tokens[0] if one else 0)
                 lps.append(one.logprobs[0] if one else None)
                 tlps.append(one.token_logprobs[0] if one else None)

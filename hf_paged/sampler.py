@@ -46,8 +46,11 @@ def _padded(lists: list[list[int]], fill: int, device) -> torch.Tensor:
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
-        """logits [S, V] (any float dtype) -> one token per row."""
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow],
+                 noise: torch.Tensor | None = None) -> SampleResult:
+        """logits [S, V] (any float dtype) -> one token per row. noise: the rows'
+        exponentials [S, V] drawn beforehand by `noise` (drawn here if not given), so that
+        a caller sampling the rows again draws nothing twice from a seeded generator."""
         logits = logits.float()
         want_logprobs = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         raw = torch.log_softmax(logits, -1) if want_logprobs else None
@@ -57,7 +60,9 @@ class Sampler:
             tokens, valid = logits.argmax(-1), _valid(logits)
         else:
             scores = self.warp(logits, rows)
-            tokens = self._draw(logits, scores, rows, greedy)
+            if noise is None:
+                noise = self.noise(logits.shape[0], logits.shape[1], rows, logits.device)
+            tokens = self._draw(logits, scores, noise, greedy)
             valid = torch.where(torch.tensor(greedy, device=logits.device), _valid(logits),
                                 _valid(scores))
         return self._result(tokens, valid, raw, rows, want_logprobs)
@@ -130,16 +135,24 @@ class Sampler:
             scores = scores.masked_fill(remove, float("-inf"))
         return scores
 
-    def _draw(self, logits, scores, rows, greedy):
-        device = logits.device
-        probs = scores.softmax(-1)
-        noise = torch.empty_like(probs).exponential_()
+    @staticmethod
+    def noise(count: int, vocab: int, rows: list[SampleRow], device) -> torch.Tensor | None:
+        """One exponential per row and vocabulary entry [count, V] (None if every row is
+        greedy); a seeded row's come from its own generator, the only draw from it."""
+        if all(r.params.greedy for r in rows):
+            return None
+        noise = torch.empty(count, vocab, device=device).exponential_()
         for i, row in enumerate(rows):
-            if row.generator is not None and not greedy[i]:
-                noise[i] = torch.empty(probs.shape[1], device=device).exponential_(
+            if row.generator is not None and not row.params.greedy:
+                noise[i] = torch.empty(vocab, device=device).exponential_(
                     generator=row.generator)
-        sampled = (probs / noise).argmax(-1)
-        return torch.where(torch.tensor(greedy, device=device), logits.argmax(-1), sampled)
+        return noise
+
+    @staticmethod
+    def _draw(logits, scores, noise, greedy):
+        sampled = (scores.softmax(-1) / noise).argmax(-1)
+        return torch.where(torch.tensor(greedy, device=logits.device), logits.argmax(-1),
+                           sampled)
 
     @staticmethod
     def _result(tokens, valid, raw, rows, want):
@@ -165,5 +178,5 @@ class Sampler:
 
 def _valid(scores: torch.Tensor) -> torch.Tensor:
     """[S, V] -> [S] bool: the row is a distribution to draw from (no NaN or +inf, and at
-    least one finite entry)."""
-    return torch.isfinite(scores).any(-1) & ~(torch.isnan(scores) | torch.isposinf(scores)).any(-1)
+    least one finite entry): exactly when its maximum, which NaN propagates to, is finite."""
+    return torch.isfinite(scores.amax(-1))
