@@ -248,18 +248,24 @@ def test_lora_model_is_served_and_prompt_learning_is_refused():
         LLM(prompt_tuned)
 
 
-def test_adapters_batched_apart_and_prefix_cache_kept_apart():
+def two_adapter_model(first: str, second: str):
+    """A PEFT model on the Llama test model with two random LoRA adapters."""
     from peft import LoraConfig, TaskType, get_peft_model
-
-    from hf_paged.engine import BASE
 
     base = long_model("llama_gqa")
     config = dict(task_type=TaskType.CAUSAL_LM, r=4, target_modules="all-linear",
                   init_lora_weights=False)
-    model = get_peft_model(LlamaForCausalLM(base.config), LoraConfig(**config), adapter_name="a")
+    model = get_peft_model(LlamaForCausalLM(base.config), LoraConfig(**config),
+                           adapter_name=first)
     model.base_model.model.load_state_dict(base.state_dict(), strict=False)
-    model.add_adapter("b", LoraConfig(**config))
-    model.eval()
+    model.add_adapter(second, LoraConfig(**config))
+    return model.eval()
+
+
+def test_adapters_batched_apart_and_prefix_cache_kept_apart():
+    from hf_paged.engine import BASE
+
+    model = two_adapter_model("a", "b")
     prompt = list(range(3, 43))  # 10 full blocks of 4
     refs = {}
     for name in ("a", "b"):

@@ -18,7 +18,9 @@ from hf_paged.errors import InvalidRequestError
 from hf_paged.prefix_cache import block_key, namespace
 from hf_paged.sampler import Sampler
 from conftest import VOCAB, make_tokenizer
-from test_engine import long_model, random_prompts, run_engine, stock_greedy
+from test_engine import (
+    long_model, random_prompts, run_engine, stock_greedy, two_adapter_model,
+)
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 
@@ -348,16 +350,7 @@ def test_cache_salts_never_share_blocks():
 
 def test_adapters_whose_names_run_into_their_tokens_never_share_blocks():
     """Adapters "m" and "m1": "m" + "12,..." once hashed like "m1" + "2,..."."""
-    from peft import LoraConfig, TaskType, get_peft_model
-    from transformers import LlamaForCausalLM
-
-    base = long_model("llama_gqa")
-    config = dict(task_type=TaskType.CAUSAL_LM, r=4, target_modules="all-linear",
-                  init_lora_weights=False)
-    model = get_peft_model(LlamaForCausalLM(base.config), LoraConfig(**config), adapter_name="m")
-    model.base_model.model.load_state_dict(base.state_dict(), strict=False)
-    model.add_adapter("m1", LoraConfig(**config))
-    model.eval()
+    model = two_adapter_model("m", "m1")
     rest = list(range(20, 31))
     first, second = [2] + rest, [12] + rest  # "m1" + "2,20,..." == "m" + "12,20,..." as text
     model.set_adapter("m")
