@@ -326,7 +326,8 @@ def test_sigterm_ends_open_streams_with_an_error_and_done(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "hf_paged.serve", str(tmp_path), "--port", str(port),
          "--served-model-name", "tiny", "--num-blocks", "400", "--block-size", "4",
-         "--shutdown-grace", "1", "--log-level", "warning"],
+         "--shutdown-grace", "1", "--log-level", "warning", "--api-key", "k1",
+         "--api-key", "k2"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_healthy(proc, port)
@@ -334,8 +335,10 @@ def test_sigterm_ends_open_streams_with_an_error_and_done(tmp_path):
         body = {"model": "tiny", "prompt": [5, 6], "max_tokens": 1300, "ignore_eos": True,
                 "stream": True}
         started = time.time()
-        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body,
-                          timeout=60) as r:
+        url = f"http://127.0.0.1:{port}"
+        assert httpx.post(url + "/v1/completions", json=body).status_code == 401
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60,
+                          headers={"Authorization": "Bearer k2"}) as r:
             for line in r.iter_lines():
                 if line.startswith("data:"):
                     lines.append(line)
