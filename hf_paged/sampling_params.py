@@ -13,8 +13,8 @@ FALLBACKS = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_pena
                  max_tokens=16)
 # A temperature below this samples greedily (as vLLM): dividing logits by it would overflow.
 GREEDY_BELOW = 1e-5
-# Smaller repetition penalties divide logits into infinities (and the softmax into NaN).
-MIN_REPETITION_PENALTY = 1e-4
+# Repetition penalties beyond these turn logits into infinities (and the softmax into NaN).
+REPETITION_PENALTY_RANGE = (1e-4, 1e4)
 SEED_RANGE = (-2**63, 2**64 - 1)  # what torch.Generator.manual_seed takes
 
 
@@ -29,7 +29,7 @@ class SamplingParams:
     top_p, top_k, min_p: nucleus, top-k (0 or -1: off) and min-p filtering, as Transformers'
                         warpers do, in the order temperature, top-k, top-p, min-p
     repetition_penalty: Transformers' multiplicative penalty on prompt and output tokens
-                        (at least 1e-4)
+                        (1e-4 to 1e4)
     presence_penalty, frequency_penalty: OpenAI's additive penalties on output tokens
     seed:               a generator of the request's own: the same tokens alone or in a batch
                         (any integer torch takes, -2**63 .. 2**64-1; completion i uses seed + i)
@@ -82,9 +82,9 @@ class SamplingParams:
         _check(self.top_k, "top_k", int, lambda v: v >= -1, "an integer >= -1 (0 or -1: off)",
                none=True)
         _check(self.min_p, "min_p", float, lambda v: 0 <= v <= 1, "a number in [0, 1]", none=True)
-        _check(self.repetition_penalty, "repetition_penalty", float,
-               lambda v: v >= MIN_REPETITION_PENALTY, f"a number >= {MIN_REPETITION_PENALTY}",
-               none=True)
+        low, high = REPETITION_PENALTY_RANGE
+        _check(self.repetition_penalty, "repetition_penalty", float, lambda v: low <= v <= high,
+               f"a number in [{low}, {high}]", none=True)
         for name in ("presence_penalty", "frequency_penalty"):
             _check(getattr(self, name), name, float, lambda v: -2 <= v <= 2,
                    "a number in [-2, 2]")
