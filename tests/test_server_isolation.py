@@ -227,6 +227,9 @@ def test_deadlines(hostile):
     assert r.status_code == 200 and choice["finish_reason"] == "timeout"
     assert 0 < r.json()["usage"]["completion_tokens"] < 1100
     blocks_back(hostile)
+    limits = hostile.server.config.app.state.server  # --request-timeout 30 is a cap
+    assert (limits.timeout_for(None), limits.timeout_for(100.0), limits.timeout_for(2.0)) == \
+        (30.0, 30.0, 2.0)
 
 
 def test_random_mix_with_invalid_requests(hostile):
@@ -353,3 +356,17 @@ def test_sigterm_ends_open_streams_with_an_error_and_done(tmp_path):
         assert proc.wait(timeout=60) == 0
     finally:
         proc.kill()
+
+
+def test_a_stream_of_several_prompts_adds_up_to_the_whole(hostile):
+    body = {"model": "tiny", "prompt": [[5, 6], [7, 8, 9], [10]], "n": 2, "max_tokens": 12,
+            "temperature": 0.9, "seed": 4, "stop": ["w7"], "ignore_eos": True}
+    whole = post(hostile, body).json()["choices"]
+    texts: dict = {}
+    with httpx.stream("POST", hostile.url + "/v1/completions", json={**body, "stream": True},
+                      headers=A, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    assert texts == {c["index"]: c["text"] for c in whole} and len(texts) == 6
