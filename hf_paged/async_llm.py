@@ -29,7 +29,7 @@ from typing import AsyncIterator
 import torch
 
 from .engine import LLMEngine
-from .errors import HFPagedError, InvalidRequestError
+from .errors import HFPagedError, InvalidRequestError, describe
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -231,8 +231,7 @@ class AsyncLLM:
                     outputs = engine.step()
                 except Exception as err:  # noqa: BLE001 (no single request caused it)
                     logger.exception("hf-paged: an engine step failed; ending its requests")
-                    outputs = engine.fail_all(f"the engine step failed: "
-                                              f"{type(err).__name__}: {err}")
+                    outputs = engine.fail_all(f"the engine step failed: {describe(err)}")
                 self._deliver(outputs)
         self._drain_inbox()
         outputs = engine.fail_all("the engine was shut down")

@@ -11,14 +11,13 @@ One request's trouble stays with it. Settings that can be checked against the mo
 checked when a request is added (`prepare_request`). What cannot be checked up front is
 contained when it happens: a forward that raises is re-run on halves of its sequences until
 the ones that fail alone are found; a sampling row that raises (or whose distribution is
-not finite) is sampled apart, with seeded generators rewound first; a request whose stop
-check or text fails ends alone. Those requests end with finish_reason "error" and the
+not finite) is sampled apart with the noise already drawn for it (a seeded generator is
+never drawn from twice); a request whose stop check or text fails ends alone. Those requests end with finish_reason "error" and the
 message in `error`; every other request goes on with the tokens it would have produced.
 """
 
 from __future__ import annotations
 
-import contextlib
 import heapq
 import itertools
 import logging
@@ -33,7 +32,7 @@ from transformers.cache_utils import Cache
 from . import attention
 from .block_table import FREED
 from .detokenizer import IncrementalText
-from .errors import HFPagedError, InvalidRequestError, UnsupportedModelError
+from .errors import HFPagedError, InvalidRequestError, UnsupportedModelError, describe
 from .kv_pool import KVPool, block_bytes
 from .metadata import DeviceBlockTable, build_metadata, to_device
 from .models import attention_tp_size, kv_layout, tp_heads
@@ -41,6 +40,7 @@ from .placement import input_device, logits_index_device, model_placement
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .pool_access import PoolAccess
 from .prefix_cache import namespace
+from .request import EngineRequest
 from .sampler import SampleResult, Sampler, SampleRow
 from .sampling_params import SamplingParams, generation_defaults
 from .scheduler import RequestRejectedError, Scheduler, Step
@@ -129,32 +129,6 @@ class DeviceStep:
     copies: list
     entries: list
     forwards: list[Forward]
-
-
-@dataclass
-class _Request:
-    """A request as the engine keeps it (made by `prepare_request`, queued by
-    `add_prepared`)."""
-
-    request_id: str
-    prompt: str | None
-    prompt_ids: list[int]
-    params: SamplingParams  # resolved
-    priority: int
-    adapter: str | None
-    salt: bytes  # prefix-cache namespace
-    completions: list[CompletionOutput]
-    generators: list[torch.Generator | None]
-    stop_ids: set[int]
-    metrics: RequestMetrics
-    texts: list[IncrementalText] | None  # per completion, when text is followed as it grows
-    deadline: float | None = None  # time.monotonic() past which it ends ("timeout")
-    seqs: list[Sequence] = field(default_factory=list)
-    error: str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return all(c.finished for c in self.completions)
 
 
 @dataclass(frozen=True)
@@ -301,7 +275,7 @@ class LLMEngine:
             eos = getattr(text_config, "eos_token_id", None)
         eos = eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else []
         self.eos_ids = {e for e in eos if isinstance(e, int) and 0 <= e < self.vocab_size}
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, EngineRequest] = {}
         self._aborts: dict[str, str | None] = {}  # request id -> why (None: asked to)
         self._deadlines: list = []  # heap of (deadline, tie-break, request)
         self._seq_ids = itertools.count(1)
@@ -355,7 +329,7 @@ class LLMEngine:
     def prepare_request(self, request_id: str, prompt: str | list[int],
                         params: SamplingParams | None = None, priority: int = 0,
                         adapter: str | None = None,
-                        cache_salt: str | None = None) -> _Request:
+                        cache_salt: str | None = None) -> EngineRequest:
         """Checks a request against the model and the pool and tokenizes it, changing no
         engine state (a server may call it on its own thread while the engine steps);
         `add_prepared` then queues it."""
@@ -369,13 +343,11 @@ class LLMEngine:
                                       "priority")
         params = (params or SamplingParams()).resolved(self.defaults)
         params.check_vocab(self.vocab_size)
-        if cache_salt is not None and params.cache_salt not in (None, cache_salt):
-            raise InvalidRequestError("cache_salt is given twice, with different values.",
-                                      "cache_salt")
-        salt = cache_salt if cache_salt is not None else params.cache_salt
-        if salt is not None and not (isinstance(salt, str) and salt):
-            raise InvalidRequestError(f"cache_salt must be a non-empty string; got {salt!r}.",
-                                      "cache_salt")
+        if cache_salt is not None:
+            if params.cache_salt not in (None, cache_salt):
+                raise InvalidRequestError("cache_salt is given twice, with different values.",
+                                          "cache_salt")
+            params = replace(params, cache_salt=cache_salt)  # checked as SamplingParams'
         text = None
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -398,8 +370,9 @@ class LLMEngine:
         follow = self.tokenizer is not None and (self.incremental_text or bool(params.stop))
         arrival = time.monotonic()
         logprobs = params.logprobs is not None
-        return _Request(
-            request_id, text, prompt, params, priority, adapter, namespace(adapter, salt),
+        return EngineRequest(
+            request_id, text, prompt, params, priority, adapter,
+            namespace(adapter, params.cache_salt),
             [CompletionOutput(i, logprobs=[] if logprobs else None,
                               cumulative_logprob=0.0 if logprobs else None)
              for i in range(params.n)],
@@ -407,7 +380,7 @@ class LLMEngine:
             [IncrementalText(self.tokenizer) for _ in range(params.n)] if follow else None,
             None if params.timeout is None else arrival + params.timeout)
 
-    def add_prepared(self, request: _Request) -> None:
+    def add_prepared(self, request: EngineRequest) -> None:
         """Queues a request made by `prepare_request`."""
         if request.request_id in self.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use.")
@@ -465,7 +438,7 @@ class LLMEngine:
     # -- one step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Runs one step; returns the outputs of the requests it changed."""
-        touched: dict[str, _Request] = {}
+        touched: dict[str, EngineRequest] = {}
         for request_id, error in self._aborts.items():
             request = self.requests[request_id]
             self._end(request, "abort")
@@ -487,12 +460,7 @@ class LLMEngine:
         for request in touched.values():
             if request.finished:
                 request.metrics.finished_time = now
-            try:
-                outputs.append(self._output(request))
-            except Exception as err:  # noqa: BLE001 (its text failed: it alone ends)
-                self._fail(request, f"its output could not be built: {_describe(err)}", {})
-                request.metrics.finished_time = now
-                outputs.append(self._output(request, with_text=False))
+            outputs.append(request.output(self.tokenizer))
         for request in touched.values():
             if request.finished:
                 del self.requests[request.request_id]
@@ -506,19 +474,13 @@ class LLMEngine:
                 self._end(request, "timeout")
                 touched[request.request_id] = request
 
-    def _end(self, request: _Request, reason: str) -> None:
+    def _end(self, request: EngineRequest, reason: str) -> None:
         """Ends every unfinished completion of `request` with `reason`, freeing its blocks."""
         for seq in request.seqs:
             self.scheduler.finish(seq, reason)
-        for k, c in enumerate(request.completions):
-            if c.finish_reason is None:
-                c.finish_reason = reason
-                if request.texts is not None and reason != "error":
-                    with contextlib.suppress(Exception):  # its text so far stands
-                        request.texts[k].finish(c.token_ids)
-                    c.text = request.texts[k].text
+        request.end(reason)
 
-    def _fail(self, request: _Request, message: str, touched: dict) -> None:
+    def _fail(self, request: EngineRequest, message: str, touched: dict) -> None:
         """Ends `request` alone with finish_reason "error" and `message`."""
         logger.warning("hf-paged: request %s failed: %s", request.request_id, message)
         self._end(request, "error")
@@ -572,7 +534,7 @@ class LLMEngine:
         except Exception as err:  # noqa: BLE001
             if len(items) == 1:
                 request = self.requests[items[0].seq.request_id]
-                self._fail(request, f"the model's forward failed on it: {_describe(err)}",
+                self._fail(request, f"the model's forward failed on it: {describe(err)}",
                            touched)
                 return
         half = len(items) // 2
@@ -704,6 +666,7 @@ class LLMEngine:
         for j, message in errors.items():
             failed.setdefault(owners[j][0].request_id, message)
         children: dict[int, list[Sequence]] = {}
+        now = time.monotonic()
         for (request, seq, target, completion), token, lp, tlp in zip(
                 owners, result.tokens, result.logprobs, result.token_logprobs):
             if request.request_id in failed:
@@ -715,7 +678,8 @@ class LLMEngine:
                 request.seqs.append(child)
                 children.setdefault(id(seq), []).append(child)
                 target = child
-            self._append(request, target, completion, token, lp, tlp)
+            request.append(target, completion, token, lp, tlp, now)
+            self.generation_tokens += 1
             touched[request.request_id] = request
         for request_id, message in failed.items():
             self._fail(self.requests[request_id], message, touched)
@@ -730,9 +694,11 @@ class LLMEngine:
             try:
                 for k, seq in enumerate(request.seqs):
                     if not seq.finished:
-                        self._check_stop(request, seq, k)
+                        reason = request.stop(seq, k, self.eos_ids)
+                        if reason is not None:
+                            self.scheduler.finish(seq, reason)
             except Exception as err:  # noqa: BLE001 (e.g. its tokens do not decode)
-                self._fail(request, f"its stop check failed: {_describe(err)}", touched)
+                self._fail(request, f"its stop check failed: {describe(err)}", touched)
 
     def _sample_rows(self, logits: torch.Tensor, rows: list[SampleRow]):
         """(SampleResult, {row: error message}) for logits [S, V]. If sampling the rows
@@ -744,7 +710,7 @@ class LLMEngine:
             result = self.sampler(logits, rows, noise)
         except Exception as err:  # noqa: BLE001
             logger.warning("hf-paged: sampling %d rows together failed (%s); sampling them "
-                           "apart", len(rows), _describe(err))
+                           "apart", len(rows), describe(err))
             tokens, lps, tlps, errors = [], [], [], {}
             for j, row in enumerate(rows):
                 try:
@@ -753,85 +719,20 @@ class LLMEngine:
                     if one.failed:
                         errors[j] = _NOT_FINITE
                 except Exception as row_err:  # noqa: BLE001
-                    one, errors[j] = None, f"sampling failed: {_describe(row_err)}"
+                    one, errors[j] = None, f"sampling failed: {describe(row_err)}"
                 tokens.append(one.tokens[0] if one else 0)
                 lps.append(one.logprobs[0] if one else None)
                 tlps.append(one.token_logprobs[0] if one else None)
             return SampleResult(tokens, lps, tlps, sorted(errors)), errors
         return result, {j: _NOT_FINITE for j in result.failed}
 
-    def _sample_row(self, request: _Request, seq: Sequence, completion: int) -> SampleRow:
+    def _sample_row(self, request: EngineRequest, seq: Sequence, completion: int) -> SampleRow:
         params = request.params
         suppress = None
         if len(seq.output) < params.min_tokens and request.stop_ids:
             suppress = sorted(request.stop_ids)
         return SampleRow(params, seq.prompt, seq.output, request.generators[completion],
                          suppress)
-
-    def _append(self, request, seq, completion, token, logprobs, token_logprob) -> None:
-        seq.output.append(token)
-        self.generation_tokens += 1
-        out = request.completions[completion]
-        out.token_ids = seq.output
-        if logprobs is not None:
-            out.logprobs.append(logprobs)
-            out.cumulative_logprob += token_logprob
-        now = time.monotonic()
-        if request.metrics.first_token_time is None:
-            request.metrics.first_token_time = now
-
-    def _check_stop(self, request: _Request, seq: Sequence, k: int) -> None:
-        out = request.completions[k]
-        params = request.params
-        token = seq.output[-1]
-        before = 0
-        if request.texts is not None:  # the text grows with each token (held back while a
-            text = request.texts[k]     # character is incomplete)
-            before = len(text.text)
-            text.update(seq.output)
-            out.text = text.text
-        if token in request.stop_ids:  # masked until min_tokens, so never too early
-            eos = token in self.eos_ids and token not in params.stop_token_ids
-            out.stop_reason = None if eos else token
-            self._finish(request, seq, k, "stop")
-            return
-        if params.stop and request.texts is not None and len(out.text) > before:
-            start = max(0, before - max(len(s) for s in params.stop) + 1)
-            hits = [(at, s) for at, s in ((out.text.find(s, start), s) for s in params.stop)
-                    if at >= 0]
-            if hits:
-                at, stop = min(hits)
-                out.text = out.text[:at]  # cut before the stop string
-                out.stop_reason = stop
-                self.scheduler.finish(seq, "stop")
-                out.finish_reason = "stop"
-                return
-        if len(seq.output) >= seq.max_tokens:
-            self._finish(request, seq, k, "length")
-
-    def _finish(self, request, seq, k, reason) -> None:
-        self.scheduler.finish(seq, reason)
-        out = request.completions[k]
-        out.finish_reason = reason
-        if request.texts is not None:
-            request.texts[k].finish(out.token_ids)
-            out.text = request.texts[k].text
-
-    def _output(self, request: _Request, with_text: bool = True) -> RequestOutput:
-        """A snapshot of the request (later steps do not change it). Text that is not
-        followed token by token is decoded once its completion has ended."""
-        completions = []
-        for out in request.completions:
-            if (with_text and request.texts is None and self.tokenizer is not None
-                    and out.finished and out.token_ids and not out.text):
-                out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-            completions.append(replace(
-                out, token_ids=list(out.token_ids),
-                logprobs=None if out.logprobs is None else list(out.logprobs)))
-        cached = request.seqs[0].cached_tokens if request.seqs else 0
-        return RequestOutput(request.request_id, request.prompt, request.prompt_ids,
-                             completions, request.finished, request.error, cached,
-                             replace(request.metrics))
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """Ends every request with `error` (after a failure no single request caused, or at
@@ -841,10 +742,7 @@ class LLMEngine:
             self._end(request, "error")
             request.error = error
             request.metrics.finished_time = time.monotonic()
-            try:
-                outputs.append(self._output(request))
-            except Exception:  # noqa: BLE001
-                outputs.append(self._output(request, with_text=False))
+            outputs.append(request.output(self.tokenizer))
             del self.requests[request.request_id]
         self._aborts.clear()
         return outputs
@@ -888,10 +786,6 @@ class LLMEngine:
 
 _NOT_FINITE = ("its next-token distribution is not finite (NaN or infinity from the model's "
                "logits or its sampling settings)")
-
-
-def _describe(err: BaseException) -> str:
-    return f"{type(err).__name__}: {err}"
 
 
 def _positive(name: str, value) -> int:

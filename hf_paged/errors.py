@@ -53,3 +53,8 @@ class InvalidRequestError(HFPagedError, ValueError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+def describe(err: BaseException) -> str:
+    """`TypeName: message`, as a failed request's `error` reports an exception."""
+    return f"{type(err).__name__}: {err}"

@@ -3,7 +3,8 @@
 A thin layer: it validates requests (`protocol.py`), hands them to an `AsyncLLM`, and turns
 its outputs into OpenAI responses or server-sent events. `build_app` makes the ASGI app from
 a loaded model (a notebook or a training script can serve the model it just trained);
-`hf-paged serve` (`serve.py`) loads a folder and runs it with uvicorn.
+`hf-paged serve` (`serve.py`) loads a folder and runs it with uvicorn; streams are built
+in `sse.py`.
 
 One client cannot hold up or end another's requests: keys and body sizes are checked before
 anything is parsed (`guard.py`); tokenization and chat templating run on worker threads, not
@@ -23,25 +24,24 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .async_llm import AsyncLLM, RequestStream
 from .detokenizer import TokenPieces
 from .engine import BASE
-from .errors import InvalidRequestError
+from .errors import InvalidRequestError, describe
 from .guard import RequestGuard
 from .metrics import ServerMetrics
-from .outputs import RequestOutput
 from .protocol import (
-    APIError, ChatCompletionRequest, CompletionRequest, chat_logprobs, chat_response,
-    completion_logprobs, completion_response, error_body, new_id, usage,
+    APIError, ChatCompletionRequest, CompletionRequest, chat_response, completion_response,
+    new_id,
 )
 from .scheduler import RequestRejectedError
+from .sse import EventStream, chat_events, completion_events
 
 logger = logging.getLogger("hf_paged")
 SHUTDOWN_MESSAGE = "the server is shutting down"
@@ -146,7 +146,7 @@ class _Server:
             return await self._off_loop(render)
         except Exception as err:  # noqa: BLE001 (a template that rejects these messages)
             raise APIError(400, f"The chat template could not format these messages: "
-                           f"{type(err).__name__}: {err}", "messages") from err
+                           f"{describe(err)}", "messages") from err
 
     def default_max_tokens(self, prompt_len: int) -> int:
         """Chat without max_tokens: as much as the context and the pool leave."""
@@ -203,11 +203,8 @@ class _Server:
                 task.cancel()
         for result in results:
             if isinstance(result, BaseException):
-                raise APIError(500, f"{type(result).__name__}: {result}", None, "server_error")
+                raise APIError(500, describe(result), None, "server_error")
         return results
-
-    def finished(self, out: RequestOutput, tenant: str) -> None:
-        self.metrics.finished(out, tenant)
 
     def begin_shutdown(self) -> None:
         """Safe from a signal handler or another thread: refuse new requests (503), give
@@ -232,27 +229,6 @@ async def _last(stream: RequestStream):
 
 def _error(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
-
-
-def _sse(data: Any) -> str:
-    return f"data: {json.dumps(data)}\n\n"
-
-
-class _EventStream(StreamingResponse):
-    """Server-sent events whose generator is closed however the response ends (a client
-    gone mid-send included), so its requests are always aborted."""
-
-    def __init__(self, events, streams: list[RequestStream]):
-        super().__init__(events, media_type="text/event-stream")
-        self._events, self._streams = events, streams
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            for stream in self._streams:
-                stream.abort()
-            await self._events.aclose()
 
 
 def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
@@ -354,13 +330,13 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
                                server.salt_for(tenant, body.cache_salt), "prompt")
         rid = new_id("cmpl")
         if body.stream:
-            return _EventStream(_completion_events(server, body, rid, streams, params, tenant),
+            return EventStream(completion_events(server, body, rid, streams, params, tenant),
                                 streams)
         results = await server.collect(streams, request)
         if results is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
         for out in results:
-            server.finished(out, tenant)
+            server.metrics.finished(out, tenant)
         return completion_response(rid, body.model, results, body.n, server.pieces)
 
     @app.post("/v1/chat/completions")
@@ -378,136 +354,12 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
                                server.salt_for(tenant, body.cache_salt), "messages")
         rid = new_id("chatcmpl")
         if body.stream:
-            return _EventStream(_chat_events(server, body, rid, streams[0], params, top or 0,
+            return EventStream(chat_events(server, body, rid, streams[0], params, top or 0,
                                              tenant), streams)
         results = await server.collect(streams, request)
         if results is None:
             return Response(status_code=499)
-        server.finished(results[0], tenant)
+        server.metrics.finished(results[0], tenant)
         return chat_response(rid, body.model, results[0], server.pieces, top or 0)
 
     return app
-
-
-class _Deltas:
-    """What each choice of a stream has been sent: tokens, characters, and whether its end.
-    While a completion may still end on a stop string, the last characters that could be
-    the start of one are held back (the final text is cut before the stop string). The
-    engine's text only grows (an incomplete character is held back there), so the deltas
-    add up to the final text."""
-
-    def __init__(self, params):
-        self.hold = max((len(s) for s in params.stop), default=1) - 1
-        self.sent: dict[int, list] = {}
-
-    def next(self, index: int, c) -> tuple[int, str] | None:
-        """(first token not sent, new text) for choice `index`, or None if nothing is new."""
-        state = self.sent.setdefault(index, [0, 0, False])
-        tokens, chars, done = state
-        if done or (len(c.token_ids) == tokens and not c.finished):
-            return None
-        visible = len(c.text) if c.finished else max(chars, len(c.text) - self.hold)
-        state[:] = [len(c.token_ids), visible, c.finished]
-        return tokens, c.text[chars:visible]
-
-
-async def _merged(streams: list[RequestStream]):
-    """(index, output) of several streams as they come. A bounded queue keeps the readers
-    in step with the client: a client that stops reading leaves the engine's per-request
-    buffers to fill, and those requests are aborted."""
-    queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
-
-    async def pump(i, stream):
-        try:
-            async for out in stream:
-                await queue.put((i, out))
-        except Exception as err:  # noqa: BLE001 (reported in the stream)
-            await queue.put((i, err))
-        await queue.put((i, None))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        live = len(streams)
-        while live:
-            i, out = await queue.get()
-            if out is None:
-                live -= 1
-            else:
-                yield i, out
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
-async def _completion_events(server, body, rid, streams, params, tenant):
-    created, n = int(time.time()), body.n
-    deltas = _Deltas(params)
-    prompt_tokens = completion_tokens = cached = 0
-    errors = []
-    async with contextlib.aclosing(_merged(streams)) as merged:
-        async for i, out in merged:
-            if isinstance(out, BaseException):
-                errors.append(f"{type(out).__name__}: {out}")
-                continue
-            for c in out.outputs:
-                index = i * n + c.index
-                chars_before = deltas.sent.get(index, [0, 0, False])[1]
-                delta = deltas.next(index, c)
-                if delta is None:
-                    continue
-                start, text = delta
-                choice = {"index": index, "text": text, "finish_reason": c.finish_reason,
-                          "logprobs": None if c.logprobs is None else
-                          completion_logprobs(c, start, server.pieces, chars_before)}
-                yield _sse({"id": rid, "object": "text_completion", "created": created,
-                            "model": body.model, "choices": [choice]})
-            if out.finished:
-                server.finished(out, tenant)
-                prompt_tokens += len(out.prompt_token_ids)
-                completion_tokens += sum(len(c.token_ids) for c in out.outputs)
-                cached += out.num_cached_tokens
-                if out.error:
-                    errors.append(out.error if len(streams) == 1 else f"prompt {i}: {out.error}")
-    if errors:
-        yield _sse({"error": error_body("; ".join(errors))})
-    if body.include_usage:
-        yield _sse({"id": rid, "object": "text_completion", "created": created,
-                    "model": body.model, "choices": [],
-                    "usage": usage(prompt_tokens, completion_tokens, cached)})
-    yield "data: [DONE]\n\n"
-
-
-async def _chat_events(server, body, rid, stream, params, top, tenant):
-    head = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
-            "model": body.model}
-    deltas = _Deltas(params)
-    last: RequestOutput | None = None
-    error = None
-    try:
-        async for out in stream:
-            last = out
-            for c in out.outputs:
-                if c.index not in deltas.sent:  # the role first, as OpenAI streams it
-                    yield _sse(dict(head, choices=[{"index": c.index, "delta": {
-                        "role": "assistant", "content": ""}, "logprobs": None,
-                        "finish_reason": None}]))
-                delta = deltas.next(c.index, c)
-                if delta is None:
-                    continue
-                start, text = delta
-                choice = {"index": c.index, "delta": {"content": text},
-                          "finish_reason": c.finish_reason, "logprobs": None if c.logprobs
-                          is None else chat_logprobs(c, start, server.pieces, top)}
-                yield _sse(dict(head, choices=[choice]))
-    except Exception as err:  # noqa: BLE001 (reported in the stream)
-        error = f"{type(err).__name__}: {err}"
-    if last is not None and last.finished:
-        server.finished(last, tenant)
-        error = error or last.error
-    if error:
-        yield _sse({"error": error_body(error)})
-    if body.include_usage and last is not None:
-        yield _sse(dict(head, choices=[], usage=usage(
-            len(last.prompt_token_ids), sum(len(c.token_ids) for c in last.outputs),
-            last.num_cached_tokens)))
-    yield "data: [DONE]\n\n"
