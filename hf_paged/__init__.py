@@ -5,23 +5,28 @@ continuous-batching engine on the same pool.
 requests together with `hf_paged.LLM(model).generate(prompts, hf_paged.SamplingParams(...))`.
 """
 
-from .block_pool import BlockPool
-from .block_table import BlockTables
-from .cache import PagedCache
-from .stats import DeviceMemory, MemoryStats
-from .placement import Placement, model_placement
+from .utils import MOVED, install_aliases
+
+install_aliases()  # old module paths (hf_paged.engine, hf_paged.server, ...) keep working
+
+from .core.block_pool import BlockPool
+from .core.block_table import BlockTables
+from .generate.cache import PagedCache
+from .generate.stats import DeviceMemory, MemoryStats
+from .distributed.placement import model_placement
+from .kv.placement import Placement
 from .config import PagedCacheConfig
 from .errors import (
     BackwardNotSupportedError, HFPagedError, InvalidRequestError, KVCacheExhaustedError,
     KVPoolAllocationError, UnsupportedModelError,
 )
-from .integration import SUPPORTED_ARCHITECTURES, disable, enable, is_enabled
-from .async_llm import AsyncLLM, EngineDeadError, RequestStream
-from .engine import EngineStats, IsolationError, LLMEngine
-from .llm import LLM
+from .generate.patches import SUPPORTED_ARCHITECTURES, disable, enable, is_enabled
+from .engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from .engine.engine import EngineStats, IsolationError, LLMEngine
+from .engine.llm import LLM
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
-from .scheduler import RequestRejectedError
+from .core.scheduler import RequestRejectedError
 
 __version__ = "0.2.0"
 
@@ -36,3 +41,12 @@ __all__ = [
 ]
 
 enable()
+
+
+def __getattr__(name: str):
+    """`hf_paged.cache`, `hf_paged.integration`, ...: the modules at their new paths."""
+    if f"hf_paged.{name}" in MOVED:
+        import importlib
+
+        return importlib.import_module(f"hf_paged.{name}")
+    raise AttributeError(f"module 'hf_paged' has no attribute {name!r}")

@@ -6,6 +6,17 @@ import os
 import socket
 import time
 
+import sys as _sys
+from pathlib import Path as _Path
+
+# Tests mirror the package's subfolders and share helpers across them (`from test_engine import
+# long_model`): every test folder is importable by module name (names are unique).
+for _folder in sorted(p for p in _Path(__file__).resolve().parent.iterdir()
+                      if p.is_dir() and p.name.isidentifier()):
+    if str(_folder) not in _sys.path:
+        _sys.path.append(str(_folder))
+
+
 import pytest
 import torch
 

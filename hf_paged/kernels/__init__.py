@@ -1,5 +1,5 @@
 """Paged attention kernels. `reference` is the pure-PyTorch path every backend is checked against."""
 
-from . import reference
+from ..kernels import reference
 
 __all__ = ["reference"]

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from . import reference
+from ..kernels import reference
 
 
 class TorchBackend:
@@ -82,7 +82,7 @@ class TritonBackend:
     workspace_bytes = 0
 
     def __init__(self):
-        from . import triton_attention, triton_cache_ops
+        from ..kernels import triton_attention, triton_cache_ops
 
         self._attn = triton_attention
         self.write_kv = triton_cache_ops.write_kv
@@ -109,7 +109,7 @@ class CudaBackend:
     workspace_bytes = 0
 
     def __init__(self):
-        from . import cuda_ops
+        from ..kernels import cuda_ops
 
         self._ops = cuda_ops.load()
         self._partition = cuda_ops.PARTITION
@@ -207,7 +207,7 @@ def select_backend(name: str, device: torch.device | str, dtype: torch.dtype = t
             raise unavailable(reason)
         return TritonBackend()
     if name == "cuda":
-        from . import cuda_ops
+        from ..kernels import cuda_ops
 
         reason = cuda_ops.unavailable_reason()
         if reason is None and device.type != "cuda":

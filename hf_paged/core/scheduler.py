@@ -1,0 +1,377 @@
+"""Continuous-batching scheduler: which sequences compute how many tokens each step.
+
+Plain Python, no torch. Each step, under a token budget (`max_num_batched_tokens`) and a
+cap on running sequences (`max_num_seqs`):
+
+1. running sequences go first, in (priority, arrival) order: a decode token each, or the
+   next chunk of a prompt still being prefilled (chunked prefill);
+2. when their blocks run short, the lowest-priority, most recently arrived running sequence
+   not yet served this step is preempted: its blocks are freed (recompute: it re-prefills
+   prompt + output later) or copied to the CPU pool (swap), and the step goes on;
+3. swapped sequences come back, then waiting ones are admitted in (priority, arrival) order
+   while rows, budget and blocks allow (admission never preempts); a prompt's blocks found in
+   the prefix cache are shared instead of recomputed.
+
+The step is returned as a plan the engine carries out on the device: the scheduled
+sequences with their token counts, block-table entries to write, copy-on-write pairs and
+swaps. `after_step` records what was computed.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from .block_pool import BlockPool
+from .block_table import FREED, BlockTables
+from ..errors import HFPagedError
+from .prefix_cache import PrefixCache, block_key
+from .sequence import Sequence, SeqStatus
+
+
+class RequestRejectedError(HFPagedError, ValueError):
+    """A request that can never run: longer than the model's context or than the whole pool."""
+
+
+@dataclass
+class Scheduled:
+    """One sequence's share of a step."""
+
+    seq: Sequence
+    start: int  # tokens already cached (the context before this step)
+    count: int  # tokens computed this step
+    sample: bool  # the step reaches the sequence's last token: a new token is sampled
+
+
+@dataclass
+class Step:
+    """What the engine does for one step, in order: swaps and copies, table entries, then
+    one forward over `scheduled` (in batch order)."""
+
+    scheduled: list[Scheduled] = field(default_factory=list)
+    entries: list[tuple[int, int, int]] = field(default_factory=list)  # (row, col, block)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (pool block, CPU block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (CPU block, pool block)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.count for s in self.scheduled)
+
+
+class Scheduler:
+    """Owns the block tables (a row per running sequence) and the prefix cache of a pool."""
+
+    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, sliding_window: int | None = None,
+                 enable_prefix_caching: bool = True, preemption_mode: str = "recompute",
+                 cpu_pool: BlockPool | None = None):
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least "
+                f"max_num_seqs ({max_num_seqs}): every running sequence decodes a token a step."
+            )
+        if preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap'; got {preemption_mode!r}.")
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.sliding_window = sliding_window
+        self.preemption_mode = preemption_mode
+        self.cpu_pool = cpu_pool
+        self.tables = BlockTables(pool, max_num_seqs)
+        self.prefix = PrefixCache(pool, enable_prefix_caching)
+        self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+        self.running: list[Sequence] = []  # kept in rank order
+        self.waiting: list[Sequence] = []  # rank order; preempted ones keep their arrival
+        self.swapped: list[Sequence] = []
+        self._pending_entries: list[tuple[int, int, int]] = []  # from rows filled outside append
+        self._pending_swap_in: list[tuple[int, int]] = []
+        self.num_preemptions = 0
+
+    # -- requests --------------------------------------------------------------------------
+    def blocks_at_once(self, total_tokens: int) -> int:
+        """Most blocks a sequence of `total_tokens` holds at one time."""
+        if self.sliding_window is not None:
+            total_tokens = min(total_tokens, self.sliding_window + self.max_num_batched_tokens)
+        return -(-total_tokens // self.block_size) + (self.sliding_window is not None)
+
+    def check_fits(self, prompt_len: int, max_tokens: int, n: int = 1) -> None:
+        """Raises RequestRejectedError for a request that could never run."""
+        total = prompt_len + max_tokens
+        if prompt_len == 0:
+            raise RequestRejectedError("the prompt is empty; give at least one token.")
+        if total > self.max_model_len:
+            raise RequestRejectedError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} tokens "
+                f"exceeds the model's context of {self.max_model_len} tokens."
+            )
+        need = self.blocks_at_once(total)
+        if need > self.pool.num_blocks:
+            raise RequestRejectedError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) needs {need} KV "
+                f"blocks of {self.block_size} tokens, but the whole pool has "
+                f"{self.pool.num_blocks}; raise the KV budget or lower max_tokens."
+            )
+        if n > self.max_num_seqs:
+            raise RequestRejectedError(
+                f"n={n} sequences exceed max_num_seqs={self.max_num_seqs}.")
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self._insert(self.waiting, seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """Removes `seq` wherever it is, freeing its blocks; it ends as "abort"."""
+        self.finish(seq, "abort")
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        if seq.finished:
+            return
+        for queue in (self.running, self.waiting, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
+        self._free(seq)
+        if seq.swapped is not None and self.cpu_pool is not None:
+            self.cpu_pool.decref([b for b in seq.swapped if b != FREED])
+            seq.swapped = None
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting or self.swapped)
+
+    # -- one step ----------------------------------------------------------------------------
+    def schedule(self) -> Step:
+        step = Step()
+        budget = self.max_num_batched_tokens
+        counts = [0] * self.max_num_seqs
+        if self.sliding_window is not None:  # blocks no query of a row can see again
+            released = self.tables.release_before(
+                [n - self.sliding_window + 1 for n in self._computed_per_row()])
+            self.prefix.released(released)
+        reserved = 0  # blocks the counts planned so far will take
+        served: set[int] = set()
+        for seq in list(self.running):
+            if seq.status is not SeqStatus.RUNNING or budget == 0:
+                continue
+            count = min(seq.to_compute, budget)
+            while True:
+                need = self._row_needs(seq.row, count)
+                room = self._available() - reserved
+                if need <= room:
+                    break
+                fit = self._row_fits(seq.row, room)
+                if fit >= 1:  # a prompt still prefilling takes a smaller chunk
+                    count = min(count, fit)
+                    continue
+                victim = next((s for s in reversed(self.running)
+                               if s is not seq and s.seq_id not in served), seq)
+                self._preempt(victim, step)
+                if victim is seq:
+                    count = 0
+                    break
+            if count:
+                counts[seq.row] = count
+                reserved += need
+                budget -= count
+                served.add(seq.seq_id)
+                step.scheduled.append(Scheduled(seq, seq.num_computed, count,
+                                                count == seq.to_compute))
+        if not step.preempted:  # nothing was short of blocks: admit swapped, then waiting
+            budget, reserved = self._admit(step, counts, budget, reserved)
+        needed = self.tables.blocks_needed(counts)
+        if needed > self.pool.num_free:
+            self.prefix.evict(needed - self.pool.num_free)
+        plan = self.tables.append(counts, needed)
+        step.entries = self._pending_entries + plan.entries
+        step.copies = plan.copies
+        step.swap_in = self._pending_swap_in
+        self._pending_entries, self._pending_swap_in = [], []
+        return step
+
+    def _admit(self, step: Step, counts: list[int], budget: int, reserved: int):
+        for queue in (self.swapped, self.waiting):
+            for seq in list(queue):
+                rows = 1 + seq.forks
+                if budget == 0 or len(self._free_rows) < rows:
+                    return budget, reserved
+                if queue is self.swapped:
+                    admitted = self._swap_in(seq, budget, reserved)
+                else:
+                    admitted = self._start(seq, budget, reserved)
+                if not admitted:  # FCFS: nobody behind it jumps the line
+                    return budget, reserved
+                queue.remove(seq)
+                self._insert(self.running, seq)
+                seq.status = SeqStatus.RUNNING
+                count = min(seq.to_compute, budget)
+                need = self._row_needs(seq.row, count)
+                counts[seq.row] = count
+                reserved += need
+                budget -= count
+                step.scheduled.append(Scheduled(seq, seq.num_computed, count,
+                                                count == seq.to_compute))
+        return budget, reserved
+
+    def _start(self, seq: Sequence, budget: int, reserved: int) -> bool:
+        """Gives `seq` a row with its cached prefix, if the first chunk's blocks fit."""
+        keys = self._prefix_keys(seq)
+        hits = self.prefix.lookup(keys)
+        cached = len(hits) * self.block_size
+        chunk = min(seq.num_tokens - cached, budget)
+        # Blocks the first chunk needs beyond the hits (hits stop being evictable).
+        need = -(-(cached + chunk) // self.block_size) - len(hits)
+        hit_evictable = sum(1 for b in hits if self.pool.refcount(b) == 1)
+        if need > self._available() - hit_evictable - reserved:
+            return False
+        row = self._free_rows.pop()
+        seq.reserved_rows = [self._free_rows.pop() for _ in range(seq.forks)]
+        self.prefix.acquire(hits)
+        self.tables.assign(row, hits, cached)
+        self._pending_entries += [(row, i, b) for i, b in enumerate(hits)]
+        seq.row, seq.num_computed, seq.registered = row, cached, len(hits)
+        if seq.preemptions == 0:  # its first admission
+            seq.cached_tokens = cached
+            self.prefix.queried_tokens += len(seq.prompt)
+            self.prefix.hit_tokens += cached
+        return True
+
+    def _swap_in(self, seq: Sequence, budget: int, reserved: int) -> bool:
+        live = [b for b in seq.swapped if b != FREED]
+        count = min(seq.num_tokens - seq.swapped_length, budget)
+        growth = self._row_needs_for(len(seq.swapped), seq.swapped_length, count)
+        if len(live) + growth > self._available() - reserved:
+            return False
+        if len(live) > self.pool.num_free:
+            self.prefix.evict(len(live) - self.pool.num_free)
+        fresh = iter(self.pool.allocate(len(live)))
+        table = [b if b == FREED else next(fresh) for b in seq.swapped]
+        self._pending_swap_in += [(c, g) for c, g in zip(seq.swapped, table) if c != FREED]
+        self.cpu_pool.decref(live)  # the copy back is queued before any later swap-out
+        row = self._free_rows.pop()
+        seq.reserved_rows = [self._free_rows.pop() for _ in range(seq.forks)]
+        self.tables.assign(row, table, seq.swapped_length, incref=False)
+        self._pending_entries += [(row, i, b) for i, b in enumerate(table) if b != FREED]
+        seq.row, seq.swapped = row, None
+        return True
+
+    def _preempt(self, seq: Sequence, step: Step) -> None:
+        self.num_preemptions += 1
+        seq.preemptions += 1
+        self.running.remove(seq)
+        step.preempted.append(seq)
+        table, length = self.tables.tables[seq.row], self.tables.lengths[seq.row]
+        live = [b for b in table if b != FREED]
+        if (self.preemption_mode == "swap" and self.cpu_pool is not None
+                and len(live) <= self.cpu_pool.num_free):
+            cpu = iter(self.cpu_pool.allocate(len(live)))
+            seq.swapped = [b if b == FREED else next(cpu) for b in table]
+            seq.swapped_length = length
+            step.swap_out += [(g, c) for g, c in zip(table, seq.swapped) if g != FREED]
+            self._free(seq)
+            seq.status = SeqStatus.SWAPPED
+            self._insert(self.swapped, seq)
+            return
+        self._free(seq)  # recompute: prompt + output are prefilled again later
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        self._insert(self.waiting, seq)
+
+    def _free(self, seq: Sequence) -> None:
+        """Gives back the sequence's row, its blocks and the rows kept for its siblings."""
+        if seq.row is not None:
+            self.prefix.released(self.tables.free_row(seq.row))
+            self._free_rows.append(seq.row)
+            seq.row = None
+        self._free_rows += seq.reserved_rows
+        seq.reserved_rows = []
+
+    # -- after the forward ---------------------------------------------------------------------
+    def after_step(self, step: Step) -> None:
+        """Records the computed tokens and registers newly filled blocks in the prefix cache."""
+        for item in step.scheduled:
+            seq = item.seq
+            if seq.finished or seq.row is None:
+                continue
+            seq.num_computed = item.start + item.count
+            self._register_full_blocks(seq)
+
+    def fork(self, parent: Sequence, children: list[Sequence]) -> None:
+        """`children` continue `parent` (same prompt, rows reserved at admission), sharing
+        its blocks copy-on-write."""
+        table, length = self.tables.tables[parent.row], self.tables.lengths[parent.row]
+        for child in children:
+            row = parent.reserved_rows.pop()
+            self.tables.assign(row, table, length)
+            self._pending_entries += [(row, i, b) for i, b in enumerate(table) if b != FREED]
+            child.row, child.num_computed = row, parent.num_computed
+            child.block_hashes = list(parent.block_hashes)
+            child.registered = parent.registered
+            child.status = SeqStatus.RUNNING
+            self._insert(self.running, child)
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _available(self) -> int:
+        return self.pool.num_free + self.prefix.num_evictable
+
+    def _row_needs(self, row: int, count: int) -> int:
+        table = self.tables.tables[row]
+        return self._row_needs_for(len(table), self.tables.lengths[row], count,
+                                   table[-1] if table else None)
+
+    def _row_fits(self, row: int, room: int) -> int:
+        """Most tokens `row` can take with `room` more blocks (0 if it must copy a shared
+        partial block first, or has no room)."""
+        table, length = self.tables.tables[row], self.tables.lengths[row]
+        if self._row_needs(row, 1) > room:
+            return 0
+        return (len(table) + room) * self.block_size - length
+
+    def _row_needs_for(self, blocks: int, length: int, count: int, last: int | None = None) -> int:
+        """Blocks `count` more tokens take in a row of `blocks` blocks holding `length`."""
+        need = -(-(length + count) // self.block_size) - blocks
+        if last is not None and last != FREED and length % self.block_size \
+                and self.pool.refcount(last) > 1:
+            need += 1  # copy-on-write of a shared partial block
+        return max(need, 0)
+
+    def _computed_per_row(self) -> list[int]:
+        positions = [0] * self.max_num_seqs
+        for seq in self.running:
+            positions[seq.row] = seq.num_computed
+        return positions
+
+    def _keys(self, seq: Sequence, count: int) -> list[bytes]:
+        """Content keys of the sequence's first `count` blocks (computed once)."""
+        keys = seq.block_hashes
+        while len(keys) < count:
+            i = len(keys)
+            keys.append(block_key(keys[-1] if keys else None,
+                                  seq.tokens(i * self.block_size, (i + 1) * self.block_size),
+                                  seq.salt))
+        return keys[:count]
+
+    def _prefix_keys(self, seq: Sequence) -> list[bytes]:
+        """Keys of the full blocks before the sequence's last token (which is always
+        computed, for its logits)."""
+        return self._keys(seq, (seq.num_tokens - 1) // self.block_size)
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        full = seq.num_computed // self.block_size
+        if seq.registered >= full:
+            return
+        keys = self._keys(seq, full)
+        table = self.tables.tables[seq.row]
+        for i in range(seq.registered, full):
+            if table[i] != FREED:
+                self.prefix.register(table[i], keys[i])
+        seq.registered = full
+
+    @staticmethod
+    def _insert(queue: list[Sequence], seq: Sequence) -> None:
+        bisect.insort(queue, seq, key=lambda s: s.rank)

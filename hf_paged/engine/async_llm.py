@@ -1,0 +1,276 @@
+"""`AsyncLLM`: the engine for servers. Requests are added from an asyncio event loop and
+their outputs streamed back as the engine produces them; the engine steps in a thread of
+its own.
+
+    llm = hf_paged.AsyncLLM(model, tokenizer)
+    async for out in llm.generate("a prompt", SamplingParams(max_tokens=32), "req-1"):
+        print(out.outputs[0].text)       # the text so far, then finish_reason on the last
+    llm.abort("req-1")                   # or close the iterator: its blocks are freed
+    llm.shutdown()
+
+The event loop never waits for a step: a request is checked on the caller's thread
+(`LLMEngine.prepare_request` reads only what does not change), then handed to the stepping
+thread through an inbox, as are aborts; outputs come back through a bounded buffer per
+request. A request whose reader falls `max_unread_outputs` outputs behind is aborted (its
+blocks freed) instead of being buffered without end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import os
+import sys
+import threading
+from typing import AsyncIterator
+
+import torch
+
+from .engine import LLMEngine
+from ..errors import HFPagedError, InvalidRequestError, describe
+from ..outputs import RequestOutput
+from ..sampling_params import SamplingParams
+
+_ids = itertools.count()
+logger = logging.getLogger("hf_paged")
+
+
+class EngineDeadError(HFPagedError, RuntimeError):
+    """The engine was shut down."""
+
+
+class RequestStream:
+    """The outputs of one request, in order, as an async iterator (the last `finished`).
+    `abort()` ends the request at the next step; iterating then yields its last output."""
+
+    def __init__(self, llm: "AsyncLLM", request_id: str, loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self._llm, self._loop = llm, loop
+        self._items: collections.deque = collections.deque()  # filled by the stepping thread
+        self._ready = asyncio.Event()
+        self._ended = False  # the last output (or an error) was taken, or the stream aborted
+        self.aborting = False  # set by the stepping thread when the reader fell behind
+
+    @property
+    def unread(self) -> int:
+        return len(self._items)
+
+    def _put(self, item) -> None:
+        """From the stepping thread."""
+        self._items.append(item)
+        try:
+            self._loop.call_soon_threadsafe(self._ready.set)
+        except RuntimeError:  # the reader's loop is closed
+            pass
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._ended and not self._items:
+            raise StopAsyncIteration
+        while not self._items:
+            self._ready.clear()
+            if self._items:
+                break
+            await self._ready.wait()
+        item = self._items.popleft()
+        if isinstance(item, BaseException):
+            self._ended = True
+            raise item
+        if item.finished:
+            self._ended = True
+        return item
+
+    def abort(self) -> None:
+        """Ends the request (no-op once it has ended)."""
+        if not self._ended:
+            self._ended = True
+            self._llm.abort(self.request_id)
+
+
+class AsyncLLM:
+    """Engine options as `LLMEngine`'s. Outputs carry the text so far at every step.
+
+    max_unread_outputs: outputs a request may have waiting for its reader; past it the
+    request is aborted with an error saying so (a client that stopped reading)."""
+
+    def __init__(self, model, tokenizer=None, *, max_unread_outputs: int = 256,
+                 **engine_options):
+        if isinstance(model, (str, os.PathLike)):
+            from .llm import load_model
+
+            model, found = load_model(model)
+            tokenizer = tokenizer if tokenizer is not None else found
+        if isinstance(max_unread_outputs, bool) or not isinstance(max_unread_outputs, int) \
+                or max_unread_outputs < 1:
+            raise ValueError(f"max_unread_outputs must be a positive integer; got "
+                             f"{max_unread_outputs!r}.")
+        self.engine = LLMEngine(model, tokenizer, **engine_options)
+        self.engine.incremental_text = True
+        self.max_unread_outputs = max_unread_outputs
+        self._inbox: collections.deque = collections.deque()  # (kind, payload), in order
+        self._inbox_lock = threading.Lock()  # held for a few operations, never for a step
+        self._inbox_seqs = 0  # sequences of the requests in the inbox
+        self._wake = threading.Event()
+        self._streams: dict[str, RequestStream] = {}
+        self._dead = False
+        self._thread = threading.Thread(target=self._run, name="hf-paged-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and not self._dead
+
+    def stats(self):
+        """The engine's counters (read without waiting for a step; at most a step old)."""
+        return self.engine.stats()
+
+    def num_waiting_sequences(self) -> int:
+        """Sequences added and not started yet, those still in the inbox included."""
+        return self.engine.num_waiting_sequences() + self._inbox_seqs
+
+    def add(self, prompt, sampling_params: SamplingParams | None = None,
+            request_id: str | None = None, priority: int = 0, adapter: str | None = None,
+            cache_salt: str | None = None) -> RequestStream:
+        """Adds a request and returns its stream; call from the event loop. Raises
+        InvalidRequestError / RequestRejectedError at once for a request that cannot run."""
+        return self.submit(self.prepare(prompt, sampling_params, request_id, priority, adapter,
+                                        cache_salt))
+
+    def prepare(self, prompt, sampling_params: SamplingParams | None = None,
+                request_id: str | None = None, priority: int = 0, adapter: str | None = None,
+                cache_salt: str | None = None):
+        """Checks a request (raising as `add` does) without queueing it: a caller adding
+        several requests checks them all first, then `submit`s them, all or none."""
+        request_id = request_id or f"async-{next(_ids)}"
+        return self.engine.prepare_request(request_id, prompt, sampling_params, priority,
+                                           adapter, cache_salt)
+
+    def submit(self, request) -> RequestStream:
+        """Queues a request made by `prepare`; returns its stream."""
+        if self._dead:
+            raise EngineDeadError("the engine was shut down.")
+        request_id = request.request_id
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use.")
+        stream = RequestStream(self, request_id, asyncio.get_running_loop())
+        with self._inbox_lock:
+            self._streams[request_id] = stream
+            self._inbox.append(("add", request))
+            self._inbox_seqs += request.params.n
+        self._wake.set()
+        return stream
+
+    async def generate(self, prompt, sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None, priority: int = 0,
+                       adapter: str | None = None,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Adds a request and yields its outputs as they come (the last one `finished`).
+        Raises InvalidRequestError / RequestRejectedError at once for a request that cannot
+        run. Leaving the iteration early aborts the request."""
+        stream = self.add(prompt, sampling_params, request_id, priority, adapter, cache_salt)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    def abort(self, request_id: str) -> None:
+        """Ends the request at the next step boundary; its stream gets a last output with
+        finish_reason "abort". Safe from any thread."""
+        self._post("abort", (request_id, None))
+
+    def abort_all(self, message: str) -> None:
+        """Ends every request now in the engine with finish_reason "error" and `message`
+        (a server shutting down). Safe from any thread."""
+        self._post("fail_all", message)
+
+    def _post(self, kind: str, payload) -> None:
+        with self._inbox_lock:
+            self._inbox.append((kind, payload))
+        self._wake.set()
+
+    def shutdown(self) -> None:
+        self._dead = True
+        self._wake.set()
+        self._thread.join(timeout=60)
+        if self._thread.is_alive() and self.engine.tp_size > 1:
+            # A step is stuck, so the other ranks cannot be told to stop: end this process
+            # (non-zero) and torchrun takes the group down instead of waiting on them.
+            logger.critical("hf-paged: the engine did not stop within 60 s; ending the "
+                            "process group")
+            sys.stderr.flush()
+            os._exit(1)
+
+    # -- the stepping thread ------------------------------------------------------------------
+    HEARTBEAT_S = 60.0  # under tensor parallelism, idle rank 0 pings the others this often
+
+    def _run(self) -> None:
+        engine = self.engine
+        tp = engine.tp_size > 1
+        if engine.device.type == "cuda":  # a new thread starts on device 0
+            torch.cuda.set_device(engine.device)
+        while not self._dead:
+            woken = self._wake.wait(self.HEARTBEAT_S if tp else None)
+            self._wake.clear()
+            if tp and not woken:
+                engine.heartbeat()
+                continue
+            while not self._dead:
+                self._drain_inbox()
+                if not engine.has_unfinished_requests():
+                    break
+                try:
+                    outputs = engine.step()
+                except Exception as err:  # noqa: BLE001 (no single request caused it)
+                    logger.exception("hf-paged: an engine step failed; ending its requests")
+                    outputs = engine.fail_all(f"the engine step failed: {describe(err)}")
+                self._deliver(outputs)
+        self._drain_inbox()
+        outputs = engine.fail_all("the engine was shut down")
+        if tp:
+            engine.stop_workers()
+        self._deliver(outputs)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            with self._inbox_lock:
+                if not self._inbox:
+                    return
+                kind, payload = self._inbox.popleft()
+                if kind == "add":
+                    self._inbox_seqs -= payload.params.n
+            if kind == "add":
+                try:
+                    self.engine.add_prepared(payload)
+                except Exception as err:  # noqa: BLE001 (reported to its stream alone)
+                    stream = self._streams.pop(payload.request_id, None)
+                    if stream is not None:
+                        stream._put(err)
+            elif kind == "abort":
+                self.engine.abort(*payload)
+            elif kind == "fail_all":
+                self._deliver(self.engine.fail_all(payload))
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            elif stream.aborting:
+                continue  # its last output is on the way
+            elif stream.unread >= self.max_unread_outputs:
+                stream.aborting = True
+                self.engine.abort(out.request_id, f"the client did not read its stream "
+                                                  f"({stream.unread} outputs unread)")
+                continue
+            stream._put(out)

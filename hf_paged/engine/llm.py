@@ -1,0 +1,137 @@
+"""`LLM`: offline batch generation on the continuous-batching engine, as vLLM users know it.
+
+    llm = hf_paged.LLM(model, tokenizer)          # a loaded model (or PEFT model) or a folder
+    outputs = llm.generate(["a prompt", [3, 4, 5]], hf_paged.SamplingParams(max_tokens=32))
+    outputs[0].outputs[0].text
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+from .engine import LLMEngine
+from ..errors import HFPagedError
+from ..outputs import CompletionOutput, RequestOutput
+from ..sampling_params import SamplingParams
+from ..core.scheduler import RequestRejectedError
+
+_batches = itertools.count()
+
+
+def load_model(path, dtype="auto", device=None, tensor_parallel: bool = False,
+               device_map=None):
+    """A model and its tokenizer (None if the folder has none) from a local folder.
+    tensor_parallel: under torchrun, split the model over the ranks (tp_plan="auto").
+    device_map: spread its layers over devices ("auto", "balanced", or a dict, as
+    Transformers takes it); the KV cache follows the layers."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    given = [n for n, v in (("device", device), ("device_map", device_map),
+                            ("tensor_parallel", tensor_parallel)) if v]
+    if len(given) > 1:
+        raise ValueError(f"give one of device, device_map and tensor_parallel; got {given}.")
+    if tensor_parallel:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, tp_plan="auto")
+    elif device_map is not None:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    if device is not None:
+        model = model.to(device)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError):
+        tokenizer = None
+    return model.eval(), tokenizer
+
+
+class LLM:
+    """Offline generation: `generate()` runs a list of prompts through the engine together
+    and returns one `RequestOutput` per prompt, in order.
+
+    model: a loaded Llama / Mistral / Falcon model (or a PEFT LoRA model on one), or the
+    path of a local folder to load it (and its tokenizer) from. Engine options: see
+    `LLMEngine` (block_size, num_blocks / kv_cache_bytes, max_num_seqs,
+    max_num_batched_tokens, enable_prefix_caching, preemption_mode, swap_space_bytes, ...).
+    """
+
+    def __init__(self, model, tokenizer=None, **engine_options):
+        if isinstance(model, (str, os.PathLike)):
+            model, found = load_model(model)
+            tokenizer = tokenizer if tokenizer is not None else found
+        self.engine = LLMEngine(model, tokenizer, **engine_options)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def stats(self):
+        return self.engine.stats()
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+        """prompts: a string, a list of token ids, or a list of either. A request that can
+        never run (too long for the model or the pool) comes back with finish_reason "error"
+        and `error` set, as does one that fails while running; the others run normally.
+        Malformed input raises InvalidRequestError before anything runs. If the call raises
+        (or is interrupted), none of its requests stays queued: the `LLM` serves the next
+        call as if this one had not happened."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts.")
+            params = sampling_params
+        else:
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"{len(priority)} priorities for {len(prompts)} prompts.")
+        batch = next(_batches)
+        ids = [f"llm-{batch}-{i}" for i in range(len(prompts))]
+        results: dict[str, RequestOutput] = {}
+        engine = self.engine
+        prepared = []
+        for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params)):
+            try:  # every request checked before any is queued
+                prepared.append(engine.prepare_request(rid, prompt, p,
+                                                       priority[i] if priority else 0))
+            except RequestRejectedError as err:
+                results[rid] = _rejected(rid, prompt, p, str(err))
+        bar = _progress(len(prompts), use_tqdm)
+        bar.update(len(results))
+        try:
+            for request in prepared:
+                engine.add_prepared(request)
+            mine = set(ids) - set(results)
+            while mine:
+                if not engine.has_unfinished_requests():
+                    raise HFPagedError(f"the engine lost {len(mine)} request(s) of this call.")
+                for out in engine.step():
+                    if out.finished and out.request_id in mine:
+                        mine.discard(out.request_id)
+                        results[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            for rid in ids:  # nothing of this call stays queued
+                engine.remove_request(rid)
+            raise
+        finally:
+            bar.close()
+        return [results[rid] for rid in ids]
+
+
+def _rejected(request_id, prompt, params, error) -> RequestOutput:
+    text = prompt if isinstance(prompt, str) else None
+    ids = [] if isinstance(prompt, str) else list(prompt)
+    return RequestOutput(request_id, text, ids,
+                         [CompletionOutput(i, finish_reason="error") for i in range(params.n)],
+                         finished=True, error=error)
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="Processed prompts", disable=not enabled or total == 0)

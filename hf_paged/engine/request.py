@@ -1,0 +1,122 @@
+"""A request as the engine keeps it, and the processing of its outputs: appending sampled
+tokens, following its text as it grows, deciding when a completion stops, and the snapshot
+a caller receives. The engine does the scheduling; this module only says which completion
+ended and why (the engine then frees its sequence).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from .detokenizer import IncrementalText
+from ..errors import describe
+from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
+from ..sampling_params import SamplingParams
+from ..core.sequence import Sequence
+
+logger = logging.getLogger("hf_paged")
+
+
+@dataclass
+class EngineRequest:
+    """One request (made by `LLMEngine.prepare_request`, queued by `add_prepared`)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams  # resolved
+    priority: int
+    adapter: str | None
+    salt: bytes  # prefix-cache namespace
+    completions: list[CompletionOutput]
+    generators: list[torch.Generator | None]
+    stop_ids: set[int]
+    metrics: RequestMetrics
+    texts: list[IncrementalText] | None  # per completion, when text is followed as it grows
+    deadline: float | None = None  # time.monotonic() past which it ends ("timeout")
+    seqs: list[Sequence] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.completions)
+
+    def append(self, seq: Sequence, k: int, token: int, logprobs, token_logprob,
+               now: float) -> None:
+        """Completion k (sequence `seq`) sampled `token`."""
+        seq.output.append(token)
+        out = self.completions[k]
+        out.token_ids = seq.output
+        if logprobs is not None:
+            out.logprobs.append(logprobs)
+            out.cumulative_logprob += token_logprob
+        if self.metrics.first_token_time is None:
+            self.metrics.first_token_time = now
+
+    def stop(self, seq: Sequence, k: int, eos_ids: set[int]) -> str | None:
+        """After completion k's newest token: "stop" or "length" if it has ended (its
+        finish_reason, stop_reason and text then set), else None."""
+        out, params = self.completions[k], self.params
+        token = seq.output[-1]
+        before = 0
+        if self.texts is not None:  # the text grows with each token (held back while a
+            before = len(out.text)  # character is incomplete)
+            self.texts[k].update(seq.output)
+            out.text = self.texts[k].text
+        if token in self.stop_ids:  # masked until min_tokens, so never too early
+            eos = token in eos_ids and token not in params.stop_token_ids
+            out.stop_reason = None if eos else token
+            return self._ended(k, "stop")
+        if params.stop and self.texts is not None and len(out.text) > before:
+            # A stop string not in the text before ends after `before`.
+            start = max(0, before - max(len(s) for s in params.stop) + 1)
+            hits = [(at, s) for at, s in ((out.text.find(s, start), s) for s in params.stop)
+                    if at >= 0]
+            if hits:
+                at, out.stop_reason = min(hits)
+                out.text = out.text[:at]  # cut before the stop string
+                return self._ended(k, "stop", flush=False)
+        if len(seq.output) >= seq.max_tokens:
+            return self._ended(k, "length")
+        return None
+
+    def end(self, reason: str) -> None:
+        """Ends every completion still running with `reason` (its text as far as it got;
+        a failed one's text is not decoded further)."""
+        for k, out in enumerate(self.completions):
+            if out.finish_reason is None:
+                with contextlib.suppress(Exception):  # its text so far stands
+                    self._ended(k, reason, flush=reason != "error")
+
+    def _ended(self, k: int, reason: str, flush: bool = True) -> str:
+        out = self.completions[k]
+        out.finish_reason = reason
+        if self.texts is not None and flush:
+            out.text = self.texts[k].text  # kept if finishing the decode raises
+            self.texts[k].finish(out.token_ids)
+            out.text = self.texts[k].text
+        return reason
+
+    def output(self, tokenizer) -> RequestOutput:
+        """A snapshot (later steps do not change it). Text not followed token by token is
+        decoded once its completion has ended; if that fails, the request ends with the
+        error (its tokens stand)."""
+        completions = []
+        for out in self.completions:
+            if (self.texts is None and tokenizer is not None and out.finished
+                    and out.token_ids and not out.text):
+                try:
+                    out.text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
+                except Exception as err:  # noqa: BLE001 (this request's text alone)
+                    self.error = self.error or f"its text could not be decoded: {describe(err)}"
+                    logger.warning("hf-paged: request %s: %s", self.request_id, self.error)
+            completions.append(replace(
+                out, token_ids=list(out.token_ids),
+                logprobs=None if out.logprobs is None else list(out.logprobs)))
+        cached = self.seqs[0].cached_tokens if self.seqs else 0
+        return RequestOutput(self.request_id, self.prompt, self.prompt_ids, completions,
+                             self.finished, self.error, cached, replace(self.metrics))

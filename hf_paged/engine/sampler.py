@@ -1,0 +1,182 @@
+"""Next tokens from a step's logits, each row with its request's own settings.
+
+Rows are processed together: `penalize` applies Transformers' repetition penalty, OpenAI's
+presence/frequency penalties and the min-tokens mask; `warp` then applies, to sampled rows,
+temperature, top-k, top-p and min-p (Transformers' warpers, in its order, with its tie and
+minimum-kept rules). Greedy rows take the argmax of the penalized logits. Sampling draws one
+exponential per vocabulary entry and takes argmax(p / e), which is a draw from p; a seeded
+request draws its exponentials from a generator of its own, so its tokens do not depend on
+the batch. A row whose distribution is not a distribution (NaN, +inf, or nothing left to
+draw from) gets no token: it is reported in `SampleResult.failed`, and the other rows are
+not affected.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..sampling_params import SamplingParams
+
+
+@dataclass
+class SampleRow:
+    """One row of the logits: the request's settings and what it has seen so far."""
+
+    params: SamplingParams  # resolved
+    prompt: list[int]
+    output: list[int]
+    generator: torch.Generator | None = None
+    suppress: list[int] | None = None  # token ids masked at this step (min_tokens)
+
+
+@dataclass
+class SampleResult:
+    tokens: list[int]
+    logprobs: list[dict[int, float] | None]  # per row, when asked for
+    token_logprobs: list[float | None]
+    failed: list[int]  # rows with no valid distribution (their tokens are meaningless)
+
+
+def _padded(lists: list[list[int]], fill: int, device) -> torch.Tensor:
+    width = max(1, max(len(x) for x in lists))
+    return torch.tensor([x + [fill] * (width - len(x)) for x in lists], dtype=torch.long,
+                        device=device)
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow],
+                 noise: torch.Tensor | None = None) -> SampleResult:
+        """logits [S, V] (any float dtype) -> one token per row. noise: the rows'
+        exponentials [S, V] drawn beforehand by `noise` (drawn here if not given), so that
+        a caller sampling the rows again draws nothing twice from a seeded generator."""
+        logits = logits.float()
+        want_logprobs = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        raw = torch.log_softmax(logits, -1) if want_logprobs else None
+        logits = self.penalize(logits.clone(), rows)
+        greedy = [r.params.greedy for r in rows]
+        if all(greedy):
+            tokens, valid = logits.argmax(-1), _valid(logits)
+        else:
+            scores = self.warp(logits, rows)
+            if noise is None:
+                noise = self.noise(logits.shape[0], logits.shape[1], rows, logits.device)
+            tokens = self._draw(logits, scores, noise, greedy)
+            valid = torch.where(torch.tensor(greedy, device=logits.device), _valid(logits),
+                                _valid(scores))
+        return self._result(tokens, valid, raw, rows, want_logprobs)
+
+    # -- processors -----------------------------------------------------------------------
+    def penalize(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """Penalties and min-tokens masking, in place: [S, V] float32 -> the same."""
+        vocab, device = logits.shape[1], logits.device
+        rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+        if rep:
+            idx = torch.tensor(rep, device=device)
+            ids = _padded([rows[i].prompt + rows[i].output for i in rep], vocab, device)
+            ext = torch.cat([logits[idx], logits.new_zeros(len(rep), 1)], 1)
+            scores = ext.gather(1, ids)
+            penalty = torch.tensor([rows[i].params.repetition_penalty for i in rep],
+                                   device=device)[:, None]
+            scores = torch.where(scores < 0, scores * penalty, scores / penalty)
+            logits[idx] = ext.scatter(1, ids, scores)[:, :vocab]
+        additive = [i for i, r in enumerate(rows)
+                    if r.params.presence_penalty or r.params.frequency_penalty]
+        if additive:
+            idx = torch.tensor(additive, device=device)
+            ids = _padded([rows[i].output for i in additive], vocab, device)
+            counts = torch.zeros(len(additive), vocab + 1, device=device)
+            counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
+            counts = counts[:, :vocab]
+            presence = torch.tensor([rows[i].params.presence_penalty for i in additive],
+                                    device=device)[:, None]
+            frequency = torch.tensor([rows[i].params.frequency_penalty for i in additive],
+                                     device=device)[:, None]
+            logits[idx] -= frequency * counts + presence * (counts > 0)
+        masked = [i for i, r in enumerate(rows) if r.suppress]
+        if masked:
+            idx = torch.tensor(masked, device=device)
+            ids = _padded([rows[i].suppress for i in masked], vocab, device)
+            ext = torch.cat([logits[idx], logits.new_zeros(len(masked), 1)], 1)
+            logits[idx] = ext.scatter(1, ids, float("-inf"))[:, :vocab]
+        return logits
+
+    def warp(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """Temperature, top-k, top-p, min-p of sampled rows: penalized logits [S, V] -> scores
+        whose softmax is the distribution drawn from (greedy rows pass unchanged)."""
+        device = logits.device
+        params = [r.params for r in rows]
+        greedy = [p.greedy for p in params]
+        vocab = logits.shape[1]
+        temperature = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)],
+                                   device=device)
+        scores = logits / temperature[:, None]
+        # top_k at or above the vocabulary keeps every token (as vLLM).
+        top_k = [0 if g or p.top_k in (0, -1) or p.top_k >= vocab else p.top_k
+                 for g, p in zip(greedy, params)]
+        if any(top_k):
+            k = torch.tensor([k or vocab for k in top_k], device=device)
+            kth = scores.topk(int(k.max()), -1).values.gather(1, (k - 1)[:, None])
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        top_p = [1.0 if g else p.top_p for g, p in zip(greedy, params)]
+        if any(p < 1.0 for p in top_p):
+            sorted_scores, order = scores.sort(-1)  # ascending, as Transformers
+            cumulative = sorted_scores.softmax(-1).cumsum(-1)
+            remove = cumulative <= 1 - torch.tensor(top_p, device=device)[:, None]
+            remove[:, -1] = False  # keep at least one token
+            scores = scores.masked_fill(remove.scatter(1, order, remove), float("-inf"))
+        min_p = [0.0 if g else p.min_p for g, p in zip(greedy, params)]
+        if any(min_p):
+            probs = scores.softmax(-1)
+            floor = torch.tensor(min_p, device=device)[:, None] * probs.amax(-1, keepdim=True)
+            remove = probs < floor
+            remove.scatter_(1, probs.argmax(-1, keepdim=True), False)  # keep at least one
+            scores = scores.masked_fill(remove, float("-inf"))
+        return scores
+
+    @staticmethod
+    def noise(count: int, vocab: int, rows: list[SampleRow], device) -> torch.Tensor | None:
+        """One exponential per row and vocabulary entry [count, V] (None if every row is
+        greedy); a seeded row's come from its own generator, the only draw from it."""
+        if all(r.params.greedy for r in rows):
+            return None
+        noise = torch.empty(count, vocab, device=device).exponential_()
+        for i, row in enumerate(rows):
+            if row.generator is not None and not row.params.greedy:
+                noise[i] = torch.empty(vocab, device=device).exponential_(
+                    generator=row.generator)
+        return noise
+
+    @staticmethod
+    def _draw(logits, scores, noise, greedy):
+        sampled = (scores.softmax(-1) / noise).argmax(-1)
+        return torch.where(torch.tensor(greedy, device=logits.device), logits.argmax(-1),
+                           sampled)
+
+    @staticmethod
+    def _result(tokens, valid, raw, rows, want):
+        # The one host sync of the sampler: tokens and validity together.
+        token_list, valid_list = torch.stack([tokens, valid.long()]).tolist()
+        failed = [i for i, ok in enumerate(valid_list) if not ok]
+        logprobs: list = [None] * len(rows)
+        token_logprobs: list = [None] * len(rows)
+        if want:
+            idx = torch.tensor(want, device=tokens.device)
+            lp = raw[idx]
+            k = min(max(rows[i].params.logprobs for i in want), lp.shape[1])
+            top = lp.topk(max(k, 1), -1)
+            chosen = lp.gather(1, tokens[idx][:, None])[:, 0]
+            values, indices, chosen = top.values.tolist(), top.indices.tolist(), chosen.tolist()
+            for j, i in enumerate(want):
+                n = rows[i].params.logprobs
+                entry = dict(zip(indices[j][:n], values[j][:n]))
+                entry[token_list[i]] = chosen[j]
+                logprobs[i], token_logprobs[i] = entry, chosen[j]
+        return SampleResult(token_list, logprobs, token_logprobs, failed)
+
+
+def _valid(scores: torch.Tensor) -> torch.Tensor:
+    """[S, V] -> [S] bool: the row is a distribution to draw from (no NaN or +inf, and at
+    least one finite entry): exactly when its maximum, which NaN propagates to, is finite."""
+    return torch.isfinite(scores.amax(-1))

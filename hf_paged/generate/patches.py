@@ -1,0 +1,428 @@
+"""Everything hf-paged changes in Transformers (5.23), in one place.
+
+`enable()` (run by `import hf_paged`) registers the "paged" attention and mask functions
+and wraps four `GenerationMixin` methods:
+
+- `generate`: takes `cache_implementation="paged"` out of the keywords before Transformers
+  reroutes it to continuous batching, and restores attention implementations afterwards;
+- `_prepare_generation_config`: puts "paged" back into the call's generation config;
+- `_prepare_cache_for_generation`: builds (or reuses) a `PagedCache` for supported models
+  and switches them to the "paged" attention for the call;
+- `_prefill`: runs each distinct prompt once, packed without its pad tokens (prefill.py),
+  when nothing stands between generate and the model's forward (`runs_plain_forward`).
+
+Each forward hands its 2D padding mask to the cache through the "paged" mask function.
+Falcon computes attention inline, so `FalconAttention.forward` is wrapped too
+(see `models/falcon.py`). With PEFT loaded, `PeftModel.get_prompt` is wrapped on first use,
+so that prefix tuning's virtual tokens go into the paged cache. `disable()` undoes all of it
+and leaves a warning for `cache_implementation="paged"`, which Transformers would then
+route to its own continuous batching.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import os
+import sys
+import threading
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from torch.nn.modules import module as torch_module
+from transformers import GenerationMixin
+from transformers.cache_utils import Cache
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+from transformers.models.falcon import modeling_falcon
+from transformers.models.falcon.modeling_falcon import (
+    FalconAttention, FalconFlashAttention2, FalconForCausalLM,
+)
+from transformers.models.llama.modeling_llama import LlamaForCausalLM
+from transformers.models.mistral.modeling_mistral import MistralForCausalLM
+
+from ..hf.attention import ATTENTION_NAME, paged_attention_forward, paged_mask
+from .cache import PagedCache
+from ..hf.architectures import attention_tp_size, kv_layout, tp_heads
+from ..hf.falcon import paged_falcon_attention
+from ..config import PagedCacheConfig
+from ..errors import HFPagedError, UnsupportedModelError
+from ..distributed.placement import model_placement
+from ..kv.pool import kept_pool
+from . import prefill as paged_prefill
+
+CACHE_IMPLEMENTATION = "paged"
+SUPPORTED_MODELS = (LlamaForCausalLM, MistralForCausalLM, FalconForCausalLM)
+SUPPORTED_ARCHITECTURES = tuple(cls.__name__ for cls in SUPPORTED_MODELS)
+
+
+@dataclass
+class _Call:
+    """State of one running generate() call (assisted decoding nests the assistant's)."""
+
+    keyword: bool  # cache_implementation="paged" came as a keyword, not in a config
+    switched: list = field(default_factory=list)  # attention switches to release at the end
+    caches: list = field(default_factory=list)  # PagedCaches this call generates on
+
+
+_call: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("hf_paged_call", default=None)
+# id(config) -> [config, its own attention implementation, generate() calls using "paged"]:
+# concurrent calls on one model share the switch, and the last one out restores it.
+_switched: dict[int, list] = {}
+_switch_lock = threading.Lock()
+
+_originals: dict[tuple[type, str], object] = {}
+
+
+def is_supported(model) -> bool:
+    return isinstance(model, SUPPORTED_MODELS)
+
+
+def _user_stacklevel() -> int:
+    """warnings.warn stacklevel of the first caller outside hf_paged, transformers and torch."""
+    skip = tuple(os.path.dirname(sys.modules[name].__file__) + os.sep
+                 for name in ("hf_paged", "transformers", "torch"))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _warn_stock(model, why: str) -> None:
+    warnings.warn(f"hf-paged: {why}; {type(model).__name__} runs this call with Transformers' "
+                  "default cache instead.", UserWarning, stacklevel=_user_stacklevel())
+
+
+def _warn_unsupported(model) -> None:
+    _warn_stock(model, f"cache_implementation='paged' supports {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def runs_plain_forward(model) -> bool:
+    """Whether generate's forwards reach `model` exactly as Transformers makes them.
+
+    Only then may the prefill be replaced by a packed one on distinct prompts and decode
+    steps skip reading the mask. Not so with an overridden `prepare_inputs_for_generation`
+    (PEFT prompt learning, subclasses), forward hooks or replaced forwards (PEFT adapter
+    batches, accelerate), or modules in training mode (dropout draws random numbers per
+    input shape).
+    """
+    if ("prepare_inputs_for_generation" in model.__dict__
+            or type(model).prepare_inputs_for_generation
+            is not GenerationMixin.prepare_inputs_for_generation):
+        return False
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        return False
+    return not any(m.training or m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__
+                   for m in model.modules())
+
+
+def _training_reason(model) -> str | None:
+    """Why a model in training mode cannot generate on the paged cache, or None."""
+    if not model.training:
+        return None
+    if getattr(model, "is_activation_checkpointing", False):  # gradient checkpointing
+        return ("gradient checkpointing is on in training mode, where Transformers runs the "
+                "layers without a cache")
+    for module in model.modules():
+        dropout = getattr(module, "attention_dropout", 0.0)  # Llama, Mistral: a float
+        if isinstance(dropout, torch.nn.Dropout):  # Falcon: a module
+            dropout = dropout.p
+        if module.training and isinstance(dropout, float) and dropout > 0:
+            return (f"attention dropout ({dropout}) is active in training mode, and it draws "
+                    "its random numbers inside Transformers' attention kernel")
+    return None
+
+
+def _use_paged_attention(model, swapped: list | None = None) -> None:
+    """Switches the model's attention to "paged"; `swapped` (the running generate call's
+    list by default) records the switch so that `_release_paged_attention` undoes it."""
+    config = model.config
+    if swapped is None:
+        call = _call.get()
+        swapped = call.switched if call is not None else None  # None: nothing switches back
+    with _switch_lock:
+        entry = _switched.get(id(config))
+        if entry is None:
+            if config._attn_implementation == ATTENTION_NAME:
+                return  # loaded with attn_implementation="paged", or switched for good
+            if swapped is None:
+                config._attn_implementation_internal = ATTENTION_NAME
+                return
+            entry = _switched[id(config)] = [config, config._attn_implementation_internal, 0]
+            config._attn_implementation_internal = ATTENTION_NAME
+        if swapped is not None:
+            entry[2] += 1
+            swapped.append(entry)
+
+
+@contextlib.contextmanager
+def paged_attention(model):
+    """Inside, the model's attention is "paged" (shared with concurrent generate calls,
+    restored by the last one out)."""
+    entries: list = []
+    _use_paged_attention(model, entries)
+    try:
+        yield
+    finally:
+        _release_paged_attention(entries)
+
+
+def _release_paged_attention(entries: list) -> None:
+    with _switch_lock:
+        for entry in entries:
+            entry[2] -= 1
+            if entry[2] == 0:
+                config, implementation, _ = _switched.pop(id(entry[0]))
+                config._attn_implementation_internal = implementation
+
+
+def build_cache(model, generation_config, max_cache_length: int | None) -> PagedCache:
+    """A `PagedCache` for `model`.
+
+    A sized pool (num_blocks / max_kv_bytes) is kept for the model and shared by the caches
+    of every call with that sizing, concurrent calls and assistant caches included, each
+    owning its own blocks. An unsized pool belongs to its call alone.
+    """
+    cache_config = PagedCacheConfig.from_any(generation_config.cache_config)
+    text_config = model.config.get_text_config(decoder=True)
+    layers, _, head_dim = kv_layout(text_config)
+    # A model spread by device_map keeps each layer's KV on that layer's device.
+    placement = model_placement(model, layers)
+    tp_size = attention_tp_size(model)
+    pool = None
+    if cache_config.is_sized:
+        pool = kept_pool(model, cache_config, layers, tp_heads(text_config, tp_size)[1],
+                         head_dim, model.dtype, placement)
+    return PagedCache(text_config, cache_config, dtype=model.dtype, device=placement.primary,
+                      pool=pool, max_cache_len=max_cache_length, tp_size=tp_size,
+                      placement=placement)
+
+
+# -- wrappers -------------------------------------------------------------------------------
+def _generate(original):
+    @functools.wraps(original)
+    def generate(self, *args, **kwargs):
+        keyword = kwargs.get("cache_implementation") == CACHE_IMPLEMENTATION
+        if keyword:
+            kwargs = {k: v for k, v in kwargs.items() if k != "cache_implementation"}
+        call = _Call(keyword)
+        token = _call.set(call)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _call.reset(token)
+            for cache in call.caches:
+                cache.end_generate()
+            _release_paged_attention(call.switched)
+
+    return generate
+
+
+def _prepare_generation_config(original):
+    @functools.wraps(original)
+    def prepare(self, *args, **kwargs):
+        generation_config, model_kwargs = original(self, *args, **kwargs)
+        call = _call.get()
+        if call is not None and call.keyword:
+            generation_config.cache_implementation = CACHE_IMPLEMENTATION
+            call.keyword = False  # applies to this call's config only
+        return generation_config, model_kwargs
+
+    return prepare
+
+
+def _prepare_cache_for_generation(original):
+    @functools.wraps(original)
+    def prepare(self, generation_config, model_kwargs, generation_mode, batch_size,
+                max_cache_length, *args, **kwargs):
+        def stock():
+            return original(self, generation_config, model_kwargs, generation_mode, batch_size,
+                            max_cache_length, *args, **kwargs)
+
+        cache = model_kwargs.get("past_key_values")
+        paged = isinstance(cache, PagedCache)
+        if generation_config.cache_implementation != CACHE_IMPLEMENTATION and not paged:
+            if _is_paged_cache_config(generation_config.cache_config):
+                warnings.warn(
+                    "hf-paged: cache_config "
+                    f"{generation_config.cache_config!r} has no effect without "
+                    "cache_implementation='paged' (this call runs on "
+                    f"{generation_config.cache_implementation or 'the default cache'!s}).",
+                    UserWarning, stacklevel=_user_stacklevel())
+            return stock()
+        if not is_supported(self):
+            if paged:
+                raise UnsupportedModelError(
+                    f"A PagedCache was passed to {type(self).__name__}.generate(); supported "
+                    f"architectures: {', '.join(SUPPORTED_ARCHITECTURES)}."
+                )
+            _warn_unsupported(self)
+            generation_config.cache_implementation = None
+            return stock()
+        if cache is not None and not paged:
+            return stock()  # a user cache together with cache_implementation: Transformers' error
+        if generation_config.output_attentions:
+            # Attention weights are never materialized by the paged kernels.
+            if paged:
+                raise ValueError("output_attentions=True cannot be served from a PagedCache: "
+                                 "the paged attention does not materialize attention weights.")
+            _warn_stock(self, "output_attentions=True needs attention weights, which the paged "
+                              "attention does not materialize")
+            generation_config.cache_implementation = None
+            return stock()
+        reason = _training_reason(self)
+        if reason is not None:
+            if paged:
+                raise HFPagedError(f"This PagedCache cannot serve the call: {reason}. Call "
+                                   "model.eval() first, or pass no cache.")
+            _warn_stock(self, f"{reason}; model.eval() brings the paged cache back")
+            generation_config.cache_implementation = None
+            return stock()
+        if generation_config.use_cache is False:
+            return None
+        if paged:  # the user's cache, or an assistant's own cache coming back
+            cache._is_user_defined = True
+            if cache.pool is None and cache.placement is None:  # its pool is made later
+                cache.placement = model_placement(self, cache.num_layers)
+            if max_cache_length:  # this call's bound on sequence length
+                cache.max_cache_len = max(cache.max_cache_len or 0, max_cache_length)
+        else:
+            cache = build_cache(self, generation_config, max_cache_length)
+            model_kwargs["past_key_values"] = cache
+            if generation_config.is_assistant:  # its rejected candidates get cropped
+                cache.activate_past_recording()
+        _wrap_peft()
+        cache.begin_generate(model_kwargs.get("attention_mask"), runs_plain_forward(self))
+        call = _call.get()
+        if call is not None:
+            call.caches.append(cache)
+        _use_paged_attention(self)
+        return None
+
+    return prepare
+
+
+def _prefill(original):
+    @functools.wraps(original)
+    def prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs):
+        if (is_supported(self) and paged_prefill.applies(input_ids, generation_config, model_kwargs)
+                and runs_plain_forward(self)):
+            outputs = paged_prefill.paged_prefill(self, input_ids, generation_config, model_kwargs)
+            if outputs is not None:
+                return outputs
+        return original(self, input_ids, generation_config, model_kwargs, *args, **kwargs)
+
+    return prefill
+
+
+def _is_paged_cache_config(cache_config) -> bool:
+    """A non-empty dict of hf-paged settings only (other caches take cache_config too)."""
+    return (isinstance(cache_config, dict) and bool(cache_config)
+            and set(cache_config) <= set(PagedCacheConfig.__dataclass_fields__))
+
+
+def _peft_get_prompt(original):
+    """PEFT prefix tuning injects its virtual keys and values as a fresh DynamicCache at the
+    first step; on a paged call they become the paged cache's first tokens, shared by all
+    rows, and the paged cache is what the model gets."""
+
+    @functools.wraps(original)
+    def get_prompt(self, batch_size, *args, **kwargs):
+        prompt = original(self, batch_size, *args, **kwargs)
+        call = _call.get()
+        cache = call.caches[-1] if call is not None and call.caches else None
+        if not isinstance(prompt, Cache) or cache is None or cache.get_seq_length():
+            return prompt
+        try:
+            cache.load_prefix([layer.keys for layer in prompt.layers],
+                              [layer.values for layer in prompt.layers])
+        except ValueError as err:
+            _warn_stock(self, f"PEFT prefix tuning's virtual tokens do not fit the paged cache: {err}")
+            return prompt
+        return cache
+
+    return get_prompt
+
+
+def _wrap_peft() -> None:
+    """Wraps `PeftModel.get_prompt` once PEFT is loaded (a PEFT model exists only then)."""
+    peft_model = sys.modules.get("peft.peft_model")
+    key = (getattr(peft_model, "PeftModel", None), "get_prompt")
+    if key[0] is None or key in _originals or not _originals:
+        return
+    with _switch_lock:
+        if key not in _originals:
+            original = key[0].__dict__["get_prompt"]
+            _originals[key] = original
+            key[0].get_prompt = _peft_get_prompt(original)
+
+
+def _paged_requested(model, kwargs) -> bool:
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    return CACHE_IMPLEMENTATION in (kwargs.get("cache_implementation"),
+                                    getattr(config, "cache_implementation", None))
+
+
+def _disabled_notice(original):
+    """What `disable()` leaves on generate: Transformers' own behaviour, plus a warning when
+    "paged" is asked for, since Transformers then reroutes it to its continuous batching."""
+
+    @functools.wraps(original)
+    def generate(self, *args, **kwargs):
+        if _paged_requested(self, kwargs):
+            warnings.warn(
+                "hf-paged is disabled (hf_paged.disable()): cache_implementation='paged' now runs "
+                "Transformers' own continuous batching or cache, not hf-paged. Call "
+                "hf_paged.enable() to use the paged cache.",
+                UserWarning, stacklevel=_user_stacklevel())
+        return original(self, *args, **kwargs)
+
+    generate._hf_paged_notice = original
+    return generate
+
+
+_WRAPPERS = {
+    (GenerationMixin, "generate"): _generate,
+    (GenerationMixin, "_prepare_generation_config"): _prepare_generation_config,
+    (GenerationMixin, "_prepare_cache_for_generation"): _prepare_cache_for_generation,
+    (GenerationMixin, "_prefill"): _prefill,
+    (FalconAttention, "forward"): paged_falcon_attention,
+    (FalconFlashAttention2, "forward"): paged_falcon_attention,
+}
+
+
+def enable() -> None:
+    """Registers the paged attention and wraps generate (idempotent)."""
+    if _originals:
+        return
+    stock_generate = GenerationMixin.__dict__["generate"]
+    if hasattr(stock_generate, "_hf_paged_notice"):  # left by disable()
+        GenerationMixin.generate = stock_generate._hf_paged_notice
+    AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, paged_mask)
+    # Falcon picks its attention class by name when built (from_pretrained(..., "paged")).
+    modeling_falcon.FALCON_ATTENTION_CLASSES[ATTENTION_NAME] = FalconAttention
+    for (owner, name), wrap in _WRAPPERS.items():
+        original = owner.__dict__[name]
+        _originals[owner, name] = original
+        setattr(owner, name, wrap(original))
+
+
+def disable() -> None:
+    """Restores stock Transformers: unwraps generate and unregisters "paged". A generate call
+    asking for cache_implementation="paged" afterwards gets a warning saying so."""
+    if not _originals:
+        return
+    for (owner, name), original in _originals.items():
+        setattr(owner, name, original)
+    _originals.clear()
+    GenerationMixin.generate = _disabled_notice(GenerationMixin.__dict__["generate"])
+    ALL_ATTENTION_FUNCTIONS._global_mapping.pop(ATTENTION_NAME, None)
+    ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.pop(ATTENTION_NAME, None)
+    modeling_falcon.FALCON_ATTENTION_CLASSES.pop(ATTENTION_NAME, None)
+
+
+def is_enabled() -> bool:
+    return bool(_originals)

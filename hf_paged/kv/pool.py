@@ -1,0 +1,200 @@
+"""The K/V block storage of one model: one tensor per device for its layers, plus the
+allocator they share."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import torch
+
+from ..core.block_pool import BlockPool
+from ..config import PagedCacheConfig
+from ..errors import KVCacheExhaustedError, KVPoolAllocationError
+from .metadata import to_device
+from ..kv.placement import Placement
+
+
+def block_bytes(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+                dtype: torch.dtype) -> int:
+    """Bytes of one block's K and V over `num_layers` layers."""
+    return (num_layers * 2 * num_kv_heads * head_dim * block_size
+            * torch.tensor([], dtype=dtype).element_size())
+
+
+class KVPool:
+    """Blocks of K and V for every layer and their `BlockPool`.
+
+    `shards[s]` is `[L_s, 2, NB, bs, Hkv, D]` on `placement.devices[s]`, holding the layers
+    `placement.layers[s]`: one shard for a model on one device, one per device for a model
+    spread by `device_map`. Block b is block b in every shard.
+
+    A sized pool (`num_blocks` / `max_kv_bytes`) is allocated once and kept for its model
+    (`kept_pool`); the caches of every call with that sizing, concurrent ones included, draw
+    blocks from it side by side, each owning its own. An unsized one belongs to one cache
+    and grows on demand, keeping a little headroom and never more than the caller's worst
+    case (growth reallocates `kv`, so it must not be shared across threads).
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        num_blocks: int,
+        dtype: torch.dtype,
+        device: torch.device | Placement,
+        growable: bool,
+    ):
+        """device: the device of every layer, or a `Placement` of the layers over devices."""
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.block_size = block_size
+        self.placement = (device if isinstance(device, Placement)
+                          else Placement.single(num_layers, device))
+        if self.placement.num_layers != num_layers:
+            raise ValueError(f"the placement covers {self.placement.num_layers} layers; the "
+                             f"pool has {num_layers}")
+        self.dtype, self.device = dtype, self.placement.primary
+        self.growable = growable
+        # First: an impossible size fails before the free list exists.
+        self.shards = self._zeros(num_blocks)
+        self.blocks = BlockPool(num_blocks, block_size)
+        self.version = 0  # bumped when `kv` is reallocated, so views can be refreshed
+
+    @classmethod
+    def for_config(cls, config: PagedCacheConfig, num_layers: int, num_kv_heads: int,
+                   head_dim: int, dtype: torch.dtype, device,
+                   block_size: int | None = None) -> "KVPool":
+        """block_size: overrides the config's (an unsized cache may use shorter blocks).
+        device: a device or a `Placement`; `max_kv_bytes` bounds all devices together."""
+        block_size = block_size or config.block_size
+        per_block = block_bytes(num_layers, num_kv_heads, head_dim, block_size, dtype)
+        num_blocks = config.num_blocks
+        if config.max_kv_bytes is not None:
+            num_blocks = config.max_kv_bytes // per_block
+            if num_blocks == 0:
+                raise ValueError(
+                    f"cache_config['max_kv_bytes']={config.max_kv_bytes} is smaller than one "
+                    f"block ({per_block} bytes for block_size={block_size}); "
+                    f"allowed: at least {per_block}."
+                )
+        return cls(num_layers, num_kv_heads, head_dim, block_size, num_blocks or 0,
+                   dtype, device, growable=not config.is_sized)
+
+    def _zeros(self, num_blocks: int) -> list[torch.Tensor]:
+        # Zeros, not empty: masked-out keys are still multiplied by 0 and must not be NaN.
+        # Made outside inference mode so calls under no_grad and inference_mode can share it.
+        tail = (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        shards = []
+        for device, layers in zip(self.placement.devices, self.placement.layers):
+            try:
+                with torch.inference_mode(False):
+                    shards.append(torch.zeros((len(layers), *tail), dtype=self.dtype,
+                                              device=device))
+            except (RuntimeError, MemoryError) as err:  # out of memory, or a size torch refuses
+                size = block_bytes(len(layers), self.num_kv_heads, self.head_dim,
+                                   self.block_size, self.dtype) * num_blocks
+                raise KVPoolAllocationError(
+                    f"Could not allocate a KV pool of {num_blocks} block(s) of "
+                    f"{self.block_size} tokens ({size / 2**30:.2f} GiB for {len(layers)} "
+                    f"layer(s)) on {device}: {err}. Lower cache_config['num_blocks'] / "
+                    "['max_kv_bytes'] / ['block_size'], the batch size or max_new_tokens."
+                ) from err
+        return shards
+
+    @property
+    def kv(self) -> torch.Tensor:
+        """`[L, 2, NB, bs, Hkv, D]`, the whole pool of a model on one device."""
+        if not self.placement.is_single:
+            raise AttributeError("KVPool.kv: this pool is split over devices; use `shards` "
+                                 "or `layer_kv(layer)`")
+        return self.shards[0]
+
+    def layer_kv(self, layer: int) -> torch.Tensor:
+        """[2, NB, bs, Hkv, D]: K and V blocks of one layer, on that layer's device."""
+        shard, index = self.placement.where[layer]
+        return self.shards[shard][index]
+
+    def pin_memory(self) -> None:
+        """Page-locks a CPU pool (faster, asynchronous swaps to and from a GPU)."""
+        self.shards = [kv.pin_memory() for kv in self.shards]
+
+    def copy_to(self, other: "KVPool", src: list[int], dst: list[int]) -> None:
+        """Copies blocks `src` of this pool into blocks `dst` of `other` (a pool with the
+        same layer grouping, e.g. a CPU swap pool), shard by shard."""
+        for mine, theirs in zip(self.shards, other.shards):
+            moved = mine.index_select(2, to_device(src, mine.device))
+            # Into host memory the copy must be complete before the CPU writes it out.
+            moved = moved.to(theirs.device, non_blocking=theirs.device.type != "cpu")
+            theirs.index_copy_(2, to_device(dst, theirs.device), moved)
+
+    # -- sizes -----------------------------------------------------------------------
+    @property
+    def bytes_per_token(self) -> int:
+        """K+V bytes of one token over all layers."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.element_size
+
+    @property
+    def element_size(self) -> int:
+        return self.shards[0].element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(kv.numel() for kv in self.shards) * self.element_size
+
+    # -- growth -------------------------------------------------------------------------
+    def ensure_free(self, needed: int, limit: int | None = None, held: int | None = None) -> None:
+        """Makes `needed` blocks free, growing an unsized pool (to at most `limit` blocks).
+
+        held: blocks the asking cache holds, for the error message.
+        """
+        free = self.blocks.num_free
+        if needed <= free:
+            return
+        if not self.growable:
+            gc.collect()  # caches dropped inside reference cycles give their blocks back
+            free = self.blocks.num_free
+            if needed <= free:
+                return
+            raise KVCacheExhaustedError(needed, free, self.blocks.num_blocks, self.block_size,
+                                        held=held)
+        required = self.blocks.num_used + needed
+        headroom = max(required // 8, 1)
+        target = required + headroom
+        if limit is not None:
+            target = max(required, min(target, limit))
+        self._grow(target)
+
+    def _grow(self, num_blocks: int) -> None:
+        old = self.shards
+        self.shards = self._zeros(num_blocks)
+        for new, kv in zip(self.shards, old):
+            new[:, :, : kv.shape[2]] = kv
+        self.blocks.grow(num_blocks)
+        self.version += 1
+
+
+# Sized pools kept per model, keyed weakly so that a model's pool goes with it and is never
+# pickled or deep-copied with it (a copy of the model gets a pool of its own).
+_kept: "weakref.WeakKeyDictionary[object, tuple[tuple, KVPool]]" = weakref.WeakKeyDictionary()
+_kept_lock = threading.Lock()
+
+
+def kept_pool(model, config: PagedCacheConfig, num_layers: int, num_kv_heads: int,
+              head_dim: int, dtype: torch.dtype, device) -> KVPool:
+    """The sized pool of `model` for `config`, made on first use.
+
+    Only the latest sizing is kept: a call asking for another one replaces it, and the old
+    pool is freed once the caches still using it are gone.
+    """
+    key = (config.block_size, config.num_blocks, config.max_kv_bytes, num_layers, num_kv_heads,
+           head_dim, dtype, device if isinstance(device, Placement) else str(device))
+    with _kept_lock:
+        kept = _kept.get(model)
+        if kept is not None and kept[0] == key:
+            return kept[1]
+        pool = KVPool.for_config(config, num_layers, num_kv_heads, head_dim, dtype, device)
+        _kept[model] = (key, pool)
+        return pool

@@ -1,0 +1,265 @@
+"""The OpenAI API's request and response shapes, and their translation to the engine's.
+
+Requests are validated with pydantic: a field of the wrong type or out of range is a 400
+naming it (unknown fields are ignored, as OpenAI's own server does), and so is a string that
+is not valid Unicode (a lone surrogate such as "\ud800"). Responses and stream chunks are
+plain dicts in OpenAI's layout.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ..engine.detokenizer import TokenPieces
+from ..errors import InvalidRequestError
+from ..outputs import CompletionOutput, RequestOutput
+from ..sampling_params import SamplingParams
+
+
+class APIError(Exception):
+    """An OpenAI-style error: HTTP status, message, the offending field."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 kind: str = "invalid_request_error", code: str | None = None,
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = (status, message, param,
+                                                                        kind, code)
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+def _check_unicode(data: Any) -> None:
+    """APIError 400 naming the top-level field of the first string that UTF-8 cannot
+    encode (walked without recursion: a deeply nested body cannot exhaust the stack)."""
+    if not isinstance(data, dict):
+        return
+    todo = [(key, value) for key, value in data.items()]
+    while todo:
+        field, value = todo.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise APIError(400, f"{field}: strings must be valid Unicode (no lone "
+                               "surrogates such as \\ud800).", str(field)) from None
+        elif isinstance(value, dict):
+            todo += [(field, k) for k in value] + [(field, v) for v in value.values()]
+        elif isinstance(value, list):
+            todo += [(field, v) for v in value]
+
+
+class _Sampling(BaseModel):
+    """Fields shared by completions and chat (OpenAI's, then the extras vLLM accepts)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode(cls, data):
+        _check_unicode(data)
+        return data
+
+    model: str
+    n: int = Field(1, ge=1, le=64)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = None
+    stop: Union[str, list[str], None] = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    priority: int = 0
+    cache_salt: str | None = Field(None, min_length=1)  # vLLM's: a prefix-cache namespace
+    timeout: float | None = Field(None, gt=0)  # seconds until the request ends ("timeout")
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        timeout: float | None = None) -> SamplingParams:
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported.", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed with stream=true.",
+                           "stream_options")
+        try:
+            return SamplingParams(
+                n=self.n, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
+                ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, logprobs=logprobs,
+                timeout=timeout)
+        except InvalidRequestError as err:
+            raise APIError(400, str(err), err.param) from err
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, list[int], list[Union[str, list[int]]]]
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def prompts(self) -> list:
+        if self.echo:
+            raise APIError(400, "echo is not supported.", "echo")
+        if self.suffix:
+            raise APIError(400, "suffix is not supported.", "suffix")
+        if self.best_of not in (None, self.n):
+            raise APIError(400, "best_of must equal n (or be left out).", "best_of")
+        p = self.prompt
+        if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)):
+            p = [p]
+        if not p or any(len(x) == 0 for x in p):
+            raise APIError(400, "prompt must not be empty.", "prompt")
+        return list(p)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: Union[str, list[dict[str, Any]], None] = None
+
+    def as_template_input(self) -> dict:
+        content = self.content
+        if isinstance(content, list):  # content parts: only text is understood
+            texts = []
+            for part in content:
+                if part.get("type") != "text":
+                    raise APIError(400, f"content parts of type {part.get('type')!r} are not "
+                                   "supported (text only).", "messages")
+                texts.append(str(part.get("text", "")))
+            content = "".join(texts)
+        return {"role": self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def logprob_count(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true.", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+# -- responses ------------------------------------------------------------------------------------
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def error_body(message: str) -> dict:
+    """The error object of a request that failed while running (finish_reason "error")."""
+    return {"message": message, "type": "server_error", "param": None, "code": None}
+
+
+def completion_logprobs(out: CompletionOutput, start: int, pieces: TokenPieces,
+                        offset: int) -> dict:
+    """Completions-API logprobs of tokens [start:] of a completion. Each position's
+    `top_logprobs` holds the chosen token under its own string, then the others; a token
+    whose string another one already has is keyed `token_id:N` (nothing collapses)."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for token, entry in zip(out.token_ids[start:], out.logprobs[start:]):
+        piece = pieces.text(token)
+        tokens.append(piece)
+        token_lps.append(entry[token])
+        top = {piece: entry[token]}
+        for t, lp in sorted(entry.items(), key=lambda kv: -kv[1]):
+            if t != token:
+                key = pieces.text(t)
+                top[f"token_id:{t}" if key in top else key] = lp
+        tops.append(top)
+        offsets.append(offset)
+        offset += 0 if piece.startswith("bytes:") else len(piece)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def chat_logprobs(out: CompletionOutput, start: int, pieces: TokenPieces, top: int) -> dict:
+    """Chat-API logprobs of tokens [start:] of a completion; `bytes` are each token's own."""
+    content = []
+    for token, entry in zip(out.token_ids[start:], out.logprobs[start:]):
+        ranked = sorted(entry.items(), key=lambda kv: -kv[1])[:top]
+        content.append({
+            "token": pieces.text(token), "logprob": entry[token], "bytes": pieces.bytes(token),
+            "top_logprobs": [{"token": pieces.text(t), "logprob": lp, "bytes": pieces.bytes(t)}
+                             for t, lp in ranked]})
+    return {"content": content}
+
+
+def completion_response(request_id: str, model: str, results: list[RequestOutput], n: int,
+                        pieces: TokenPieces) -> dict:
+    choices, prompt_tokens, completion_tokens, cached = [], 0, 0, 0
+    errors = []
+    for i, result in enumerate(results):
+        prompt_tokens += len(result.prompt_token_ids)
+        cached += result.num_cached_tokens
+        if result.error:
+            errors.append(f"prompt {i}: {result.error}" if len(results) > 1 else result.error)
+        for out in result.outputs:
+            completion_tokens += len(out.token_ids)
+            choices.append({
+                "index": i * n + out.index, "text": out.text,
+                "logprobs": completion_logprobs(out, 0, pieces, 0) if out.logprobs is not None
+                else None,
+                "finish_reason": out.finish_reason, "stop_reason": out.stop_reason})
+    body = {"id": request_id, "object": "text_completion", "created": int(time.time()),
+            "model": model, "choices": choices,
+            "usage": usage(prompt_tokens, completion_tokens, cached)}
+    if errors:
+        body["error"] = error_body("; ".join(errors))
+    return body
+
+
+def chat_response(request_id: str, model: str, result: RequestOutput, pieces: TokenPieces,
+                  top: int) -> dict:
+    choices = []
+    for out in result.outputs:
+        choices.append({
+            "index": out.index, "message": {"role": "assistant", "content": out.text},
+            "logprobs": chat_logprobs(out, 0, pieces, top) if out.logprobs is not None else None,
+            "finish_reason": out.finish_reason, "stop_reason": out.stop_reason})
+    completion_tokens = sum(len(o.token_ids) for o in result.outputs)
+    body = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
+            "model": model, "choices": choices,
+            "usage": usage(len(result.prompt_token_ids), completion_tokens,
+                           result.num_cached_tokens)}
+    if result.error:
+        body["error"] = error_body(result.error)
+    return body

@@ -1,0 +1,189 @@
+"""`hf-paged serve MODEL_DIR_OR_ID [options]`, also `python -m hf_paged.serve MODEL ...`:
+loads a model (and LoRA adapters, unmerged) and serves the OpenAI API on it with uvicorn.
+
+Under `torchrun --nproc-per-node N -m hf_paged.serve MODEL ...` the model is split over the
+N ranks by Transformers' tensor parallelism: rank 0 serves HTTP and schedules, every rank
+runs the forwards. `--device-map auto` instead spreads the layers of one process's model
+over the visible devices (the KV cache follows the layers)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+
+import torch
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hf-paged serve", description=__doc__.split("\n")[0])
+    p.add_argument("model", help="a local model folder (or a Hub id, where the Hub is reachable)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (8000)")
+    p.add_argument("--dtype", default="auto",
+                   choices=["auto", "float32", "bfloat16", "float16"],
+                   help="model dtype (auto: as saved)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: as loaded)")
+    p.add_argument("--device-map", default=None, type=_device_map,
+                   help="spread the layers over devices: auto, balanced, sequential, or a JSON "
+                        "object of module name -> device (the KV cache follows the layers)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients ask for (default: the model argument)")
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=ADAPTER_DIR",
+                   help="serve a PEFT LoRA adapter, unmerged, as model NAME (repeatable)")
+    s = p.add_argument_group("security and limits")
+    s.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every path but /health; "
+                        "repeatable, one tenant per key")
+    s.add_argument("--salt-by-api-key", action=argparse.BooleanOptionalAction, default=True,
+                   help="cache each key's prompts apart: tenants never share prefix-cache "
+                        "blocks (on)")
+    s.add_argument("--metrics-without-auth", action="store_true",
+                   help="serve /metrics without a key (for a scraper inside the network)")
+    s.add_argument("--max-waiting-requests", type=int, default=512,
+                   help="waiting sequences (prompts x n) past which requests get 503 + "
+                        "Retry-After (512)")
+    s.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
+                   help="largest request body in bytes; larger ones get 413 (4 MiB)")
+    s.add_argument("--max-stop-strings", type=int, default=64,
+                   help="stop strings per request (64)")
+    s.add_argument("--max-stop-chars", type=int, default=8192,
+                   help="total characters of a request's stop strings (8192)")
+    s.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds a request may take, queued or running; it then ends with "
+                        "finish_reason 'timeout' (no limit)")
+    s.add_argument("--max-unread-outputs", type=int, default=256,
+                   help="outputs a stream may leave unread before its request is aborted "
+                        "(256)")
+    s.add_argument("--shutdown-grace", type=float, default=10.0,
+                   help="at SIGTERM, seconds open requests get before they end with an "
+                        "error (10)")
+    e = p.add_argument_group("engine")
+    e.add_argument("--block-size", type=int, default=16, help="tokens per KV block (16)")
+    budget = e.add_mutually_exclusive_group()
+    budget.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks")
+    budget.add_argument("--kv-cache-bytes", type=int, default=None, help="KV pool size in bytes")
+    e.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="on CUDA without a pool size: this fraction of free memory (0.9)")
+    e.add_argument("--max-num-seqs", type=int, default=None,
+                   help="sequences running at once (64 CPU, 256 CUDA)")
+    e.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step (2048 CPU, 8192 CUDA)")
+    e.add_argument("--max-model-len", type=int, default=None,
+                   help="longest sequence (the model's max_position_embeddings)")
+    e.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    e.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
+                   help="when blocks run out: recompute later, or swap to a CPU pool")
+    e.add_argument("--swap-space-bytes", type=int, default=None,
+                   help="CPU pool for swap preemption (default: the size of the KV pool)")
+    e.add_argument("--backend", default="auto", help="attention backend (auto)")
+    p.add_argument("--log-level", default="info", help="uvicorn log level (info)")
+    return p
+
+
+def _device_map(text: str):
+    if text in ("auto", "balanced", "balanced_low_0", "sequential"):
+        return text
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(
+            f"expected auto, balanced, balanced_low_0, sequential or a JSON object; got {text!r}")
+    return value
+
+
+def world_size() -> int:
+    """Processes started together by torchrun (1 without it)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def load(args):
+    """The model to serve (with its adapters) and its tokenizer; under torchrun, this
+    rank's share of a model split by tensor parallelism."""
+    from ..engine.llm import load_model
+
+    if args.device_map is not None and (args.device is not None or world_size() > 1):
+        raise SystemExit("--device-map spreads the model of one process over devices; it "
+                         "cannot be combined with --device or with torchrun (tensor "
+                         "parallelism).")
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device,
+                                  tensor_parallel=world_size() > 1, device_map=args.device_map)
+    for i, spec in enumerate(args.lora):
+        name, _, folder = spec.partition("=")
+        if not name or not folder:
+            raise SystemExit(f"--lora takes NAME=ADAPTER_DIR; got {spec!r}.")
+        from peft import PeftModel
+
+        if i == 0:
+            model = PeftModel.from_pretrained(model, folder, adapter_name=name)
+        else:
+            model.load_adapter(folder, adapter_name=name)
+    return model.eval(), tokenizer
+
+
+def engine_options(args) -> dict:
+    return dict(block_size=args.block_size, num_blocks=args.num_blocks,
+                kv_cache_bytes=args.kv_cache_bytes,
+                gpu_memory_utilization=args.gpu_memory_utilization,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
+                preemption_mode=args.preemption_mode, swap_space_bytes=args.swap_space_bytes,
+                backend=args.backend)
+
+
+def main(argv=None) -> None:
+    from .server import ServerLimits, build_app
+
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    model, tokenizer = load(args)
+    if world_size() > 1 and torch.distributed.get_rank() != 0:
+        # Tensor parallelism: rank 0 serves HTTP and schedules; this rank runs each step's
+        # forward as rank 0 broadcasts it, until rank 0 stops. (torchrun takes the whole
+        # group down, with the failed rank's error, if any rank dies.)
+        from ..engine.engine import LLMEngine
+
+        LLMEngine(model, tokenizer, **engine_options(args)).worker_loop()
+        torch.distributed.destroy_process_group()
+        return
+    limits = ServerLimits(args.max_waiting_requests, args.max_request_bytes,
+                          args.max_stop_strings, args.max_stop_chars, args.request_timeout,
+                          args.shutdown_grace)
+    app = build_app(model, tokenizer, served_model_name=args.served_model_name or args.model,
+                    api_key=args.api_key, limits=limits, salt_by_api_key=args.salt_by_api_key,
+                    metrics_without_auth=args.metrics_without_auth,
+                    max_unread_outputs=args.max_unread_outputs, **engine_options(args))
+    # SIGINT/SIGTERM: uvicorn stops accepting; open requests get --shutdown-grace seconds,
+    # then end with an error (streams: an error event and [DONE]). uvicorn then re-raises
+    # the signal to the handler it found: exit 0, the shutdown was clean.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: sys.exit(0))
+    try:
+        _serve(app, app.state.server.begin_shutdown, host=args.host, port=args.port,
+               log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_grace + 5)
+    finally:
+        if world_size() > 1 and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _serve(app, on_exit, **config) -> None:
+    """uvicorn, telling the app when a signal starts the shutdown (the app then ends its
+    open requests properly instead of having them cut)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            if not self.should_exit:
+                on_exit()
+            super().handle_exit(sig, frame)
+
+    Server(uvicorn.Config(app, **config)).run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,365 @@
+"""An OpenAI-compatible HTTP server on the engine (FastAPI; `pip install 'hf-paged[serve]'`).
+
+A thin layer: it validates requests (`protocol.py`), hands them to an `AsyncLLM`, and turns
+its outputs into OpenAI responses or server-sent events. `build_app` makes the ASGI app from
+a loaded model (a notebook or a training script can serve the model it just trained);
+`hf-paged serve` (`serve.py`) loads a folder and runs it with uvicorn; streams are built
+in `sse.py`.
+
+One client cannot hold up or end another's requests: keys and body sizes are checked before
+anything is parsed (`guard.py`); tokenization and chat templating run on worker threads, not
+the event loop; every request is checked in full, and admitted against the bound on waiting
+sequences, before any of its sequences is queued; a request that fails while running ends
+alone with finish_reason "error" and the message (in the body, or as a last error event of
+its stream); a stream its client does not read is aborted; each tenant (API key) gets its
+own prefix-cache namespace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..engine.async_llm import AsyncLLM, RequestStream
+from ..engine.detokenizer import TokenPieces
+from ..engine.engine import BASE
+from ..errors import InvalidRequestError, describe
+from .guard import RequestGuard
+from .metrics import ServerMetrics
+from .protocol import (
+    APIError, ChatCompletionRequest, CompletionRequest, chat_response, completion_response,
+    new_id,
+)
+from ..core.scheduler import RequestRejectedError
+from .sse import EventStream, chat_events, completion_events
+
+logger = logging.getLogger("hf_paged")
+SHUTDOWN_MESSAGE = "the server is shutting down"
+
+
+@dataclass
+class ServerLimits:
+    """What one request may ask of the server (each has a `hf-paged serve` flag).
+
+    max_waiting_sequences: sequences (prompts x n) queued and not started, past which a
+        request gets 503 + Retry-After; a request with more than this alone gets 400
+    max_request_bytes:     largest request body (413 past it)
+    max_stop_strings, max_stop_chars: stop strings per request, and their total length
+    request_timeout:       seconds a request may take, queued or running (None: no limit);
+        a request's own `timeout` may ask for less, never more
+    shutdown_grace:        seconds open requests get at shutdown before they end with an error
+    """
+
+    max_waiting_sequences: int = 512
+    max_request_bytes: int = 4 * 2**20
+    max_stop_strings: int = 64
+    max_stop_chars: int = 8192
+    request_timeout: float | None = None
+    shutdown_grace: float = 10.0
+
+
+class _Server:
+    """What the endpoints share: the engine, model names, tenants, limits and metrics."""
+
+    def __init__(self, llm: AsyncLLM, model_name: str, adapters: list[str],
+                 limits: ServerLimits, salt_by_api_key: bool):
+        self.llm, self.model_name, self.adapters = llm, model_name, list(adapters)
+        self.limits, self.salt_by_api_key = limits, salt_by_api_key
+        self.metrics = ServerMetrics(llm.stats, model_name)
+        self.pieces = TokenPieces(llm.tokenizer)
+        self.started = int(time.time())
+        # Tokenizing a long prompt takes long: never on the event loop.
+        self.executor = ThreadPoolExecutor(4, thread_name_prefix="hf-paged-tokenize")
+        self.draining = False
+        self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop, once started
+
+    # -- checks, before anything is queued --------------------------------------------------
+    def check_open(self) -> None:
+        if self.draining:
+            raise APIError(503, "The server is shutting down.", None, "server_busy",
+                           headers={"Retry-After": "5"})
+
+    def adapter_for(self, model: str) -> str | None:
+        """The engine adapter of a request's `model`; APIError 404 for an unknown one."""
+        if model == self.model_name:
+            return BASE if self.adapters else None
+        if model in self.adapters:
+            return model
+        raise APIError(404, f"The model `{model}` does not exist; this server has "
+                       f"{[self.model_name] + self.adapters}.", "model", "not_found_error",
+                       "model_not_found")
+
+    def check_stops(self, stops: list[str]) -> None:
+        limits = self.limits
+        if len(stops) > limits.max_stop_strings:
+            raise APIError(400, f"stop: at most {limits.max_stop_strings} stop strings; got "
+                           f"{len(stops)}.", "stop")
+        total = sum(len(s) for s in stops)
+        if total > limits.max_stop_chars:
+            raise APIError(400, f"stop: the stop strings may have {limits.max_stop_chars} "
+                           f"characters in all; got {total}.", "stop")
+
+    def timeout_for(self, asked: float | None) -> float | None:
+        limit = self.limits.request_timeout
+        return limit if asked is None else asked if limit is None else min(asked, limit)
+
+    def salt_for(self, tenant: str, asked: str | None) -> str | None:
+        """The request's prefix-cache namespace: its tenant's (with API keys) and its own."""
+        if not self.salt_by_api_key or tenant is None:
+            return asked
+        return json.dumps([tenant, asked])
+
+    async def _off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def tokens(self, prompt, param: str) -> list[int]:
+        if isinstance(prompt, str):
+            tokenizer = self.llm.tokenizer
+            if tokenizer is None:
+                raise APIError(400, "This server has no tokenizer; send token ids.", param)
+            return (await self._off_loop(tokenizer, prompt))["input_ids"]
+        return list(prompt)
+
+    async def chat_tokens(self, request: ChatCompletionRequest) -> list[int]:
+        tokenizer = self.llm.tokenizer
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise APIError(400, "The model's tokenizer has no chat template, so chat completions "
+                           "cannot be formatted; use /v1/completions.", "messages")
+        messages = [m.as_template_input() for m in request.messages]
+
+        def render():
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                tokenize=True)
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+        try:
+            return await self._off_loop(render)
+        except Exception as err:  # noqa: BLE001 (a template that rejects these messages)
+            raise APIError(400, f"The chat template could not format these messages: "
+                           f"{describe(err)}", "messages") from err
+
+    def default_max_tokens(self, prompt_len: int) -> int:
+        """Chat without max_tokens: as much as the context and the pool leave."""
+        engine = self.llm.engine
+        room = engine.num_blocks * engine.block_size
+        return max(1, min(engine.max_model_len, room) - prompt_len - engine.block_size)
+
+    # -- running -----------------------------------------------------------------------------
+    def start(self, prompts: list[list[int]], params, adapter, priority: int,
+              cache_salt: str | None, field: str) -> list[RequestStream]:
+        """Checks every prompt, admits them together, then queues them (no await between
+        the admission and the queueing: concurrent requests cannot overshoot the bound)."""
+        prepared = []
+        for prompt in prompts:
+            try:
+                prepared.append(self.llm.prepare(prompt, params, new_id("req"), priority,
+                                                 adapter, cache_salt))
+            except RequestRejectedError as err:
+                self.metrics.rejected.labels(self.model_name, "400").inc()
+                raise APIError(400, str(err), field, code="context_length_exceeded") from err
+            except InvalidRequestError as err:
+                param = field if err.param in (None, "prompt") else err.param
+                raise APIError(400, str(err), param) from err
+        new = sum(r.params.n for r in prepared)
+        bound = self.limits.max_waiting_sequences
+        if 0 < bound < new:
+            self.metrics.rejected.labels(self.model_name, "400").inc()
+            raise APIError(400, f"This request has {new} sequences (prompts x n); the server "
+                           f"queues at most {bound} (--max-waiting-requests).", "n")
+        waiting = self.llm.num_waiting_sequences()
+        if waiting + new > bound:
+            self.metrics.rejected.labels(self.model_name, "503").inc()
+            raise APIError(503, f"The server has {waiting} sequences waiting (the limit is "
+                           f"{bound}); retry shortly.", None, "server_busy",
+                           headers={"Retry-After": "1"})
+        return [self.llm.submit(r) for r in prepared]
+
+    async def collect(self, streams: list[RequestStream], request: Request):
+        """The final outputs of `streams`, or None if the client left first (then they are
+        aborted, their blocks freed)."""
+        tasks = [asyncio.ensure_future(_last(s)) for s in streams]
+        try:
+            while True:
+                _, pending = await asyncio.wait(tasks, timeout=0.5)
+                if not pending:
+                    break
+                if await request.is_disconnected():
+                    return None
+            results = [t.result() for t in tasks]
+        finally:
+            for stream in streams:
+                stream.abort()
+            for task in tasks:
+                task.cancel()
+        for result in results:
+            if isinstance(result, BaseException):
+                raise APIError(500, describe(result), None, "server_error")
+        return results
+
+    def begin_shutdown(self) -> None:
+        """Safe from a signal handler or another thread: refuse new requests (503), give
+        open ones `limits.shutdown_grace` seconds, then end them with an error (streams with
+        an error event and [DONE])."""
+        if self.draining or self.loop is None:
+            return
+        self.draining = True
+        self.loop.call_soon_threadsafe(self.loop.call_later, self.limits.shutdown_grace,
+                                       self.llm.abort_all, SHUTDOWN_MESSAGE)
+
+
+async def _last(stream: RequestStream):
+    out = None
+    try:
+        async for out in stream:
+            pass
+    except Exception as err:  # noqa: BLE001 (reported by the caller)
+        return err
+    return out
+
+
+def _error(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
+              served_model_name: str | None = None, api_key: str | list[str] | None = None,
+              max_waiting_requests: int | None = None, limits: ServerLimits | None = None,
+              salt_by_api_key: bool = True, metrics_without_auth: bool = False,
+              max_unread_outputs: int = 256, **engine_options) -> FastAPI:
+    """The ASGI app serving `model` (a loaded model, a PEFT model with LoRA adapters, or a
+    folder), or an existing `llm` (which the app then does not shut down). Adapters of a
+    PEFT model are served under their names, the base model under `served_model_name` (by
+    default the model's name_or_path). `engine_options` are `LLMEngine`'s.
+
+    api_key: one key or several (one tenant each); with keys, every path but /health needs
+    one (/metrics too, unless `metrics_without_auth`), and each tenant's prompts are cached
+    apart (`salt_by_api_key`). limits: see `ServerLimits` (`max_waiting_requests` sets its
+    max_waiting_sequences)."""
+    owned = llm is None
+    if owned:
+        llm = AsyncLLM(model, tokenizer, max_unread_outputs=max_unread_outputs, **engine_options)
+    limits = limits or ServerLimits()
+    if max_waiting_requests is not None:
+        limits.max_waiting_sequences = max_waiting_requests
+    keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+    if any(not isinstance(k, str) or not k for k in keys):
+        raise ValueError("API keys must be non-empty strings.")
+    engine = llm.engine
+    name = served_model_name or engine.model_name
+    server = _Server(llm, name, engine.adapters, limits, salt_by_api_key and bool(keys))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        server.loop = asyncio.get_running_loop()
+        yield
+        server.executor.shutdown(wait=False, cancel_futures=True)
+        if owned:  # in-flight requests end with an error; their streams close
+            llm.shutdown()
+
+    app = FastAPI(title="hf-paged", lifespan=lifespan)
+    app.state.server = server
+    app.add_middleware(RequestGuard, api_keys=keys, max_request_bytes=limits.max_request_bytes,
+                       metrics_without_auth=metrics_without_auth)
+
+    @app.exception_handler(APIError)
+    async def api_error(request, err: APIError):
+        return _error(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request, err: RequestValidationError):
+        first = err.errors()[0] if err.errors() else {}
+        loc = [str(x) for x in first.get("loc", []) if x != "body"]
+        message = first.get("msg", "invalid request")
+        if first.get("type") == "json_invalid":
+            message, loc = "The request body is not valid JSON.", []
+        # The field is the top-level name; the path (with union members) goes in the message.
+        return _error(APIError(400, f"{'.'.join(loc) + ': ' if loc else ''}{message}",
+                               loc[0] if loc else None))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, err: StarletteHTTPException):
+        if err.status_code == 400:  # FastAPI could not parse the body (bad UTF-8, too deep)
+            message = "The request body could not be parsed as JSON (invalid UTF-8, or nested " \
+                      "too deeply)."
+        else:
+            message = str(err.detail)
+        kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+        return _error(APIError(err.status_code, message, None, kind,
+                               headers=getattr(err, "headers", None)))
+
+    @app.get("/health")
+    async def health():
+        if not llm.is_alive:
+            return JSONResponse({"status": "dead"}, status_code=503)
+        if server.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        entry = dict(object="model", created=server.started, owned_by="hf-paged")
+        data = [dict(entry, id=server.model_name, root=server.model_name, parent=None)]
+        data += [dict(entry, id=a, root=a, parent=server.model_name) for a in server.adapters]
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        server.check_open()
+        adapter = server.adapter_for(body.model)
+        server.check_stops(body.stops())
+        params = body.sampling_params(body.max_tokens or 16, body.logprobs,
+                                      server.timeout_for(body.timeout))
+        raw = body.prompts()
+        prompts = [await server.tokens(p, "prompt") for p in raw]
+        tenant = request.state.tenant
+        streams = server.start(prompts, params, adapter, body.priority,
+                               server.salt_for(tenant, body.cache_salt), "prompt")
+        rid = new_id("cmpl")
+        if body.stream:
+            return EventStream(completion_events(server, body, rid, streams, params, tenant),
+                                streams)
+        results = await server.collect(streams, request)
+        if results is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        for out in results:
+            server.metrics.finished(out, tenant)
+        return completion_response(rid, body.model, results, body.n, server.pieces)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request):
+        server.check_open()
+        adapter = server.adapter_for(body.model)
+        server.check_stops(body.stops())
+        top = body.logprob_count()
+        prompt = await server.chat_tokens(body)
+        max_tokens = body.max_completion_tokens or body.max_tokens or \
+            server.default_max_tokens(len(prompt))
+        params = body.sampling_params(max_tokens, top, server.timeout_for(body.timeout))
+        tenant = request.state.tenant
+        streams = server.start([prompt], params, adapter, body.priority,
+                               server.salt_for(tenant, body.cache_salt), "messages")
+        rid = new_id("chatcmpl")
+        if body.stream:
+            return EventStream(chat_events(server, body, rid, streams[0], params, top or 0,
+                                             tenant), streams)
+        results = await server.collect(streams, request)
+        if results is None:
+            return Response(status_code=499)
+        server.metrics.finished(results[0], tenant)
+        return chat_response(rid, body.model, results[0], server.pieces, top or 0)
+
+    return app

@@ -1,0 +1,165 @@
+"""Server-sent event streams of completions and chat: OpenAI's chunks from a request's
+outputs as they come, then an error event if it failed, the usage, and `[DONE]`.
+
+The engine's text only grows (an incomplete character is held back there), and `_Deltas`
+holds back the characters that could start a stop string, so the deltas a client adds up
+are the text of the same request without `stream`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from typing import Any
+
+from fastapi.responses import StreamingResponse
+
+from ..engine.async_llm import RequestStream
+from ..errors import describe
+from ..outputs import RequestOutput
+from .protocol import chat_logprobs, completion_logprobs, error_body, usage
+
+
+def _sse(data: Any) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events whose generator is closed however the response ends (a client
+    gone mid-send included), so its requests are always aborted."""
+
+    def __init__(self, events, streams: list[RequestStream]):
+        super().__init__(events, media_type="text/event-stream")
+        self._events, self._streams = events, streams
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for stream in self._streams:
+                stream.abort()
+            await self._events.aclose()
+
+
+class _Deltas:
+    """What each choice of a stream has been sent: tokens, characters, and whether its end.
+    While a completion may still end on a stop string, the last characters that could be
+    the start of one are held back (the final text is cut before the stop string)."""
+
+    def __init__(self, params):
+        self.hold = max((len(s) for s in params.stop), default=1) - 1
+        self.sent: dict[int, list] = {}
+
+    def next(self, index: int, c) -> tuple[int, str] | None:
+        """(first token not sent, new text) for choice `index`, or None if nothing is new."""
+        state = self.sent.setdefault(index, [0, 0, False])
+        tokens, chars, done = state
+        if done or (len(c.token_ids) == tokens and not c.finished):
+            return None
+        visible = len(c.text) if c.finished else max(chars, len(c.text) - self.hold)
+        state[:] = [len(c.token_ids), visible, c.finished]
+        return tokens, c.text[chars:visible]
+
+
+async def _merged(streams: list[RequestStream]):
+    """(index, output) of several streams as they come. A bounded queue keeps the readers
+    in step with the client: a client that stops reading leaves the engine's per-request
+    buffers to fill, and those requests are aborted."""
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
+
+    async def pump(i, stream):
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+        except Exception as err:  # noqa: BLE001 (reported in the stream)
+            await queue.put((i, err))
+        await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        live = len(streams)
+        while live:
+            i, out = await queue.get()
+            if out is None:
+                live -= 1
+            else:
+                yield i, out
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def completion_events(server, body, rid, streams, params, tenant):
+    created, n = int(time.time()), body.n
+    deltas = _Deltas(params)
+    prompt_tokens = completion_tokens = cached = 0
+    errors = []
+    async with contextlib.aclosing(_merged(streams)) as merged:
+        async for i, out in merged:
+            if isinstance(out, BaseException):
+                errors.append(describe(out))
+                continue
+            for c in out.outputs:
+                index = i * n + c.index
+                chars_before = deltas.sent.get(index, [0, 0, False])[1]
+                delta = deltas.next(index, c)
+                if delta is None:
+                    continue
+                start, text = delta
+                choice = {"index": index, "text": text, "finish_reason": c.finish_reason,
+                          "logprobs": None if c.logprobs is None else
+                          completion_logprobs(c, start, server.pieces, chars_before)}
+                yield _sse({"id": rid, "object": "text_completion", "created": created,
+                            "model": body.model, "choices": [choice]})
+            if out.finished:
+                server.metrics.finished(out, tenant)
+                prompt_tokens += len(out.prompt_token_ids)
+                completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+                cached += out.num_cached_tokens
+                if out.error:
+                    errors.append(out.error if len(streams) == 1 else f"prompt {i}: {out.error}")
+    if errors:
+        yield _sse({"error": error_body("; ".join(errors))})
+    if body.include_usage:
+        yield _sse({"id": rid, "object": "text_completion", "created": created,
+                    "model": body.model, "choices": [],
+                    "usage": usage(prompt_tokens, completion_tokens, cached)})
+    yield "data: [DONE]\n\n"
+
+
+async def chat_events(server, body, rid, stream, params, top, tenant):
+    head = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": body.model}
+    deltas = _Deltas(params)
+    last: RequestOutput | None = None
+    error = None
+    try:
+        async for out in stream:
+            last = out
+            for c in out.outputs:
+                if c.index not in deltas.sent:  # the role first, as OpenAI streams it
+                    yield _sse(dict(head, choices=[{"index": c.index, "delta": {
+                        "role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None}]))
+                delta = deltas.next(c.index, c)
+                if delta is None:
+                    continue
+                start, text = delta
+                choice = {"index": c.index, "delta": {"content": text},
+                          "finish_reason": c.finish_reason, "logprobs": None if c.logprobs
+                          is None else chat_logprobs(c, start, server.pieces, top)}
+                yield _sse(dict(head, choices=[choice]))
+    except Exception as err:  # noqa: BLE001 (reported in the stream)
+        error = describe(err)
+    if last is not None and last.finished:
+        server.metrics.finished(last, tenant)
+        error = error or last.error
+    if error:
+        yield _sse({"error": error_body(error)})
+    if body.include_usage and last is not None:
+        yield _sse(dict(head, choices=[], usage=usage(
+            len(last.prompt_token_ids), sum(len(c.token_ids) for c in last.outputs),
+            last.num_cached_tokens)))
+    yield "data: [DONE]\n\n"
