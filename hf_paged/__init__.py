@@ -17,16 +17,16 @@ from .distributed.placement import model_placement
 from .kv.placement import Placement
 from .config import PagedCacheConfig
 from .errors import (
-    BackwardNotSupportedError, HFPagedError, InvalidRequestError, KVCacheExhaustedError,
-    KVPoolAllocationError, UnsupportedModelError,
+    BackwardNotSupportedError, EngineDeadError, HFPagedError, InvalidRequestError,
+    IsolationError, KVCacheExhaustedError, KVPoolAllocationError, RequestRejectedError,
+    UnsupportedModelError,
 )
 from .generate.patches import SUPPORTED_ARCHITECTURES, disable, enable, is_enabled
-from .engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
-from .engine.engine import EngineStats, IsolationError, LLMEngine
+from .engine.async_llm import AsyncLLM, RequestStream
+from .engine.engine import EngineStats, LLMEngine
 from .engine.llm import LLM
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
-from .core.scheduler import RequestRejectedError
 
 __version__ = "0.2.0"
 

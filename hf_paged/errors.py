@@ -1,4 +1,5 @@
-"""Named errors raised by hf-paged for caller mistakes and resource limits."""
+"""Every named error hf-paged raises: caller mistakes, resource limits, engine states, and
+the OpenAI-style errors the server answers with."""
 
 from __future__ import annotations
 
@@ -53,6 +54,38 @@ class InvalidRequestError(HFPagedError, ValueError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+class RequestRejectedError(HFPagedError, ValueError):
+    """A request that can never run: longer than the model's context or than the whole pool."""
+
+
+class EngineDeadError(HFPagedError, RuntimeError):
+    """The engine was shut down."""
+
+
+class IsolationError(HFPagedError, AssertionError):
+    """A step would read or write a block its sequence does not hold (debug mode)."""
+
+
+class CudaKernelsUnavailable(HFPagedError, RuntimeError):
+    """The CUDA C++ kernels cannot be built or run on this machine."""
+
+
+class APIError(Exception):
+    """An OpenAI-style error: HTTP status, message, the offending field."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 kind: str = "invalid_request_error", code: str | None = None,
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = (status, message, param,
+                                                                        kind, code)
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.code}}
 
 
 def describe(err: BaseException) -> str:

@@ -19,8 +19,22 @@ from typing import Sequence
 
 from .block_pool import BlockPool
 from ..errors import KVCacheExhaustedError
+from ..utils import cdiv
 
 FREED = -1  # table entry of a released leading block
+
+
+def first_visible(length: int, window: int) -> int:
+    """The first slot the next query of a row holding `length` tokens sees under a sliding
+    `window`: it sits at slot `length` and sees slots above `length - window` (Transformers'
+    convention; the kernels mask by the same rule)."""
+    return length - window + 1
+
+
+def blocks_to_add(blocks: int, length: int, count: int, block_size: int) -> int:
+    """New blocks a row of `blocks` blocks holding `length` tokens takes for `count` more
+    (copies of a shared partial block not counted)."""
+    return cdiv(length + count, block_size) - blocks
 
 
 def _live(blocks):
@@ -76,7 +90,7 @@ class BlockTables:
             if c <= 0:
                 continue
             n = self.lengths[row]
-            needed += -(-(n + c) // bs) - len(self.tables[row])
+            needed += blocks_to_add(len(self.tables[row]), n, c, bs)
             if n % bs:
                 last = self.tables[row][-1]
                 writers[last] = writers.get(last, 0) + 1
@@ -111,7 +125,7 @@ class BlockTables:
                 table[-1] = dst
                 plan.entries.append((row, len(table) - 1, dst))
                 self.num_held -= self.pool.decref([src])
-            for _ in range(-(-(self.lengths[row] + c) // bs) - len(table)):
+            for _ in range(blocks_to_add(len(table), self.lengths[row], c, bs)):
                 b = fresh.pop()
                 plan.entries.append((row, len(table), b))
                 table.append(b)
@@ -152,19 +166,26 @@ class BlockTables:
                 raise ValueError(
                     f"truncate: row {row} holds {self.lengths[row]} tokens, cannot keep {n}."
                 )
-            if n and n % self.block_size and -(-n // self.block_size) <= self.freed[row]:
+            if n and n % self.block_size and cdiv(n, self.block_size) <= self.freed[row]:
                 raise ValueError(
                     f"truncate: row {row} would end inside a released block (its first "
                     f"{self.freed[row] * self.block_size} tokens were released)."
                 )
         bs = self.block_size
         for row, n in enumerate(new_lengths):
-            keep = -(-n // bs)
+            keep = cdiv(n, bs)
             table = self.tables[row]
             self.num_held -= self.pool.decref(_live(table[keep:]))
             del table[keep:]
             self.lengths[row] = n
             self.freed[row] = min(self.freed[row], keep)
+
+    def release_outside_window(self, window: int,
+                               lengths: Sequence[int] | None = None) -> list[int]:
+        """Releases the blocks no next query can see under a sliding `window`, for rows
+        holding `lengths[r]` tokens (default: their table lengths); see `first_visible`."""
+        lengths = self.lengths if lengths is None else lengths
+        return self.release_before([first_visible(n, window) for n in lengths])
 
     def release_before(self, positions: Sequence[int]) -> list[int]:
         """Releases, in each row, the blocks lying wholly before token `positions[r]`.

@@ -23,14 +23,12 @@ import bisect
 from dataclasses import dataclass, field
 
 from .block_pool import BlockPool
-from .block_table import FREED, BlockTables
-from ..errors import HFPagedError
+from .block_table import FREED, BlockTables, blocks_to_add
+from ..errors import RequestRejectedError
 from .prefix_cache import PrefixCache, block_key
 from .sequence import Sequence, SeqStatus
+from ..utils import cdiv
 
-
-class RequestRejectedError(HFPagedError, ValueError):
-    """A request that can never run: longer than the model's context or than the whole pool."""
 
 
 @dataclass
@@ -97,7 +95,7 @@ class Scheduler:
         """Most blocks a sequence of `total_tokens` holds at one time."""
         if self.sliding_window is not None:
             total_tokens = min(total_tokens, self.sliding_window + self.max_num_batched_tokens)
-        return -(-total_tokens // self.block_size) + (self.sliding_window is not None)
+        return cdiv(total_tokens, self.block_size) + (self.sliding_window is not None)
 
     def check_fits(self, prompt_len: int, max_tokens: int, n: int = 1) -> None:
         """Raises RequestRejectedError for a request that could never run."""
@@ -151,8 +149,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         counts = [0] * self.max_num_seqs
         if self.sliding_window is not None:  # blocks no query of a row can see again
-            released = self.tables.release_before(
-                [n - self.sliding_window + 1 for n in self._computed_per_row()])
+            released = self.tables.release_outside_window(self.sliding_window,
+                                                          self._computed_per_row())
             self.prefix.released(released)
         reserved = 0  # blocks the counts planned so far will take
         served: set[int] = set()
@@ -225,7 +223,7 @@ class Scheduler:
         cached = len(hits) * self.block_size
         chunk = min(seq.num_tokens - cached, budget)
         # Blocks the first chunk needs beyond the hits (hits stop being evictable).
-        need = -(-(cached + chunk) // self.block_size) - len(hits)
+        need = blocks_to_add(len(hits), 0, cached + chunk, self.block_size)
         hit_evictable = sum(1 for b in hits if self.pool.refcount(b) == 1)
         if need > self._available() - hit_evictable - reserved:
             return False
@@ -334,7 +332,7 @@ class Scheduler:
 
     def _row_needs_for(self, blocks: int, length: int, count: int, last: int | None = None) -> int:
         """Blocks `count` more tokens take in a row of `blocks` blocks holding `length`."""
-        need = -(-(length + count) // self.block_size) - blocks
+        need = blocks_to_add(blocks, length, count, self.block_size)
         if last is not None and last != FREED and length % self.block_size \
                 and self.pool.refcount(last) > 1:
             need += 1  # copy-on-write of a shared partial block

@@ -29,16 +29,13 @@ from typing import AsyncIterator
 import torch
 
 from .engine import LLMEngine
-from ..errors import HFPagedError, InvalidRequestError, describe
+from ..errors import EngineDeadError, InvalidRequestError, describe
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 
 _ids = itertools.count()
 logger = logging.getLogger("hf_paged")
 
-
-class EngineDeadError(HFPagedError, RuntimeError):
-    """The engine was shut down."""
 
 
 class RequestStream:
@@ -123,6 +120,29 @@ class AsyncLLM:
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        """The served model's name_or_path ("model" when it has none)."""
+        return self.engine.model_name
+
+    @property
+    def adapters(self) -> list[str]:
+        """The PEFT model's LoRA adapter names (empty for a plain model)."""
+        return list(self.engine.adapters)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the whole KV pool holds (blocks x block size)."""
+        return self.engine.num_blocks * self.engine.block_size
+
+    @property
+    def block_size(self) -> int:
+        return self.engine.block_size
 
     @property
     def is_alive(self) -> bool:

@@ -13,11 +13,19 @@ not affected.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
+from ..errors import describe
 from ..sampling_params import SamplingParams
+
+logger = logging.getLogger("hf_paged")
+
+
+NOT_FINITE = ("its next-token distribution is not finite (NaN or infinity from the model's "
+              "logits or its sampling settings)")
 
 
 @dataclass
@@ -68,6 +76,31 @@ class Sampler:
         return self._result(tokens, valid, raw, rows, want_logprobs)
 
     # -- processors -----------------------------------------------------------------------
+    def sample_isolated(self, logits: torch.Tensor, rows: list[SampleRow]):
+        """(SampleResult, {row: error message}) for logits [S, V]. If sampling the rows
+        together raises, each row is sampled alone with the same noise (drawn once, before,
+        so a seeded generator is never drawn from twice): one row's failure costs only its
+        own request, and every other row gets the token it would have got."""
+        noise = self.noise(logits.shape[0], logits.shape[1], rows, logits.device)
+        try:
+            result = self(logits, rows, noise)
+        except Exception as err:  # noqa: BLE001
+            logger.warning("hf-paged: sampling %d rows together failed (%s); sampling them "
+                           "apart", len(rows), describe(err))
+            tokens, lps, tlps, errors = [], [], [], {}
+            for j, row in enumerate(rows):
+                try:
+                    one = self(logits[j:j + 1], [row], None if noise is None else noise[j:j + 1])
+                    if one.failed:
+                        errors[j] = NOT_FINITE
+                except Exception as row_err:  # noqa: BLE001
+                    one, errors[j] = None, f"sampling failed: {describe(row_err)}"
+                tokens.append(one.tokens[0] if one else 0)
+                lps.append(one.logprobs[0] if one else None)
+                tlps.append(one.token_logprobs[0] if one else None)
+            return SampleResult(tokens, lps, tlps, sorted(errors)), errors
+        return result, {j: NOT_FINITE for j in result.failed}
+
     def penalize(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """Penalties and min-tokens masking, in place: [S, V] float32 -> the same."""
         vocab, device = logits.shape[1], logits.device

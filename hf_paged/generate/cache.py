@@ -7,37 +7,24 @@ import weakref
 import torch
 from transformers.cache_utils import Cache
 
-from ..hf import attention
-from ..core.block_table import BlockTables
+from ..core.block_table import BlockTables, first_visible
 from ..config import PagedCacheConfig
 from ..errors import HFPagedError, KVCacheExhaustedError
 from ..kv.pool import KVPool
-from .plan import HiddenSlots, StepPlan, check_mask_shape, plan_from_mask, plan_unmasked
+from ..hf.architectures import kv_layout, tp_heads
+from ..kernels.dispatch import NO_MASK, PagedForward, PagedLayers, PoolAccess
 from ..kv.metadata import DeviceBlockTable, build_metadata, to_device
 from ..kv.placement import Placement
-from ..kernels.dispatch import PoolAccess
-from ..hf.architectures import kv_layout, tp_heads
+from ..utils import cdiv
+from .plan import HiddenSlots, StepPlan, check_mask_shape, plan_from_mask, plan_unmasked
 from .stats import MemoryStats, measure
-
-
-_UNSET = object()  # no mask announced for the next forward
-
-
-def inner_padding(mask: torch.Tensor) -> torch.Tensor:
-    """0-d bool tensor: whether a 2D attention mask [R, L] has a zero after a real token."""
-    mask = mask.bool()
-    return (mask.cummax(1).values & ~mask).any()
-
-
-def has_inner_padding(mask: torch.Tensor) -> bool:
-    return bool(inner_padding(mask))
 
 
 def _ceil_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-class PagedCache(PoolAccess, Cache):
+class PagedCache(PagedLayers, Cache):
     """A `transformers.Cache` whose keys and values live in fixed-size blocks of a pool.
 
     `generate(..., cache_implementation="paged")` makes one for you (it is returned as
@@ -52,9 +39,14 @@ class PagedCache(PoolAccess, Cache):
 
     How it stores: each batch row has a block table; left padding is not stored, rows
     forked by beam search share blocks copy-on-write. Columns a mask hides after a row's
-    first real token are stored as hidden slots (see `masking.py`). `update` returns the layer's pool views
-    `[NB, bs, Hkv, D]`, which the "paged" attention reads through `self.meta`, the metadata
-    built once per forward.
+    first real token are stored as hidden slots (see `plan.py`).
+
+    Each forward: the patched base model forward (generate/patches.py) calls
+    `begin_forward` with the forward's own mask (or a packed plan), which allocates the
+    forward's slots and builds its metadata once; `update` writes each layer's new tokens
+    through it and returns the layer's pool views `[NB, bs, Hkv, D]`; the attention gets
+    the same `PagedForward` as its `paged_kv` keyword; `end_forward` closes it. A cache
+    driven by hand (`update` called without a forward) stores every new column.
 
     Caches sharing one sized pool (concurrent generate calls) each own their blocks; a
     cache that is garbage-collected gives its blocks back to the pool.
@@ -101,17 +93,19 @@ class PagedCache(PoolAccess, Cache):
         self.tables: BlockTables | None = None
         self.hidden = HiddenSlots()
         self.device_table: DeviceBlockTable | None = None
-        self.meta = None
+        self.access: PoolAccess | None = None
+        self._forward: PagedForward | None = None  # of the forward now running
+        self._step: StepPlan | None = None  # what it adds (planned by begin_forward)
+        self._in_forward = False  # between begin_forward and end_forward
         self._seen = 0  # padded columns processed, what generate calls the sequence length
         self.peak_blocks = 0
-        self._pending_mask: torch.Tensor | None | object = _UNSET  # None: told "no padding"
-        self._pending_packed: tuple[list[int], int] | None = None
+        # The 2D mask a caller gave `expect_forward` for the next forward (the one hand-off
+        # this cache takes: see there); None: none given.
+        self._expected_mask: torch.Tensor | None = None
         # Width of the mask a running generate call started with, when its forwards get
         # generate's own masks: later columns are the ones generate appends (see
         # begin_generate).
         self._generate_columns: int | None = None
-        self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._views_version = -1
         # With a sliding window, blocks no query can see again are released, unless the
         # cache must be able to roll back (assisted decoding records past states).
         self._recording = False
@@ -128,7 +122,8 @@ class PagedCache(PoolAccess, Cache):
                 f"PagedCache: pool block_size {pool.block_size} != cache_config block_size "
                 f"{self.block_size}."
             )
-        self._bind_backends(self.cache_config.backend, pool)
+        self.access = PoolAccess(pool, self.cache_config.backend, self.num_heads,
+                                 self.sliding_window)
         self.pool = pool
         self.placement = pool.placement
         self.tables = BlockTables(pool.blocks)
@@ -138,15 +133,27 @@ class PagedCache(PoolAccess, Cache):
     def __getstate__(self):
         """Pickling (and deepcopy) carry the pool along; per-forward state is rebuilt."""
         state = self.__dict__.copy()
-        state.update(backend=None, _backends=[], _references=[], _meta=None, _metas=[None],
-                     _views=[], _views_version=-1)
+        state.update(access=None, _forward=None, _step=None, _in_forward=False)
         return state
 
     def __setstate__(self, state):
         self.__dict__.update(state)
         if self.pool is not None:
-            self._bind_backends(self.cache_config.backend, self.pool)
+            self.access = PoolAccess(self.pool, self.cache_config.backend, self.num_heads,
+                                     self.sliding_window)
             weakref.finalize(self, self.tables.release, later=True)
+
+    @property
+    def backend(self):
+        """The attention backend of the pool's first shard (None before the pool exists)."""
+        return None if self.access is None else self.access.backend
+
+    @property
+    def workspace_bytes(self) -> int:
+        return 0 if self.access is None else self.access.workspace_bytes
+
+    def copy_blocks(self, pairs) -> None:
+        self.access.copy_blocks(pairs)
 
     # -- generate's view of the cache -----------------------------------------------------
     def __len__(self) -> int:
@@ -161,9 +168,7 @@ class PagedCache(PoolAccess, Cache):
         return self._seen
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        kv_length = self._seen + query_length
-        attention.announce(self, kv_length)  # the mask function that follows is for this cache
-        return kv_length, 0
+        return NO_MASK  # the "paged" attention needs no mask (see kernels/dispatch.py)
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
         return self._seen
@@ -206,22 +211,14 @@ class PagedCache(PoolAccess, Cache):
 
     def expect_forward(self, attention_mask: torch.Tensor | None) -> None:
         """Tells the next forward which of its columns are real tokens, whatever mask the
-        forward itself gets.
+        forward itself gets (for callers who pass a prepared 4D mask, which says nothing
+        about padding). The one hand-off this cache takes: the next forward that runs uses it
+        up (one that fails for lack of blocks keeps it for its retry), and one whose shape
+        does not match it raises.
 
-        attention_mask: [R, seen + q] 2D mask (1 = real token) or None for no padding.
+        attention_mask: [R, seen + q] 2D mask (1 = real token).
         """
-        self._pending_mask = attention_mask
-
-    def adopt_mask(self, attention_mask: torch.Tensor | None) -> None:
-        """The 2D padding mask a forward got (None: none), as the "paged" mask function sees
-        it, unless the forward was described already."""
-        if self._pending_mask is _UNSET and self._pending_packed is None:
-            self._pending_mask = attention_mask
-
-    def expect_packed(self, counts: list[int], width: int) -> None:
-        """Announces a packed forward: one input row holding `counts[r]` real tokens of each
-        sequence back to back, standing for a left-padded batch `width` columns wide."""
-        self._pending_packed = (list(counts), width)
+        self._expected_mask = attention_mask
 
     def load_prefix(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         """Stores leading tokens given directly as keys and values, before any forward:
@@ -243,12 +240,16 @@ class PagedCache(PoolAccess, Cache):
         shared = all(torch.equal(t, t[:1].expand_as(t)) for t in keys + values)
         stored = 1 if shared else rows
         # One packed forward of the prefix tokens: [1, Hkv, stored * V, D], rows back to back.
-        self.expect_packed([length] * stored + [0] * (rows - stored), length)
-        for layer, (k, v) in enumerate(zip(keys, values)):
-            device = self.pool.layer_kv(layer).device  # a layer's own device under device_map
-            packed = [t[:stored].transpose(0, 1).reshape(1, heads, stored * length, dim)
-                      .to(device) for t in (k, v)]
-            self.update(packed[0], packed[1], layer)
+        plan = StepPlan([length] * stored + [0] * (rows - stored), length, packed=True)
+        self.begin_forward(1, stored * length, plan=plan)
+        try:
+            for layer, (k, v) in enumerate(zip(keys, values)):
+                device = self.pool.layer_kv(layer).device  # a layer's own device (device_map)
+                packed = [t[:stored].transpose(0, 1).reshape(1, heads, stored * length, dim)
+                          .to(device) for t in (k, v)]
+                self.update(packed[0], packed[1], layer)
+        finally:
+            self.end_forward()
         if shared and rows > 1:
             self.reorder_cache(torch.zeros(rows, dtype=torch.long))  # every row shares row 0's
 
@@ -259,38 +260,77 @@ class PagedCache(PoolAccess, Cache):
         (a packed forward passes [1, Hkv, N, D], N real tokens of all rows).
         """
         if layer_idx == 0:
-            if attention.claim() is not None:
-                raise HFPagedError(
-                    "A PagedCache was passed to a model whose attention implementation is not "
-                    "'paged' (its mask was built for another one). Load the model with "
-                    "attn_implementation='paged' (or call model.set_attn_implementation('paged')), "
-                    "or use generate(..., cache_implementation='paged'), which switches it."
-                )
+            if not self._in_forward:
+                # Driven by hand (no patched forward): each layer-0 update starts a forward
+                # that stores every new column.
+                rows, q_len = key_states.shape[0], key_states.shape[2]
+                self._forward, self._step = self._new_forward(), StepPlan([q_len] * rows, q_len)
             if self.pool is None:
                 self._bind_pool(None, key_states.dtype, key_states.device)
-            self._begin_forward(key_states.shape[0], key_states.shape[2])
-        if self.meta is None:
+            self._prepare(self._step, self._forward)
+        elif self._forward is None or self._forward.meta is None:
             raise HFPagedError("PagedCache.update: layer 0 must be updated first in each forward.")
-        return self.write(key_states, value_states, layer_idx)
+        return self._forward.write(key_states, value_states, layer_idx)
 
-    def _plan_step(self, rows: int, q_len: int) -> StepPlan:
-        """What this forward adds, from the announced mask or packing; changes no state."""
-        lengths = self.tables.lengths if self.device_table is not None else [0] * rows
-        packed = self._pending_packed
+    def current_forward(self) -> PagedForward:
+        if self._forward is None:
+            raise HFPagedError(
+                "The paged attention ran without a forward prepared on its PagedCache: this "
+                "model's forward is not one hf-paged patches (supported architectures: see "
+                "hf_paged.SUPPORTED_ARCHITECTURES)."
+            )
+        return self._forward
+
+    def begin_forward(self, rows: int, q_len: int, attention_mask: torch.Tensor | None = None,
+                      plan: StepPlan | None = None) -> PagedForward:
+        """Starts a forward of input [rows, q_len]: plans what it adds (changing nothing yet)
+        and returns its `PagedForward`, which the forward's first write (layer 0's
+        `update`) binds to this forward's slots and metadata, built once for all layers.
+        A `KVCacheExhaustedError` there leaves the cache as it was (the forward can be
+        retried once blocks are free).
+
+        attention_mask: the forward's own mask: [R, seen + q] 2D (1 = real token), None (no
+        padding), or a caller's 4D mask (every new column is stored; the attention honours
+        the mask). A mask given to `expect_forward` takes its place.
+        plan: a packed forward's `StepPlan` (one input row holding the real tokens of every
+        row back to back: generate's packed prefill, PEFT's virtual tokens).
+        """
+        try:
+            self._step = self._plan_step(rows, q_len, attention_mask, plan, self._expected_mask)
+        except (ValueError, HFPagedError):
+            self._expected_mask = None  # not for a later forward
+            raise
+        self._forward, self._in_forward = self._new_forward(), True
+        return self._forward
+
+    def end_forward(self) -> None:
+        """Closes the running forward (its metadata is not reused)."""
+        self._forward, self._step, self._in_forward = None, None, False
+
+    def _new_forward(self) -> PagedForward:
+        return PagedForward(num_layers=self.num_layers, sliding_window=self.sliding_window)
+
+    def _plan_step(self, rows: int, q_len: int, mask, packed: StepPlan | None,
+                   expected) -> StepPlan:
+        """What a forward adds, from its mask or packing; changes no state."""
         if packed is not None:
-            counts, width = packed
-            if sum(counts) != q_len or rows != 1 or self._seen:
+            if sum(packed.counts) != q_len or rows != 1 or self._seen:
                 raise ValueError(
-                    f"PagedCache: a packed forward of {sum(counts)} tokens was announced for an "
-                    f"empty cache, but the model ran on input of shape [{rows}, {q_len}] after "
-                    f"{self._seen} cached columns."
+                    f"PagedCache: a packed forward of {sum(packed.counts)} tokens was announced "
+                    f"for an empty cache, but the model ran on input of shape [{rows}, {q_len}] "
+                    f"after {self._seen} cached columns."
                 )
-            return StepPlan(list(counts), width, packed=True)
-        if self._pending_mask is _UNSET:
-            # No mask function ran: the caller passed a prepared 4D mask (honoured by the
-            # attention), or drives the cache by hand. Every new column is stored.
-            return StepPlan([q_len] * rows, q_len)
-        mask = self._pending_mask
+            return packed
+        if self.device_table is not None and rows != self.tables.num_rows:
+            raise ValueError(
+                f"PagedCache holds {self.tables.num_rows} sequence(s) but the forward has {rows} "
+                "rows; call reset() before reusing the cache for another batch."
+            )
+        if expected is not None:
+            mask = expected
+        elif mask is not None and mask.dim() == 4:
+            return StepPlan([q_len] * rows, q_len)  # a caller's mask: every column stored
+        lengths = self.tables.lengths if self.device_table is not None else [0] * rows
         if mask is None:
             return plan_unmasked(lengths, self._seen, q_len, self.hidden)
         check_mask_shape(mask, rows, self._seen, q_len)
@@ -299,31 +339,18 @@ class PagedCache(PoolAccess, Cache):
             return StepPlan([1] * rows, 1)  # a column generate appended: real in every row
         return plan_from_mask(mask, lengths, self._seen, self.hidden)
 
-    def _begin_forward(self, rows: int, q_len: int) -> None:
-        """Allocates this forward's slots and builds the metadata all layers share."""
-        if self.device_table is not None and rows != self.tables.num_rows and \
-                self._pending_packed is None:
-            self._pending_mask, self._pending_packed = _UNSET, None
-            raise ValueError(
-                f"PagedCache holds {self.tables.num_rows} sequence(s) but the forward has {rows} "
-                "rows; call reset() before reusing the cache for another batch."
-            )
-        try:
-            step = self._plan_step(rows, q_len)
-        except (ValueError, HFPagedError):
-            self._pending_mask, self._pending_packed = _UNSET, None  # not for a later forward
-            raise
+    def _prepare(self, step: StepPlan, forward: PagedForward) -> None:
+        """Allocates the slots of `step`, builds its metadata and binds `forward` to them
+        (all or nothing: the commit point of a forward)."""
         counts = step.counts
         rows = len(counts)
         if self.device_table is None:
             self.tables.resize(rows)
             self.hidden.resize(rows)
-            cols = -(-(self.max_cache_len or 1) // self.block_size) + 1
+            cols = cdiv(self.max_cache_len or 1, self.block_size) + 1
             self.device_table = DeviceBlockTable(rows, cols, self.pool.device)
         if self.sliding_window is not None and not self._recording:
-            # The next query sits at slot n and sees slots > n - window.
-            self.tables.release_before(
-                [n - self.sliding_window + 1 for n in self.tables.lengths])
+            self.tables.release_outside_window(self.sliding_window)
         needed = self.tables.blocks_needed(counts)
         try:
             self.pool.ensure_free(needed, limit=self._block_limit(rows),
@@ -333,7 +360,7 @@ class PagedCache(PoolAccess, Cache):
             raise KVCacheExhaustedError(err.needed, err.free, err.num_blocks, err.block_size,
                                         held=self.tables.num_held) from None
         # Committed from here on.
-        self._pending_mask, self._pending_packed = _UNSET, None
+        self._expected_mask = None
         self.hidden.apply(step)
         context = self.device_table.lengths
         if plan.copies:
@@ -341,25 +368,21 @@ class PagedCache(PoolAccess, Cache):
         self.device_table.apply(plan.entries)
         self._seen += step.width
         max_len = max(self.tables.lengths)
-        num_cols = max(-(-max_len // self.block_size), 1)
-        self.meta = build_metadata(
-            self.device_table, context, counts, max(counts) if step.packed else q_len, max_len,
-            self.block_size, packed=step.packed,
+        num_cols = max(cdiv(max_len, self.block_size), 1)
+        meta = build_metadata(
+            self.device_table, context, counts, max(counts) if step.packed else step.width,
+            max_len, self.block_size, packed=step.packed,
             key_hidden=self.hidden.slot_mask(num_cols * self.block_size, self.pool.device),
             columns=self._seen, seq_lens_host=list(self.tables.lengths))
-        self.device_table.lengths = self.meta.seq_lens
+        self.device_table.lengths = meta.seq_lens
         self.peak_blocks = max(self.peak_blocks, self.tables.num_held)
-        if self._views_version != self.pool.version:
-            self._refresh_views()
+        forward.bind(self.access, meta, released_blocks=any(self.tables.freed))
 
     def _block_limit(self, rows: int) -> int | None:
         """Most blocks this cache can need: caps an unsized pool's growth headroom."""
         if self.max_cache_len is None:
             return None
-        return rows * -(-(self.max_cache_len + 1) // self.block_size)
-
-    def _released_blocks(self) -> bool:
-        return any(self.tables.freed)
+        return rows * cdiv(self.max_cache_len + 1, self.block_size)
 
     # -- structure changes from generate -----------------------------------------------------------
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -390,7 +413,7 @@ class PagedCache(PoolAccess, Cache):
         if self.device_table is not None:
             lengths = [max(n - removed, 0) for n in self.tables.lengths]
             if self.sliding_window is not None and any(
-                    f and n - self.sliding_window + 1 < f * self.block_size
+                    f and first_visible(n, self.sliding_window) < f * self.block_size
                     for n, f in zip(lengths, self.tables.freed)):
                 raise HFPagedError(
                     f"crop({tokens_to_remove}) would need tokens this cache already released "
@@ -408,9 +431,9 @@ class PagedCache(PoolAccess, Cache):
             self.tables.release()
         self.hidden.resize(0)
         self.device_table = None
-        self.meta = None
+        self.end_forward()
         self._seen = 0
-        self._pending_mask, self._pending_packed = _UNSET, None
+        self._expected_mask = None
         self._generate_columns = None
         self.peak_blocks = 0
 

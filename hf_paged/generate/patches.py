@@ -21,9 +21,9 @@ route to its own continuous batching.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import functools
+import inspect
 import os
 import sys
 import threading
@@ -34,28 +34,23 @@ import torch
 from torch.nn.modules import module as torch_module
 from transformers import GenerationMixin
 from transformers.cache_utils import Cache
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
-from transformers.models.falcon import modeling_falcon
-from transformers.models.falcon.modeling_falcon import (
-    FalconAttention, FalconFlashAttention2, FalconForCausalLM,
-)
-from transformers.models.llama.modeling_llama import LlamaForCausalLM
-from transformers.models.mistral.modeling_mistral import MistralForCausalLM
 
-from ..hf.attention import ATTENTION_NAME, paged_attention_forward, paged_mask
-from .cache import PagedCache
-from ..hf.architectures import attention_tp_size, kv_layout, tp_heads
-from ..hf.falcon import paged_falcon_attention
 from ..config import PagedCacheConfig
-from ..errors import HFPagedError, UnsupportedModelError
 from ..distributed.placement import model_placement
+from ..errors import HFPagedError, UnsupportedModelError
+from ..hf.architectures import (
+    SUPPORTED_ARCHITECTURES, SUPPORTED_MODELS, attention_tp_size, is_supported, kv_layout, tp_heads,
+)
+from ..hf.attention import ATTENTION_NAME, KWARG
+from ..hf.register import register, unregister
+from ..hf.switch import paged_attention
+from ..hf.switch import release_paged_attention, use_paged_attention
 from ..kv.pool import kept_pool
 from . import prefill as paged_prefill
+from .cache import PagedCache
+from .plan import PLAN_KWARG
 
 CACHE_IMPLEMENTATION = "paged"
-SUPPORTED_MODELS = (LlamaForCausalLM, MistralForCausalLM, FalconForCausalLM)
-SUPPORTED_ARCHITECTURES = tuple(cls.__name__ for cls in SUPPORTED_MODELS)
 
 
 @dataclass
@@ -68,16 +63,9 @@ class _Call:
 
 
 _call: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("hf_paged_call", default=None)
-# id(config) -> [config, its own attention implementation, generate() calls using "paged"]:
-# concurrent calls on one model share the switch, and the last one out restores it.
-_switched: dict[int, list] = {}
-_switch_lock = threading.Lock()
+_patch_lock = threading.Lock()
 
 _originals: dict[tuple[type, str], object] = {}
-
-
-def is_supported(model) -> bool:
-    return isinstance(model, SUPPORTED_MODELS)
 
 
 def _user_stacklevel() -> int:
@@ -135,47 +123,10 @@ def _training_reason(model) -> str | None:
     return None
 
 
-def _use_paged_attention(model, swapped: list | None = None) -> None:
-    """Switches the model's attention to "paged"; `swapped` (the running generate call's
-    list by default) records the switch so that `_release_paged_attention` undoes it."""
-    config = model.config
-    if swapped is None:
-        call = _call.get()
-        swapped = call.switched if call is not None else None  # None: nothing switches back
-    with _switch_lock:
-        entry = _switched.get(id(config))
-        if entry is None:
-            if config._attn_implementation == ATTENTION_NAME:
-                return  # loaded with attn_implementation="paged", or switched for good
-            if swapped is None:
-                config._attn_implementation_internal = ATTENTION_NAME
-                return
-            entry = _switched[id(config)] = [config, config._attn_implementation_internal, 0]
-            config._attn_implementation_internal = ATTENTION_NAME
-        if swapped is not None:
-            entry[2] += 1
-            swapped.append(entry)
-
-
-@contextlib.contextmanager
-def paged_attention(model):
-    """Inside, the model's attention is "paged" (shared with concurrent generate calls,
-    restored by the last one out)."""
-    entries: list = []
-    _use_paged_attention(model, entries)
-    try:
-        yield
-    finally:
-        _release_paged_attention(entries)
-
-
-def _release_paged_attention(entries: list) -> None:
-    with _switch_lock:
-        for entry in entries:
-            entry[2] -= 1
-            if entry[2] == 0:
-                config, implementation, _ = _switched.pop(id(entry[0]))
-                config._attn_implementation_internal = implementation
+def _use_paged_attention(model) -> None:
+    """Switches the model's attention to "paged" until the running generate call ends."""
+    call = _call.get()
+    use_paged_attention(model, call.switched if call is not None else None)
 
 
 def build_cache(model, generation_config, max_cache_length: int | None) -> PagedCache:
@@ -215,7 +166,7 @@ def _generate(original):
             _call.reset(token)
             for cache in call.caches:
                 cache.end_generate()
-            _release_paged_attention(call.switched)
+            release_paged_attention(call.switched)
 
     return generate
 
@@ -317,6 +268,44 @@ def _prefill(original):
     return prefill
 
 
+def _paged_forward(original):
+    """Wraps a supported model's forward (`LlamaForCausalLM.forward`, ...): on a PagedCache,
+    the cache plans the forward from its explicit inputs (the 2D mask, or a packed plan
+    given as `paged_plan`) before any layer runs, and the forward's `PagedForward` travels
+    down to every attention call as the `paged_kv` keyword."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        plan = kwargs.pop(PLAN_KWARG, None)
+        if args:  # rare: inputs given by position
+            kwargs = dict(signature.bind_partial(self, *args, **kwargs).arguments)
+            kwargs.pop("self")
+            kwargs.update(kwargs.pop("kwargs", {}))
+            args = ()
+        cache = kwargs.get("past_key_values")
+        if not isinstance(cache, PagedCache) or KWARG in kwargs:
+            return original(self, **kwargs)
+        if self.config._attn_implementation != ATTENTION_NAME:
+            raise HFPagedError(
+                "A PagedCache was passed to a model whose attention implementation is not "
+                f"'paged' (it is {self.config._attn_implementation!r}). Load the model with "
+                "attn_implementation='paged' (or call model.set_attn_implementation('paged')), "
+                "or use generate(..., cache_implementation='paged'), which switches it."
+            )
+        inputs = kwargs.get("input_ids")
+        if inputs is None:
+            inputs = kwargs.get("inputs_embeds")
+        rows, q_len = inputs.shape[:2]
+        kwargs[KWARG] = cache.begin_forward(rows, q_len, kwargs.get("attention_mask"), plan)
+        try:
+            return original(self, **kwargs)
+        finally:
+            cache.end_forward()
+
+    return forward
+
+
 def _is_paged_cache_config(cache_config) -> bool:
     """A non-empty dict of hf-paged settings only (other caches take cache_config too)."""
     return (isinstance(cache_config, dict) and bool(cache_config)
@@ -352,7 +341,7 @@ def _wrap_peft() -> None:
     key = (getattr(peft_model, "PeftModel", None), "get_prompt")
     if key[0] is None or key in _originals or not _originals:
         return
-    with _switch_lock:
+    with _patch_lock:
         if key not in _originals:
             original = key[0].__dict__["get_prompt"]
             _originals[key] = original
@@ -388,8 +377,7 @@ _WRAPPERS = {
     (GenerationMixin, "_prepare_generation_config"): _prepare_generation_config,
     (GenerationMixin, "_prepare_cache_for_generation"): _prepare_cache_for_generation,
     (GenerationMixin, "_prefill"): _prefill,
-    (FalconAttention, "forward"): paged_falcon_attention,
-    (FalconFlashAttention2, "forward"): paged_falcon_attention,
+    **{(model, "forward"): _paged_forward for model in SUPPORTED_MODELS},
 }
 
 
@@ -400,10 +388,7 @@ def enable() -> None:
     stock_generate = GenerationMixin.__dict__["generate"]
     if hasattr(stock_generate, "_hf_paged_notice"):  # left by disable()
         GenerationMixin.generate = stock_generate._hf_paged_notice
-    AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
-    AttentionMaskInterface.register(ATTENTION_NAME, paged_mask)
-    # Falcon picks its attention class by name when built (from_pretrained(..., "paged")).
-    modeling_falcon.FALCON_ATTENTION_CLASSES[ATTENTION_NAME] = FalconAttention
+    register()
     for (owner, name), wrap in _WRAPPERS.items():
         original = owner.__dict__[name]
         _originals[owner, name] = original
@@ -419,10 +404,12 @@ def disable() -> None:
         setattr(owner, name, original)
     _originals.clear()
     GenerationMixin.generate = _disabled_notice(GenerationMixin.__dict__["generate"])
-    ALL_ATTENTION_FUNCTIONS._global_mapping.pop(ATTENTION_NAME, None)
-    ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.pop(ATTENTION_NAME, None)
-    modeling_falcon.FALCON_ATTENTION_CLASSES.pop(ATTENTION_NAME, None)
+    unregister()
 
 
 def is_enabled() -> bool:
     return bool(_originals)
+
+
+__all__ = ["CACHE_IMPLEMENTATION", "SUPPORTED_ARCHITECTURES", "build_cache", "disable", "enable",
+           "is_enabled", "is_supported", "paged_attention", "runs_plain_forward"]

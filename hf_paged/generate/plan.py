@@ -21,6 +21,10 @@ import torch
 from ..errors import HFPagedError
 from ..kv.metadata import to_device
 
+# The forward keyword that gives a packed forward's StepPlan to the patched model forward
+# (generate's packed prefill passes it; see generate/patches.py).
+PLAN_KWARG = "paged_plan"
+
 
 @dataclass
 class StepPlan:
@@ -96,6 +100,12 @@ class HiddenSlots:
             rows, cols = to_device(pairs, device).T
             mask[rows, cols] = True
         return mask
+
+
+def inner_padding(mask: torch.Tensor) -> torch.Tensor:
+    """0-d bool tensor: whether a 2D attention mask [R, L] has a zero after a real token."""
+    mask = mask.bool()
+    return (mask.cummax(1).values & ~mask).any()
 
 
 def check_mask_shape(mask: torch.Tensor, rows: int, seen: int, q_len: int) -> None:

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from .cache import PagedCache, inner_padding
+from .cache import PagedCache
+from .plan import PLAN_KWARG, StepPlan, inner_padding
 from ..distributed.placement import input_device, logits_index_device
 
 # model_kwargs keys these forwards know how to honour; anything else takes the stock path.
@@ -83,11 +84,11 @@ def paged_prefill(model, input_ids: torch.Tensor, generation_config, model_kwarg
         else:
             positions = (mask.long().cumsum(1) - 1)[mask].unsqueeze(0)  # [1, N], 0.. per row
         last = counts.cumsum(0) - 1  # [B] index of each row's last token in the pack
-        cache.expect_packed(counts_list, ids.shape[1])
+        plan = StepPlan(counts_list, ids.shape[1], packed=True)
         outputs = model(input_ids=tokens.to(device), position_ids=positions.to(device),
                         past_key_values=cache, use_cache=True,
                         logits_to_keep=last.to(logits_index_device(model)),
-                        return_dict=True)
+                        return_dict=True, **{PLAN_KWARG: plan})
         outputs.logits = outputs.logits.transpose(0, 1)  # [1, B, V] -> [B, 1, V]
     else:
         outputs = model(input_ids=ids, position_ids=user_positions, past_key_values=cache,

@@ -2,6 +2,19 @@
 
 from __future__ import annotations
 
+from transformers.models.falcon.modeling_falcon import FalconForCausalLM
+from transformers.models.llama.modeling_llama import LlamaForCausalLM
+from transformers.models.mistral.modeling_mistral import MistralForCausalLM
+
+from ..errors import UnsupportedModelError
+
+SUPPORTED_MODELS = (LlamaForCausalLM, MistralForCausalLM, FalconForCausalLM)
+SUPPORTED_ARCHITECTURES = tuple(cls.__name__ for cls in SUPPORTED_MODELS)
+
+
+def is_supported(model) -> bool:
+    return isinstance(model, SUPPORTED_MODELS)
+
 
 def kv_layout(config) -> tuple[int, int, int]:
     """(num_layers, num_kv_heads actually stored, head_dim) of a decoder config."""
@@ -28,8 +41,6 @@ def tp_heads(config, tp_size: int) -> tuple[int, int]:
     kv_heads = kv_layout(config)[1]
     if tp_size == 1:
         return heads, kv_heads
-    from ..errors import UnsupportedModelError
-
     if heads % tp_size or kv_heads % tp_size:
         raise UnsupportedModelError(
             f"Tensor parallelism over {tp_size} ranks splits attention by heads: this model "

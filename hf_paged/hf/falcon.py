@@ -3,7 +3,9 @@
 Falcon computes attention inline in `FalconAttention.forward` instead of going through
 Transformers' attention interface, so the integration replaces that forward with the one
 made here, which falls back to the original whenever the cache is not a paged one (a
-`PagedCache`, or the engine's per-step cache).
+`PagedCache`, or an engine forward's `PagedForward`). Falcon's decoder layer passes no
+keywords on to its attention, so the forward's paged KV is read from the cache it is given
+(`layer_past.current_forward()`).
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ import math
 import torch
 from transformers.models.falcon.modeling_falcon import apply_rotary_pos_emb, build_alibi_tensor
 
+from ..kernels.dispatch import PagedLayers
 from .attention import ATTENTION_NAME
-from ..kernels.dispatch import PoolAccess
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:
@@ -76,7 +78,7 @@ def paged_falcon_attention(original):
     @functools.wraps(original)
     def forward(self, hidden_states, alibi, attention_mask, position_ids=None, layer_past=None,
                 use_cache=False, output_attentions=False, position_embeddings=None, **kwargs):
-        if not isinstance(layer_past, PoolAccess):  # a PagedCache or the engine's StepCache
+        if not isinstance(layer_past, PagedLayers):  # a PagedCache or a PagedForward
             if self.config._attn_implementation == ATTENTION_NAME and \
                     not isinstance(self.config, SdpaView):
                 self.config = SdpaView(self.config)
@@ -98,10 +100,11 @@ def paged_falcon_attention(original):
                 slopes = slopes.to(device=query.device, dtype=query.dtype)
                 self.__dict__["_hf_paged_slopes"] = slopes
         layer_past.update(key, value, self.layer_idx)
+        paged_kv = layer_past.current_forward()
         # A mask here was prepared by the caller (4D): for a paged cache, paged_mask gives None.
-        out = layer_past.attend(query, self.layer_idx, self.inv_norm_factor, alibi_slopes=slopes,
-                                caller_mask=attention_mask)
-        meta = layer_past.meta_for(self.layer_idx)
+        out = paged_kv.attend(query, self.layer_idx, self.inv_norm_factor, alibi_slopes=slopes,
+                              caller_mask=attention_mask)
+        meta = paged_kv.meta_for(self.layer_idx)
         if (slopes is not None and meta.is_query is not None and not meta.packed
                 and meta.columns == q_len):
             # Falcon-RW adds its mask as a float bias (finfo.min), so in Transformers a query

@@ -1,5 +1,5 @@
 """Paged attention kernels. `reference` is the pure-PyTorch path every backend is checked against."""
 
-from ..kernels import reference
+from . import reference
 
 __all__ = ["reference"]

@@ -1,8 +1,7 @@
-"""Attention backends and their selection.
+"""The GPU backends (Triton, CUDA C++, flash-attn) and the choice of a backend by name.
 
-A backend does three things on the pool layout of `reference.py`: write new tokens
-through a slot mapping, copy blocks (copy-on-write), and compute attention for one
-forward's queries from its `ForwardMetadata`. One instance serves one cache.
+Each implements `base.Backend` and declares its `Capabilities`; the PyTorch reference is in
+`torch_backend.py`.
 """
 
 from __future__ import annotations
@@ -12,84 +11,31 @@ import os
 
 import torch
 
-from ..kernels import reference
+from . import reference
+from .base import Backend, Capabilities
+from .torch_backend import TorchBackend
 
 
-class TorchBackend:
-    """The pure-PyTorch reference; runs anywhere."""
-
-    name = "torch"
-
-    def __init__(self):
-        self._workspace: torch.Tensor | None = None  # gather buffer reused by every layer
-
-    write_kv = staticmethod(reference.write_kv)
-    copy_blocks = staticmethod(reference.copy_blocks)
-
-    def attention(self, query, k_cache, v_cache, meta, scale, sliding_window=None,
-                  alibi_slopes=None, caller_mask=None):
-        """query [R, Hq, q, D] -> [R, q, Hq, D] (padded layout, see ForwardMetadata).
-
-        caller_mask: a caller's 4D mask over columns (see `ForwardMetadata.caller_mask`),
-        used instead of the causal / sliding-window mask, as SDPA uses it.
-        """
-        if caller_mask is not None:
-            mask = meta.caller_mask(caller_mask)
-        else:
-            mask = meta.attention_mask(sliding_window, alibi_slopes)
-        workspace = self._gather_workspace(meta.block_tables.numel(), k_cache)
-        groups = meta.length_groups() if query.shape[2] == 1 and caller_mask is None else None
-        if groups is not None:  # decode rows of very different lengths: gather each bucket
-            out = query.new_empty(query.shape[0], 1, query.shape[1], query.shape[3])
-            for rows, cols in groups:
-                keys = cols * meta.block_size
-                part = reference.paged_attention(
-                    query.index_select(0, rows), k_cache, v_cache,
-                    meta.block_tables.index_select(0, rows)[:, :cols],
-                    mask.index_select(0, rows)[..., :keys], scale, workspace)
-                out.index_copy_(0, rows, part)
-            return out
-        out = reference.paged_attention(query, k_cache, v_cache, meta.block_tables, mask,
-                                        scale, workspace)
-        if meta.is_query is not None:  # padding columns: zeros, as the kernels give
-            out = out.masked_fill(~meta.is_query[:, :, None, None], 0.0)
-        return out
-
-    def _gather_workspace(self, num_blocks: int, like: torch.Tensor) -> torch.Tensor:
-        """[2, >= num_blocks, bs, Hkv, D] for gathered K and V, grown in 25% steps.
-
-        Reused across layers and steps: fresh allocations page-fault on CPU, which cost
-        more than the copy itself.
-        """
-        ws = self._workspace
-        if ws is None or ws.shape[1] < num_blocks or ws.dtype != like.dtype:
-            size = max(num_blocks, int(1.25 * (0 if ws is None else ws.shape[1])))
-            with torch.inference_mode(False):  # usable under no_grad and inference_mode alike
-                ws = torch.empty(2, size, *like.shape[1:], dtype=like.dtype, device=like.device)
-            self._workspace = ws
-        return ws
-
-    @property
-    def workspace_bytes(self) -> int:
-        ws = self._workspace
-        return 0 if ws is None else ws.numel() * ws.element_size()
-
-
-class TritonBackend:
+class TritonBackend(Backend):
     """Triton kernels: split-KV decode with GQA grouping, extend/prefill, writes, copies."""
 
     name = "triton"
-    workspace_bytes = 0
+    capabilities = Capabilities(devices=("cuda", "cpu"))  # cpu: under TRITON_INTERPRET=1
 
     def __init__(self):
-        from ..kernels import triton_attention, triton_cache_ops
+        from . import triton_attention, triton_cache_ops
 
         self._attn = triton_attention
-        self.write_kv = triton_cache_ops.write_kv
-        self.copy_blocks = triton_cache_ops.copy_blocks
+        self._ops = triton_cache_ops
+
+    def write_kv(self, k_cache, v_cache, key, value, slot_mapping):
+        self._ops.write_kv(k_cache, v_cache, key, value, slot_mapping)
+
+    def copy_blocks(self, kv, src, dst):
+        self._ops.copy_blocks(kv, src, dst)
 
     def attention(self, query, k_cache, v_cache, meta, scale, sliding_window=None,
-                  alibi_slopes=None):
+                  alibi_slopes=None, caller_mask=None):
         """query [R, Hq, q, D] -> [R, q, Hq, D] (padded layout, see ForwardMetadata)."""
         if query.shape[2] == 1 and meta.is_query is None:
             out = self._attn.decode_attention(
@@ -101,27 +47,28 @@ class TritonBackend:
             meta.context_lens, meta.seq_lens, scale, sliding_window, alibi_slopes)
 
 
-class CudaBackend:
+class CudaBackend(Backend):
     """The CUDA C++ kernels of `cuda/` for decode, writes and copies; q > 1 (prefill, extend)
     goes through Triton, or the reference where Triton is missing."""
 
     name = "cuda"
-    workspace_bytes = 0
 
     def __init__(self):
-        from ..kernels import cuda_ops
+        from . import cuda_ops
 
         self._ops = cuda_ops.load()
         self._partition = cuda_ops.PARTITION
         self._extend = (TritonBackend() if triton_unavailable_reason(torch.device("cuda")) is None
                         else TorchBackend())
-        self.copy_blocks = self._ops.copy_blocks
 
     def write_kv(self, k_cache, v_cache, key, value, slot_mapping):
         self._ops.write_kv(key, value, k_cache, v_cache, slot_mapping)
 
+    def copy_blocks(self, kv, src, dst):
+        self._ops.copy_blocks(kv, src, dst)
+
     def attention(self, query, k_cache, v_cache, meta, scale, sliding_window=None,
-                  alibi_slopes=None):
+                  alibi_slopes=None, caller_mask=None):
         if query.shape[2] == 1 and meta.is_query is None:
             out = self._ops.decode(query[:, :, 0], k_cache, v_cache, meta.block_tables_i32,
                                    meta.seq_lens, alibi_slopes, scale, sliding_window or 0,
@@ -131,13 +78,17 @@ class CudaBackend:
                                       alibi_slopes)
 
 
-class FlashAttnBackend:
+class FlashAttnBackend(Backend):
     """flash-attn 2's paged KV cache (`flash_attn_with_kvcache` with `block_table`)."""
 
     name = "flash_attn"
-    workspace_bytes = 0
-    write_kv = staticmethod(reference.write_kv)
-    copy_blocks = staticmethod(reference.copy_blocks)
+    capabilities = Capabilities(dtypes=(torch.float16, torch.bfloat16))
+
+    def write_kv(self, k_cache, v_cache, key, value, slot_mapping):
+        reference.write_kv(k_cache, v_cache, key, value, slot_mapping)
+
+    def copy_blocks(self, kv, src, dst):
+        reference.copy_blocks(kv, src, dst)
 
     def __init__(self):
         from flash_attn import flash_attn_with_kvcache
@@ -145,7 +96,7 @@ class FlashAttnBackend:
         self._fn = flash_attn_with_kvcache
 
     def attention(self, query, k_cache, v_cache, meta, scale, sliding_window=None,
-                  alibi_slopes=None):
+                  alibi_slopes=None, caller_mask=None):
         """Queries are right-aligned to each row's end (flash-attn's causal convention),
         which is where the padded layout puts them; padding columns are discarded."""
         return self._fn(
@@ -207,7 +158,7 @@ def select_backend(name: str, device: torch.device | str, dtype: torch.dtype = t
             raise unavailable(reason)
         return TritonBackend()
     if name == "cuda":
-        from ..kernels import cuda_ops
+        from . import cuda_ops
 
         reason = cuda_ops.unavailable_reason()
         if reason is None and device.type != "cuda":

@@ -13,15 +13,12 @@ from pathlib import Path
 
 import torch
 
-from ..errors import HFPagedError
+from ..errors import CudaKernelsUnavailable
 
 SOURCES = ("paged_ops_binding.cpp", "paged_attention.cu", "cache_ops.cu")
 HEADERS = ("paged_ops.h",)
 PARTITION = 512  # tokens per split-KV partition of the decode kernel
 
-
-class CudaKernelsUnavailable(HFPagedError, RuntimeError):
-    """The CUDA C++ kernels cannot be built or run on this machine."""
 
 
 def source_dir() -> Path:

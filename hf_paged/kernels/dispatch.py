@@ -1,26 +1,31 @@
-"""Writing a forward's keys and values into a `KVPool` and attending over them.
+"""The dispatcher: a pool's layer views and backends, and the paged KV of one forward.
 
-Both the generate-side `PagedCache` and the engine's per-step cache read and write the pool
-the same way, through the `ForwardMetadata` of the forward: this mixin holds that code. A
-subclass sets `pool`, `num_heads`, `num_layers`, `num_kv_heads`, `head_dim` and
-`sliding_window`, calls `_bind_backends` once it has a pool, sets `meta` for each forward,
-and refreshes its layer views with `_refresh_views()` whenever `pool.version` changes.
-
-A pool split over devices (`device_map`) has one shard per device: each shard gets its own
-backend, and the forward's metadata, built on the first device, is copied to every other
-device once when it is set, never per layer.
+`PoolAccess` binds one backend per pool shard (`device_map` splits a pool over devices) and
+decides, from each backend's declared `Capabilities`, which forwards go to the PyTorch
+reference instead. `PoolAccess.forward(meta)` makes the `PagedForward` of one model
+forward: the object the "paged" attention function receives as its `paged_kv` keyword
+(and an engine forward's `past_key_values`). It writes each layer's new keys and values
+through the forward's slot mapping and attends over the pool. Its metadata, built on the
+pool's first device, is copied to every other device once, never per layer.
 """
 
 from __future__ import annotations
 
 import contextlib
-import weakref
 
 import torch
+from transformers.cache_utils import Cache
 
 from ..errors import BackwardNotSupportedError, HFPagedError
-from .backends import TorchBackend, select_backend
 from ..kv.metadata import ForwardMetadata, to_device
+from .backends import select_backend
+from .base import Backend
+from .torch_backend import TorchBackend
+
+# What a paged cache answers to `get_mask_sizes`: Transformers then asks the "paged" mask
+# function for a mask of 0 keys, and that function returns None (the attention reads the
+# lengths from the forward's metadata). No other cache has 0 keys to mask.
+NO_MASK = (0, 0)
 
 
 class _NoBackward(torch.autograd.Function):
@@ -45,86 +50,96 @@ class _NoBackward(torch.autograd.Function):
 
 
 class PoolAccess:
-    """Per-layer pool views, the write of new tokens, and attention over the pool."""
+    """Per-layer views of a `KVPool` and one attention backend per shard."""
 
-    pool = None
-    backend = None  # the first shard's backend
-    _backends: list = []  # one per pool shard
-    _references: list = []  # reference backends per shard, for forwards kernels do not cover
-    _meta: ForwardMetadata | None = None
-    _metas: list = [None]  # the forward's metadata on each shard's device
-    _switch: list = [False]  # per shard: its CUDA device is not the current one
-
-    @property
-    def meta(self) -> ForwardMetadata | None:
-        """The metadata of the running forward (on the pool's first device)."""
-        return self._meta
-
-    @meta.setter
-    def meta(self, meta: ForwardMetadata | None) -> None:
-        self._meta = meta
-        if meta is None or self.pool is None:
-            self._metas = [meta]
-            return
-        self._check_current_device()
-        if self.pool.placement.is_single:
-            self._metas = [meta]
-        else:
-            self._metas = [meta.to(device) for device in self.pool.placement.devices]
-
-    def meta_for(self, layer_idx: int) -> ForwardMetadata | None:
-        """The running forward's metadata on the device of layer `layer_idx`."""
-        if len(self._metas) == 1:
-            return self._meta
-        return self._metas[self.pool.placement.where[layer_idx][0]]
-
-    def _bind_backends(self, name: str, pool) -> None:
-        """One attention backend per shard of `pool`: kernels and buffers live on its device.
-        Raises ValueError (nothing changed) when the named backend cannot run there; in a
-        pool over several devices, a CPU shard a GPU backend cannot serve gets the reference."""
+    def __init__(self, pool, backend: str, num_heads: int, sliding_window: int | None = None):
+        """backend: a name for `select_backend` ("auto", "torch", ...); num_heads: query
+        heads (of this rank); sliding_window: the model's. Raises ValueError
+        (nothing bound) when it cannot run on the pool's devices; in a pool over several
+        devices, a CPU shard a GPU backend cannot serve gets the reference."""
+        self.pool = pool
+        self.num_heads, self.sliding_window = num_heads, sliding_window
         devices = pool.placement.devices
 
         def select(device):
             try:
-                return select_backend(name, device, pool.dtype, pool.block_size,
-                                      self.num_heads, self.num_kv_heads)
+                return select_backend(backend, device, pool.dtype, pool.block_size,
+                                      num_heads, pool.num_kv_heads)
             except ValueError:
                 if device.type == "cuda" or all(d.type != "cuda" for d in devices):
                     raise
                 return TorchBackend()  # layers run on a CPU next to GPUs: the reference
 
-        self._backends = [select(device) for device in devices]
-        self.backend = self._backends[0]
-        self._references = [None] * len(self._backends)
-        self._switch = [False] * len(self._backends)
+        self.backends: list[Backend] = [select(device) for device in devices]
+        self._references: list[Backend | None] = [
+            b if isinstance(b, TorchBackend) else None for b in self.backends]
+        self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._views_version = -1
 
-    def _check_current_device(self) -> None:
-        """Notes which shards sit on a CUDA device other than the current one (once per
-        forward): Triton launches on the current device, and accelerate does not switch it
-        for the layers it places elsewhere."""
+    @property
+    def backend(self) -> Backend:
+        """The first shard's backend."""
+        return self.backends[0]
+
+    def views(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k_cache, v_cache) [NB, bs, Hkv, D] of a layer (renewed when the pool grows)."""
+        if self._views_version != self.pool.version:
+            self._views = [self.pool.layer_kv(layer) for layer in range(self.pool.num_layers)]
+            self._views_version = self.pool.version
+        return self._views[layer_idx]
+
+    def backend_for(self, shard: int, meta: ForwardMetadata, caller_mask: bool) -> Backend:
+        """The backend that computes this forward on `shard`: the shard's own where its
+        capabilities cover the forward, the PyTorch reference otherwise (the one rule)."""
+        backend = self.backends[shard]
+        if backend.capabilities.covers(meta, caller_mask):
+            return backend
+        if self._references[shard] is None:
+            self._references[shard] = TorchBackend()
+        return self._references[shard]
+
+    def switches(self) -> list[bool]:
+        """Per shard: its CUDA device is not the current one (Triton launches on the current
+        device, and accelerate does not switch it for the layers it places elsewhere)."""
         devices = self.pool.placement.devices
         if all(d.type != "cuda" for d in devices):
-            self._switch = [False] * len(devices)
-            return
+            return [False] * len(devices)
         current = torch.cuda.current_device()
-        self._switch = [d.type == "cuda" and d.index != current for d in devices]
+        return [d.type == "cuda" and d.index != current for d in devices]
 
-    def _on_device(self, shard: int):
+    def on_device(self, shard: int, switch: list[bool]):
         """Makes a shard's CUDA device current while its kernels launch, where needed."""
-        if self._switch[shard]:
+        if switch[shard]:
             return torch.cuda.device(self.pool.placement.devices[shard])
         return contextlib.nullcontext()
 
     def copy_blocks(self, pairs) -> None:
         """Copies blocks (src, dst) in every shard (copy-on-write)."""
-        self._check_current_device()
-        for shard, (kv, backend) in enumerate(zip(self.pool.shards, self._backends)):
+        switch = self.switches()
+        for shard, (kv, backend) in enumerate(zip(self.pool.shards, self.backends)):
             src, dst = to_device(pairs, kv.device).T
-            with self._on_device(shard):
+            with self.on_device(shard, switch):
                 backend.copy_blocks(kv, src, dst)
 
-    # What Transformers asks of a cache's layers: all are full or sliding attention layers
-    # of one pool, and none is compileable (block tables change shape).
+    def forward(self, meta: ForwardMetadata, released_blocks: bool = False) -> "PagedForward":
+        """The paged KV of one forward with metadata `meta` (on the pool's first device).
+        released_blocks: blocks left a sliding window (a caller's 4D mask cannot be honoured)."""
+        return PagedForward(self, meta, released_blocks)
+
+    @property
+    def workspace_bytes(self) -> int:
+        """Bytes of the backends' reusable buffers, all shards."""
+        seen = {id(b): b for b in self.backends + self._references if b is not None}
+        return sum(b.workspace_bytes for b in seen.values())
+
+
+class PagedLayers:
+    """What Transformers asks of a cache's layers: all are full or sliding attention layers
+    of one pool, and none is compileable (block tables change shape)."""
+
+    num_layers: int = 0
+    sliding_window: int | None = None
+
     @property
     def is_compileable(self) -> bool:
         return False
@@ -141,14 +156,61 @@ class PoolAccess:
     def is_dummy(self) -> list[bool]:
         return [False] * self.num_layers
 
-    def _refresh_views(self) -> None:
-        owner = weakref.ref(self)
-        self._views = []
-        for layer in range(self.num_layers):
-            k, v = self.pool.layer_kv(layer)
-            k._hf_paged_cache = owner  # lets the attention function find its metadata
-            self._views.append((k, v))
-        self._views_version = self.pool.version
+    def current_forward(self) -> "PagedForward":
+        """The paged KV of the forward now running on this cache."""
+        raise NotImplementedError
+
+
+class PagedForward(PagedLayers, Cache):
+    """The paged KV of one model forward: writes go to the slots of its metadata, attention
+    reads each row's own blocks. Passed explicitly: as the attention function's `paged_kv`
+    keyword, and (in the engine) as the forward's `past_key_values`."""
+
+    def __init__(self, access: PoolAccess | None = None, meta: ForwardMetadata | None = None,
+                 released_blocks: bool = False, num_layers: int = 0,
+                 sliding_window: int | None = None):
+        """Made with its metadata (the engine), or before it (generate: the cache binds it
+        at the forward's first write, once the pool exists and the slots are taken)."""
+        Cache.__init__(self, layers=[])
+        self.num_layers, self.sliding_window = num_layers, sliding_window
+        self.meta = None
+        if access is not None:
+            self.bind(access, meta, released_blocks)
+
+    def bind(self, access: PoolAccess, meta: ForwardMetadata, released_blocks: bool) -> None:
+        pool = access.pool
+        self.access, self.meta = access, meta
+        self.num_layers, self.sliding_window = pool.num_layers, access.sliding_window
+        self.released_blocks = released_blocks
+        self._switch = access.switches()
+        self._where = pool.placement.where
+        if pool.placement.is_single:
+            self._metas = [meta]
+        else:
+            self._metas = [meta.to(device) for device in pool.placement.devices]
+
+    def current_forward(self) -> "PagedForward":
+        return self
+
+    # -- Transformers' Cache interface (an engine forward's past_key_values) ------------------
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        return self.write(key_states, value_states, layer_idx)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions come with each forward; nothing is sliced by length
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return NO_MASK
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    # -- per layer ----------------------------------------------------------------------------
+    def meta_for(self, layer_idx: int) -> ForwardMetadata:
+        """This forward's metadata on the device of layer `layer_idx`."""
+        if len(self._metas) == 1:
+            return self.meta
+        return self._metas[self._where[layer_idx][0]]
 
     def write(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
         """Stores one layer's new tokens through `meta.slot_mapping`; returns the layer's
@@ -159,7 +221,7 @@ class PoolAccess:
         -> (k_cache, v_cache) [NB, bs, Hkv, D]
         """
         meta = self.meta_for(layer_idx)
-        k_cache, v_cache = self._views[layer_idx]
+        k_cache, v_cache = self.access.views(layer_idx)
         if meta.num_new == 0:
             return k_cache, v_cache
         if key_states.device != k_cache.device:
@@ -169,15 +231,16 @@ class PoolAccess:
                 "new one), or its layers are spread over devices and the cache was made "
                 "without placement=hf_paged.model_placement(model)."
             )
-        key = key_states.transpose(1, 2).reshape(-1, self.num_kv_heads, self.head_dim)
-        value = value_states.transpose(1, 2).reshape(-1, self.num_kv_heads, self.head_dim)
+        heads, dim = k_cache.shape[2], k_cache.shape[3]
+        key = key_states.transpose(1, 2).reshape(-1, heads, dim)
+        value = value_states.transpose(1, 2).reshape(-1, heads, dim)
         if meta.token_index is not None and not meta.packed:
             key = key.index_select(0, meta.token_index)
             value = value.index_select(0, meta.token_index)
-        shard = self.pool.placement.where[layer_idx][0]
-        with torch.no_grad(), self._on_device(shard):  # the pool holds plain values
-            self._backends[shard].write_kv(k_cache, v_cache, key.to(k_cache.dtype),
-                                           value.to(v_cache.dtype), meta.slot_mapping)
+        shard = self._where[layer_idx][0]
+        with torch.no_grad(), self.access.on_device(shard, self._switch):  # plain values
+            self.access.backends[shard].write_kv(k_cache, v_cache, key.to(k_cache.dtype),
+                                                 value.to(v_cache.dtype), meta.slot_mapping)
         return k_cache, v_cache
 
     def attend(self, query: torch.Tensor, layer_idx: int, scale: float,
@@ -192,10 +255,11 @@ class PoolAccess:
         ([R or 1, 1 or Hq, q, columns], bool or additive float); it replaces the causal and
         sliding-window masks, as in SDPA.
         """
-        shard = self.pool.placement.where[layer_idx][0]
-        with self._on_device(shard):
-            out = self._attend(query.to(self.pool.dtype), layer_idx, shard, scale,
-                               sliding_window, alibi_slopes, caller_mask).to(query.dtype)
+        shard = self._where[layer_idx][0]
+        pool_dtype = self.access.pool.dtype
+        with self.access.on_device(shard, self._switch):
+            out = self._attend(query.to(pool_dtype), layer_idx, shard, scale, sliding_window,
+                               alibi_slopes, caller_mask).to(query.dtype)
         if torch.is_grad_enabled() and query.requires_grad:
             out = _NoBackward.apply(out, query)
         return out
@@ -203,68 +267,46 @@ class PoolAccess:
     def _attend(self, query, layer_idx, shard, scale, sliding_window, alibi_slopes,
                 caller_mask):
         meta = self.meta_for(layer_idx)
-        k_cache, v_cache = self._views[layer_idx]
+        k_cache, v_cache = self.access.views(layer_idx)
         if meta.max_seq_len == 0:  # every row is still all padding: no key to attend to
             return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
         if caller_mask is not None:
             if alibi_slopes is not None:
                 raise ValueError("A 4D attention mask cannot be combined with ALiBi here "
                                  "(Transformers' Falcon does not accept one either).")
-            if self._released_blocks():
+            if self.released_blocks:
                 raise HFPagedError(
                     "A 4D attention mask cannot be honoured after blocks left the sliding "
                     "window; call activate_past_recording() before the first forward."
                 )
-            return self._reference_backend(shard).attention(query, k_cache, v_cache, meta,
-                                                            scale, caller_mask=caller_mask)
-        backend = (self._reference_backend(shard) if meta.needs_reference
-                   else self._backends[shard])
+        backend = self.access.backend_for(shard, meta, caller_mask is not None)
         if not meta.packed:
             return backend.attention(query, k_cache, v_cache, meta, scale, sliding_window,
-                                     alibi_slopes)
+                                     alibi_slopes, caller_mask)
         if meta.parts is None:
-            return self._attend_packed(query, k_cache, v_cache, meta, backend, scale,
-                                       sliding_window, alibi_slopes)
+            return _attend_packed(query, k_cache, v_cache, meta, backend, scale,
+                                  sliding_window, alibi_slopes)
         out = torch.empty_like(query.transpose(1, 2))  # [1, N, Hq, D]
         for part, positions in meta.parts:
             piece = query.index_select(2, positions)
-            out[:, positions] = self._attend_packed(piece, k_cache, v_cache, part, backend,
-                                                    scale, sliding_window, alibi_slopes)
+            out[:, positions] = _attend_packed(piece, k_cache, v_cache, part, backend, scale,
+                                               sliding_window, alibi_slopes)
         return out
 
-    def _attend_packed(self, query, k_cache, v_cache, meta, backend, scale, sliding_window,
-                       alibi_slopes):
-        """query [1, Hq, N, D], the rows' tokens back to back -> [1, N, Hq, D]."""
-        rows, q_cols = meta.query_pos.shape
-        heads, dim = query.shape[1], query.shape[3]
-        tokens = query.transpose(1, 2).reshape(-1, heads, dim)  # [N, Hq, D]
-        if meta.token_index is not None:  # spread into the right-aligned [R * q] layout
-            padded = tokens.new_zeros(rows * q_cols, heads, dim)
-            tokens = padded.index_copy_(0, meta.token_index, tokens)
-        padded_query = tokens.view(rows, q_cols, heads, dim).transpose(1, 2)
-        out = backend.attention(padded_query, k_cache, v_cache, meta, scale, sliding_window,
-                                alibi_slopes)
-        out = out.reshape(rows * q_cols, heads, dim)
-        if meta.token_index is not None:
-            out = out.index_select(0, meta.token_index)
-        return out.unsqueeze(0)
 
-    def _released_blocks(self) -> bool:
-        """Whether blocks left a sliding window (a caller's 4D mask may need them)."""
-        return False
-
-    def _reference_backend(self, shard: int = 0):
-        """The PyTorch reference of a shard, for forwards the kernels do not cover (hidden
-        slots, a caller's 4D mask)."""
-        if self._backends[shard].name == "torch":
-            return self._backends[shard]
-        if self._references[shard] is None:
-            self._references[shard] = TorchBackend()
-        return self._references[shard]
-
-    @property
-    def workspace_bytes(self) -> int:
-        """Bytes of the backends' reusable buffers, all shards."""
-        return sum(b.workspace_bytes for b in self._backends + self._references
-                   if b is not None)
-
+def _attend_packed(query, k_cache, v_cache, meta, backend, scale, sliding_window,
+                   alibi_slopes):
+    """query [1, Hq, N, D], the rows' tokens back to back -> [1, N, Hq, D]."""
+    rows, q_cols = meta.query_pos.shape
+    heads, dim = query.shape[1], query.shape[3]
+    tokens = query.transpose(1, 2).reshape(-1, heads, dim)  # [N, Hq, D]
+    if meta.token_index is not None:  # spread into the right-aligned [R * q] layout
+        padded = tokens.new_zeros(rows * q_cols, heads, dim)
+        tokens = padded.index_copy_(0, meta.token_index, tokens)
+    padded_query = tokens.view(rows, q_cols, heads, dim).transpose(1, 2)
+    out = backend.attention(padded_query, k_cache, v_cache, meta, scale, sliding_window,
+                            alibi_slopes)
+    out = out.reshape(rows * q_cols, heads, dim)
+    if meta.token_index is not None:
+        out = out.index_select(0, meta.token_index)
+    return out.unsqueeze(0)

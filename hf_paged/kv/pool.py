@@ -23,6 +23,19 @@ def block_bytes(num_layers: int, num_kv_heads: int, head_dim: int, block_size: i
             * torch.tensor([], dtype=dtype).element_size())
 
 
+_live: "weakref.WeakSet[KVPool]" = weakref.WeakSet()  # for is_pool_view
+
+
+def is_pool_view(t) -> bool:
+    """Whether `t` is a layer's K or V view into a live `KVPool` (the attention function's
+    check that pool-shaped keys never reach a non-paged attention)."""
+    if not isinstance(t, torch.Tensor) or t.dim() != 4:
+        return False
+    ptr = t.untyped_storage().data_ptr()
+    return any(ptr == kv.untyped_storage().data_ptr() for pool in list(_live)
+               for kv in pool.shards)
+
+
 class KVPool:
     """Blocks of K and V for every layer and their `BlockPool`.
 
@@ -62,6 +75,7 @@ class KVPool:
         self.shards = self._zeros(num_blocks)
         self.blocks = BlockPool(num_blocks, block_size)
         self.version = 0  # bumped when `kv` is reallocated, so views can be refreshed
+        _live.add(self)
 
     @classmethod
     def for_config(cls, config: PagedCacheConfig, num_layers: int, num_kv_heads: int,

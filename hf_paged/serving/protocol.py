@@ -15,25 +15,9 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..engine.detokenizer import TokenPieces
-from ..errors import InvalidRequestError
+from ..errors import APIError, InvalidRequestError
 from ..outputs import CompletionOutput, RequestOutput
 from ..sampling_params import SamplingParams
-
-
-class APIError(Exception):
-    """An OpenAI-style error: HTTP status, message, the offending field."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 kind: str = "invalid_request_error", code: str | None = None,
-                 headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind, self.code = (status, message, param,
-                                                                        kind, code)
-        self.headers = headers
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
-                          "code": self.code}}
 
 
 class StreamOptions(BaseModel):

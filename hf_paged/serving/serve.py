@@ -11,11 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import signal
 import sys
 
 import torch
+
+from ..distributed.tensor_parallel import world_size
 
 
 def parser() -> argparse.ArgumentParser:
@@ -97,11 +98,6 @@ def _device_map(text: str):
     return value
 
 
-def world_size() -> int:
-    """Processes started together by torchrun (1 without it)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
 def load(args):
     """The model to serve (with its adapters) and its tokenizer; under torchrun, this
     rank's share of a model split by tensor parallelism."""
@@ -146,9 +142,9 @@ def main(argv=None) -> None:
         # Tensor parallelism: rank 0 serves HTTP and schedules; this rank runs each step's
         # forward as rank 0 broadcasts it, until rank 0 stops. (torchrun takes the whole
         # group down, with the failed rank's error, if any rank dies.)
-        from ..engine.engine import LLMEngine
+        from ..engine import run_worker
 
-        LLMEngine(model, tokenizer, **engine_options(args)).worker_loop()
+        run_worker(model, **engine_options(args))
         torch.distributed.destroy_process_group()
         return
     limits = ServerLimits(args.max_waiting_requests, args.max_request_bytes,

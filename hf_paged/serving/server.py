@@ -32,15 +32,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.async_llm import AsyncLLM, RequestStream
 from ..engine.detokenizer import TokenPieces
-from ..engine.engine import BASE
-from ..errors import InvalidRequestError, describe
+from ..engine import BASE
+from ..errors import InvalidRequestError, RequestRejectedError, describe
 from .guard import RequestGuard
 from .metrics import ServerMetrics
 from .protocol import (
     APIError, ChatCompletionRequest, CompletionRequest, chat_response, completion_response,
     new_id,
 )
-from ..core.scheduler import RequestRejectedError
 from .sse import EventStream, chat_events, completion_events
 
 logger = logging.getLogger("hf_paged")
@@ -150,9 +149,9 @@ class _Server:
 
     def default_max_tokens(self, prompt_len: int) -> int:
         """Chat without max_tokens: as much as the context and the pool leave."""
-        engine = self.llm.engine
-        room = engine.num_blocks * engine.block_size
-        return max(1, min(engine.max_model_len, room) - prompt_len - engine.block_size)
+        llm = self.llm
+        return max(1, min(llm.max_model_len, llm.kv_capacity_tokens) - prompt_len
+                   - llm.block_size)
 
     # -- running -----------------------------------------------------------------------------
     def start(self, prompts: list[list[int]], params, adapter, priority: int,
@@ -254,9 +253,8 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
     keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     if any(not isinstance(k, str) or not k for k in keys):
         raise ValueError("API keys must be non-empty strings.")
-    engine = llm.engine
-    name = served_model_name or engine.model_name
-    server = _Server(llm, name, engine.adapters, limits, salt_by_api_key and bool(keys))
+    name = served_model_name or llm.model_name
+    server = _Server(llm, name, llm.adapters, limits, salt_by_api_key and bool(keys))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -47,7 +47,7 @@ def split(monkeypatch):
                                                            tuple(range(1, n, 2))))
 
     monkeypatch.setattr(hf_paged.integration, "model_placement", placement)
-    monkeypatch.setattr(hf_paged.engine.engine, "model_placement", placement)
+    monkeypatch.setattr(hf_paged.engine.runner, "model_placement", placement)
 
     def to(meta, device):
         counts["copies"] += 1
@@ -291,8 +291,8 @@ def test_metadata_copy_moves_every_tensor():
     from hf_paged.engine import LLMEngine
 
     engine = LLMEngine(model, block_size=4, num_blocks=64)
-    meta = engine._metadata([0, 1], [0, 3], [5, 1])
-    meta.parts = engine._parts([0, 1], [0, 3], [5, 1])
+    meta = engine.runner.metadata([0, 1], [0, 3], [5, 1])  # parts: the decode, the chunk
+    assert meta.parts is not None
     meta.key_hidden = torch.zeros(2, 8, dtype=torch.bool)
     moved = meta.to(torch.device("meta"))
 

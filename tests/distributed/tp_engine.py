@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 warnings.simplefilter("ignore")
 
-from hf_paged import LLM, LLMEngine, SamplingParams  # noqa: E402
+from hf_paged import LLM, SamplingParams  # noqa: E402
+from hf_paged.engine import ModelRunner, engine_options  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 OPTIONS = dict(block_size=4, num_blocks=20, max_num_seqs=4, max_num_batched_tokens=16)
@@ -33,7 +34,7 @@ def main():
         llm = LLM(model, **OPTIONS)
         if sys.argv[3:] == ["fail"]:
             forwards = [0]
-            forward = llm.engine._forward
+            forward = llm.engine.runner.forward
 
             def failing(*args):
                 forwards[0] += 1
@@ -41,7 +42,7 @@ def main():
                     raise RuntimeError("injected failure")
                 return forward(*args)
 
-            llm.engine._forward = failing
+            llm.engine.runner.forward = failing
         greedy = llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=12,
                                                         ignore_eos=True), use_tqdm=False)
         sampled = llm.generate(prompts()[:3], SamplingParams(temperature=1.0, seed=3,
@@ -54,10 +55,11 @@ def main():
                        "preemptions": stats.num_preemptions,
                        "kv_heads": llm.engine.pool.num_kv_heads}, f)
     else:
-        engine = LLMEngine(model, **OPTIONS)
+        # Ranks above 0 build only the model runner (no scheduler, no requests).
+        runner = ModelRunner(model, **engine_options(OPTIONS)[0])
         if sys.argv[3:] == ["die"]:
             steps = [0]
-            execute = engine._execute
+            execute = runner.execute
 
             def dying(*args):
                 steps[0] += 1
@@ -65,8 +67,8 @@ def main():
                     os._exit(7)
                 return execute(*args)
 
-            engine._execute = dying
-        engine.worker_loop()
+            runner.execute = dying
+        runner.worker_loop()
     dist.barrier()
     dist.destroy_process_group()
 

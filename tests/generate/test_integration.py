@@ -39,13 +39,13 @@ def test_batched_pipeline(llama, tokenizer, where):
 
 def test_pipeline_really_uses_paged_cache(llama, tokenizer, monkeypatch):
     seen = []
-    original = hf_paged.PagedCache._begin_forward
+    original = hf_paged.PagedCache.begin_forward
 
-    def spy(self, *args):
+    def spy(self, *args, **kwargs):
         seen.append(self)
-        return original(self, *args)
+        return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(hf_paged.PagedCache, "_begin_forward", spy)
+    monkeypatch.setattr(hf_paged.PagedCache, "begin_forward", spy)
     pipe = pipeline("text-generation", model=llama, tokenizer=tokenizer)
     pipe(PROMPTS[:2], max_new_tokens=3, cache_implementation="paged", batch_size=2)
     assert seen

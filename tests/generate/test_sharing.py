@@ -59,13 +59,13 @@ def test_assisted_decoding_both_ways(model):
 def test_prompt_is_prefilled_and_stored_once(llama, monkeypatch):
     ids, mask = left_padded_batch([40, 40], seed=2)
     rows_seen = []
-    original = PagedCache._begin_forward
+    original = PagedCache.begin_forward
 
-    def spy(self, rows, q_len):
+    def spy(self, rows, q_len, *args, **kwargs):
         rows_seen.append((rows, q_len))
-        return original(self, rows, q_len)
+        return original(self, rows, q_len, *args, **kwargs)
 
-    monkeypatch.setattr(PagedCache, "_begin_forward", spy)
+    monkeypatch.setattr(PagedCache, "begin_forward", spy)
     e, new, bs = 4, 6, 16
     out = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
                          min_new_tokens=new, do_sample=True, num_return_sequences=e,
@@ -93,7 +93,7 @@ def test_beam_search_shares_blocks(llama, batch):
 
 def _paged_logical(cache: PagedCache, layer: int):
     """Each row's K and V as a contiguous [R, Hkv, T, D] (T = cached tokens)."""
-    k_cache, v_cache = cache._views[layer]
+    k_cache, v_cache = cache.access.views(layer)
     bt = cache.device_table.table.long()
     seen = cache.get_seq_length()
     return (gather_kv(k_cache, bt)[:, :, :seen], gather_kv(v_cache, bt)[:, :, :seen])

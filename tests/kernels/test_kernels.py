@@ -261,6 +261,7 @@ def test_torch_backend_length_buckets_equal_one_padded_batch(window, alibi):
     """Decode rows of very different lengths are gathered per length bucket: the same
     result as padding every row to the longest."""
     from hf_paged.kernels.backends import TorchBackend
+    from hf_paged.kernels.torch_backend import length_groups
     from hf_paged.metadata import DeviceBlockTable, build_metadata
 
     lengths = [1, 3, 4, 9, 17, 30, 61, 97, 100, 250, 5, 64]
@@ -272,7 +273,7 @@ def test_torch_backend_length_buckets_equal_one_padded_batch(window, alibi):
     slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625]) if alibi else None
     plain = build_metadata(dev, seq - 1, counts, 1, int(seq.max()), 4)
     grouped = build_metadata(dev, seq - 1, counts, 1, int(seq.max()), 4, seq_lens_host=lengths)
-    assert grouped.length_groups() is not None and plain.length_groups() is None
+    assert length_groups(grouped) is not None and length_groups(plain) is None
     a = TorchBackend().attention(q, k, v, plain, 0.25, window, slopes)
     b = TorchBackend().attention(q, k, v, grouped, 0.25, window, slopes)
     torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)

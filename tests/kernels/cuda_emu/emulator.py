@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-CUDA_DIR = HERE.parents[1] / "cuda"
+CUDA_DIR = HERE.parents[2] / "cuda"
 KERNEL_SOURCES = ("paged_attention.cu", "cache_ops.cu")
 
 _LAUNCH = re.compile(r"([A-Za-z_][\w:]*(?:<[^<>;]*>)?)\s*<<<(.*?)>>>\s*\(", re.S)

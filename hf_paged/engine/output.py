@@ -1,0 +1,144 @@
+"""Output processing: what the engine does with a step's sampled tokens.
+
+Sampling rows are laid out per scheduled sequence (one per completion: a sequence still to
+fork into `n` completions samples its siblings' first tokens from the same logits row); the
+tokens are appended to their requests, forks become sequences of their own, stop conditions
+are checked, and requests end or fail one at a time. Nothing here touches the device.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+from ..core.scheduler import Scheduler
+from ..core.sequence import Sequence
+from ..errors import describe
+from ..outputs import RequestOutput
+from .request import EngineRequest
+from .sampler import SampleResult, SampleRow
+
+logger = logging.getLogger("hf_paged")
+
+
+class OutputProcessor:
+    """Applies sampled tokens, forks, stops and failures to the engine's requests."""
+
+    def __init__(self, scheduler: Scheduler, requests: dict[str, EngineRequest],
+                 eos_ids: set[int]):
+        self.scheduler, self.requests, self.eos_ids = scheduler, requests, eos_ids
+        self._seq_ids = itertools.count(1)
+        self.generation_tokens = 0  # tokens sampled
+
+    def new_seq_id(self) -> int:
+        return next(self._seq_ids)
+
+    # -- ending requests ----------------------------------------------------------------------
+    def end(self, request: EngineRequest, reason: str) -> None:
+        """Ends every unfinished completion of `request` with `reason`, freeing its blocks."""
+        for seq in request.seqs:
+            self.scheduler.finish(seq, reason)
+        request.end(reason)
+
+    def fail(self, request: EngineRequest, message: str, touched: dict) -> None:
+        """Ends `request` alone with finish_reason "error" and `message`."""
+        logger.warning("hf-paged: request %s failed: %s", request.request_id, message)
+        self.end(request, "error")
+        request.error = message
+        touched[request.request_id] = request
+
+    def fail_all(self, error: str, tokenizer) -> list[RequestOutput]:
+        """Ends every request with `error`; returns their outputs."""
+        outputs = []
+        for request in list(self.requests.values()):
+            self.end(request, "error")
+            request.error = error
+            request.metrics.finished_time = time.monotonic()
+            outputs.append(request.output(tokenizer))
+            del self.requests[request.request_id]
+        return outputs
+
+    # -- a step's tokens ----------------------------------------------------------------------
+    def sampling_rows(self, items: list) -> tuple[list[SampleRow], list[tuple], list[int]]:
+        """For the scheduled sequences that sample: (their rows' settings, the owner of each
+        row as (request, seq, target, completion), the logits row each reads). A target of
+        None is a sibling forked from `seq` by this token."""
+        rows, owners, index = [], [], []
+        for row_of_logits, item in enumerate(items):
+            seq = item.seq
+            request = self.requests[seq.request_id]
+            targets = [seq] + [None] * seq.forks
+            for k, target in enumerate(targets):
+                completion = k if target is None else request.seqs.index(seq)
+                rows.append(self._sample_row(request, seq, completion))
+                owners.append((request, seq, target, completion))
+                index.append(row_of_logits)
+        return rows, owners, index
+
+    @staticmethod
+    def _sample_row(request: EngineRequest, seq: Sequence, completion: int) -> SampleRow:
+        params = request.params
+        suppress = None
+        if len(seq.output) < params.min_tokens and request.stop_ids:
+            suppress = sorted(request.stop_ids)
+        return SampleRow(params, seq.prompt, seq.output, request.generators[completion],
+                         suppress)
+
+    def record(self, items: list, owners: list[tuple], result: SampleResult,
+               errors: dict[int, str], touched: dict) -> None:
+        """Appends each row's token to its completion (forking siblings off their parent),
+        fails the requests of rows in `errors`, then checks every touched request's stops."""
+        failed: dict[str, str] = {}
+        for j, message in errors.items():
+            failed.setdefault(owners[j][0].request_id, message)
+        children: dict[int, list[Sequence]] = {}
+        now = time.monotonic()
+        for (request, seq, target, completion), token, lp, tlp in zip(
+                owners, result.tokens, result.logprobs, result.token_logprobs):
+            if request.request_id in failed:
+                continue
+            if target is None:
+                child = Sequence(self.new_seq_id(), seq.request_id, seq.prompt,
+                                 seq.max_tokens, seq.priority, seq.arrival, seq.salt,
+                                 adapter=seq.adapter)
+                request.seqs.append(child)
+                children.setdefault(id(seq), []).append(child)
+                target = child
+            request.append(target, completion, token, lp, tlp, now)
+            self.generation_tokens += 1
+            touched[request.request_id] = request
+        for request_id, message in failed.items():
+            self.fail(self.requests[request_id], message, touched)
+        for item in items:
+            seq = item.seq
+            if id(seq) in children:
+                seq.forks = 0
+                self.scheduler.fork(seq, children[id(seq)])
+        self.check_stops(touched)
+
+    def check_stops(self, touched: dict) -> None:
+        for request in list(touched.values()):
+            if request.finished:
+                continue
+            try:
+                for k, seq in enumerate(request.seqs):
+                    if not seq.finished:
+                        reason = request.stop(seq, k, self.eos_ids)
+                        if reason is not None:
+                            self.scheduler.finish(seq, reason)
+            except Exception as err:  # noqa: BLE001 (e.g. its tokens do not decode)
+                self.fail(request, f"its stop check failed: {describe(err)}", touched)
+
+    def outputs(self, touched: dict, tokenizer) -> list[RequestOutput]:
+        """The outputs of the requests a step changed; finished ones leave the engine."""
+        now = time.monotonic()
+        outputs = []
+        for request in touched.values():
+            if request.finished:
+                request.metrics.finished_time = now
+            outputs.append(request.output(tokenizer))
+        for request in touched.values():
+            if request.finished:
+                del self.requests[request.request_id]
+        return outputs

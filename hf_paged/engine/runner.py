@@ -1,0 +1,232 @@
+"""The model runner: the device side of an engine step.
+
+It owns the KV pool (and the CPU pool swaps go to), the device copy of the block tables and
+the model. A step reaches it as a `DeviceStep` (plain lists: block swaps and copies,
+block-table entries, then one packed forward per adapter); for each forward it builds the
+`ForwardMetadata` once and runs the model with the forward's `PagedForward` as both its
+`past_key_values` and its `paged_kv` keyword, which is how the attention gets it. Ranks
+above 0 of a tensor-parallel group build only this (see distributed/tensor_parallel.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from ..distributed import tensor_parallel as tp
+from ..distributed.placement import input_device, logits_index_device, model_placement
+from ..errors import UnsupportedModelError
+from ..hf.architectures import (
+    SUPPORTED_ARCHITECTURES, attention_tp_size, is_supported, kv_layout, tp_heads,
+)
+from ..hf.attention import KWARG
+from ..hf.register import register
+from ..hf.switch import paged_attention
+from ..kernels.dispatch import PoolAccess
+from ..kv.metadata import DeviceBlockTable, ForwardMetadata, build_metadata, to_device
+from ..kv.pool import KVPool, block_bytes
+from ..utils import cdiv
+
+logger = logging.getLogger("hf_paged")
+
+# LLMEngine options the runner takes (the rest are the scheduler's).
+RUNNER_OPTIONS = ("block_size", "num_blocks", "kv_cache_bytes", "gpu_memory_utilization",
+                  "max_num_seqs", "max_model_len", "preemption_mode", "swap_space_bytes",
+                  "backend")
+
+
+@dataclass
+class Forward:
+    """The host-side inputs of one packed forward: token ids and positions of the scheduled
+    sequences back to back, their block-table rows, cached lengths and new-token counts, and
+    the indices (in `ids`) of the last token of each sequence that samples."""
+
+    adapter: str | None
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    context: list[int] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+    last: list[int] = field(default_factory=list)
+
+
+@dataclass
+class DeviceStep:
+    """What every rank does for one step: block swaps and copies, block-table entries, then
+    the forwards (plain lists; rank 0 broadcasts it under tensor parallelism)."""
+
+    swap_out: list
+    swap_in: list
+    copies: list
+    entries: list
+    forwards: list[Forward]
+
+
+def unwrap(model):
+    """(model to call, the Transformers model under it, its PEFT adapter names)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(model, "peft_config", None) or {}
+    for name, adapter in config.items():
+        if getattr(adapter, "is_prompt_learning", False):
+            raise UnsupportedModelError(
+                f"The engine serves LoRA-style PEFT adapters; adapter {name!r} is "
+                f"{adapter.peft_type} (prompt learning), which changes the inputs of generate "
+                "itself. Use model.generate(..., cache_implementation='paged') for it."
+            )
+    return model, base, list(config)
+
+
+def positive(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer; got {value!r}.")
+    return value
+
+
+class ModelRunner:
+    """The KV pools, the device block table and the model's forwards of one rank."""
+
+    def __init__(self, model, *, block_size: int = 16, num_blocks: int | None = None,
+                 kv_cache_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
+                 max_num_seqs: int | None = None, max_model_len: int | None = None,
+                 preemption_mode: str = "recompute", swap_space_bytes: int | None = None,
+                 backend: str = "auto"):
+        """See `LLMEngine` for the options. max_num_seqs: rows of the device block table
+        (default 256 on CUDA, 64 elsewhere)."""
+        self.model, base, self.adapters = unwrap(model)
+        if not is_supported(base):
+            raise UnsupportedModelError(
+                f"The engine runs {', '.join(SUPPORTED_ARCHITECTURES)}; got {type(base).__name__}.")
+        register()  # the "paged" attention, even where generate's patches are disabled
+        self.model.eval()
+        self.base = base
+        text_config = base.config.get_text_config(decoder=True)
+        self.device, self.dtype = input_device(base), base.dtype  # the model's inputs' device
+        self.tp_size = getattr(base, "tp_size", None) or 1
+        self.rank = torch.distributed.get_rank() if self.tp_size > 1 else 0
+        num_layers, _, head_dim = kv_layout(text_config)
+        num_heads, kv_heads = tp_heads(text_config, attention_tp_size(base))  # this rank's
+        # A model spread by device_map keeps each layer's KV on that layer's device.
+        placement = model_placement(base, num_layers)
+        self.kv_device = placement.primary  # where block tables and metadata are built
+        self._index_device = logits_index_device(base)  # for logits_to_keep
+        self.on_cuda = any(d.type == "cuda" for d in placement.devices)
+        self.block_size = positive("block_size", block_size)
+        self.max_model_len = positive("max_model_len", max_model_len
+                                      or getattr(text_config, "max_position_embeddings", 2048))
+        self.max_num_seqs = positive("max_num_seqs", max_num_seqs or (256 if self.on_cuda else 64))
+        self.sliding_window = getattr(text_config, "sliding_window", None)
+        per_layer = block_bytes(1, kv_heads, head_dim, self.block_size, self.dtype)
+        per_block = num_layers * per_layer
+        blocks = self._pool_blocks(num_blocks, kv_cache_bytes, gpu_memory_utilization,
+                                   per_layer, placement)
+        self.control = None
+        if self.tp_size > 1:  # every rank must hold the same blocks: the smallest pool wins
+            blocks = tp.agree_on_min(blocks, self.device)
+            self.control = tp.control_group()
+        self.pool = KVPool(num_layers, kv_heads, head_dim, self.block_size, blocks, self.dtype,
+                           placement, growable=False)
+        logger.info("hf-paged engine: KV pool of %d blocks x %d tokens (%s)", blocks,
+                    self.block_size, ", ".join(
+                        f"{blocks * per_layer * len(layers) / 2**20:.1f} MiB on {device}"
+                        for device, layers in zip(placement.devices, placement.layers)))
+        self.cpu_pool = None
+        if preemption_mode == "swap":
+            if swap_space_bytes is None:  # the pool's size, within a share of host memory
+                physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+                ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+                swap_blocks = min(blocks, physical // 4 // ranks_here // per_block)
+            else:
+                swap_blocks = swap_space_bytes // per_block
+            self.cpu_pool = KVPool(num_layers, kv_heads, head_dim, self.block_size,
+                                   swap_blocks, self.dtype, placement.on("cpu"), growable=False)
+            if torch.cuda.is_available() and self.on_cuda:
+                self.cpu_pool.pin_memory()
+        self.access = PoolAccess(self.pool, backend, num_heads, self.sliding_window)
+        self.device_table = DeviceBlockTable(self.max_num_seqs,
+                                             cdiv(self.max_model_len, self.block_size),
+                                             self.kv_device)
+
+    def _pool_blocks(self, num_blocks, kv_cache_bytes, utilization, per_layer,
+                     placement) -> int:
+        """Blocks of the pool. per_layer: bytes of one block of one layer. kv_cache_bytes
+        bounds all devices together; a CUDA budget from free memory holds on every device."""
+        if num_blocks is not None and kv_cache_bytes is not None:
+            raise ValueError("Give one of num_blocks and kv_cache_bytes, not both.")
+        if num_blocks is not None:
+            return positive("num_blocks", num_blocks)
+        per_block = per_layer * placement.num_layers
+        if kv_cache_bytes is None:
+            budgets = []
+            for device, layers in zip(placement.devices, placement.layers):
+                if device.type == "cuda":
+                    free, _ = torch.cuda.mem_get_info(device)
+                    budgets.append(int(free * utilization) // len(layers) * placement.num_layers)
+                else:
+                    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+                    budgets.append(min(2**30, physical // 4) // len(layers) * placement.num_layers)
+            kv_cache_bytes = min(budgets)
+        blocks = positive("kv_cache_bytes", kv_cache_bytes) // per_block
+        if blocks == 0:
+            raise ValueError(f"kv_cache_bytes={kv_cache_bytes} is smaller than one KV block "
+                             f"({per_block} bytes).")
+        most = self.max_num_seqs * (cdiv(self.max_model_len, self.block_size) + 1)
+        return min(blocks, most)  # never more than every sequence at full length
+
+    # -- a step ------------------------------------------------------------------------------
+    def prepare(self, work: DeviceStep) -> None:
+        """Block moves and block-table entries of a step, before its forwards."""
+        if work.swap_out:
+            gpu, cpu = zip(*work.swap_out)
+            self.pool.copy_to(self.cpu_pool, list(gpu), list(cpu))
+        if work.swap_in:
+            cpu, gpu = zip(*work.swap_in)
+            self.cpu_pool.copy_to(self.pool, list(cpu), list(gpu))
+        if work.copies:
+            self.access.copy_blocks(work.copies)
+        self.device_table.apply(work.entries)
+
+    def execute(self, work: DeviceStep) -> list[torch.Tensor]:
+        """A whole step (what ranks above 0 run): block moves, table entries, forwards."""
+        self.prepare(work)
+        return [self.forward(f) for f in work.forwards]
+
+    def metadata(self, rows: list[int], context: list[int], counts: list[int]) -> ForwardMetadata:
+        """Packed-forward metadata of `rows` (device block-table rows), each with `context`
+        tokens cached and `counts` new ones; decode rows apart from prompt chunks."""
+        device = self.kv_device
+        table = self.device_table.table.index_select(0, to_device(rows, device))
+        lens = [c + n for c, n in zip(context, counts)]
+        return build_metadata(table, to_device(context, device), counts, max(counts), max(lens),
+                              self.block_size, packed=True, seq_lens_host=lens,
+                              split_decodes=True)
+
+    def forward(self, f: Forward, check=None) -> torch.Tensor:
+        """Runs one packed forward; returns the logits [S, V] of its rows that sample.
+        check: called with the forward's metadata before it runs (the isolation debug mode)."""
+        meta = self.metadata(f.rows, f.context, f.counts)
+        if check is not None:
+            check(meta)
+        keep = to_device(f.last or [len(f.ids) - 1], self._index_device)
+        extra = {}
+        if f.adapter is not None:  # PEFT picks the adapter per batch row; the batch is one row
+            extra["adapter_names"] = [f.adapter]
+        paged_kv = self.access.forward(meta)
+        with torch.inference_mode(), paged_attention(self.base):
+            out = self.model(input_ids=to_device(f.ids, self.device)[None],
+                             position_ids=to_device(f.positions, self.device)[None],
+                             past_key_values=paged_kv, use_cache=True, logits_to_keep=keep,
+                             **{KWARG: paged_kv}, **extra)
+        return out.logits[0, :len(f.last)]
+
+    # -- tensor parallelism ------------------------------------------------------------------
+    def broadcast(self, message) -> None:
+        """Rank 0: sends a DeviceStep (or a control message) to the other ranks."""
+        if self.tp_size > 1:
+            tp.broadcast(message, self.control)
+
+    def worker_loop(self) -> None:
+        """Ranks above 0: run the steps rank 0 broadcasts until it stops them."""
+        tp.worker_loop(self)

@@ -1,0 +1,53 @@
+"""The attention switch: a model's attention implementation set to "paged" while paged
+forwards run, shared by concurrent users of one model and restored by the last one out."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+from .attention import ATTENTION_NAME
+
+# id(config) -> [config, its own attention implementation, users of the switch]
+_switched: dict[int, list] = {}
+_switch_lock = threading.Lock()
+
+
+def use_paged_attention(model, swapped: list | None) -> None:
+    """Switches the model's attention to "paged". `swapped` records the switch so that
+    `release_paged_attention(swapped)` undoes it; None switches for good."""
+    config = model.config
+    with _switch_lock:
+        entry = _switched.get(id(config))
+        if entry is None:
+            if config._attn_implementation == ATTENTION_NAME:
+                return  # loaded with attn_implementation="paged", or switched for good
+            if swapped is None:
+                config._attn_implementation_internal = ATTENTION_NAME
+                return
+            entry = _switched[id(config)] = [config, config._attn_implementation_internal, 0]
+            config._attn_implementation_internal = ATTENTION_NAME
+        if swapped is not None:
+            entry[2] += 1
+            swapped.append(entry)
+
+
+def release_paged_attention(entries: list) -> None:
+    with _switch_lock:
+        for entry in entries:
+            entry[2] -= 1
+            if entry[2] == 0:
+                config, implementation, _ = _switched.pop(id(entry[0]))
+                config._attn_implementation_internal = implementation
+
+
+@contextlib.contextmanager
+def paged_attention(model):
+    """Inside, the model's attention is "paged" (shared with concurrent generate calls,
+    restored by the last one out)."""
+    entries: list = []
+    use_paged_attention(model, entries)
+    try:
+        yield
+    finally:
+        release_paged_attention(entries)

@@ -1,0 +1,172 @@
+"""The pure-PyTorch reference backend, and the masks only it needs.
+
+It covers every forward (hidden slots, a caller's 4D mask, any device and dtype), which is
+why the dispatcher falls back to it. Masks are derived from the `ForwardMetadata` once per
+forward and kept in its `scratch`, so all layers share them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..errors import HFPagedError
+from ..kv.metadata import ForwardMetadata
+from ..utils import cdiv
+from . import reference
+from .base import Backend, Capabilities
+
+
+class TorchBackend(Backend):
+    """The pure-PyTorch reference; runs anywhere."""
+
+    name = "torch"
+    capabilities = Capabilities(hidden_slots=True, caller_mask=True, devices=("cpu", "cuda"))
+
+    def __init__(self):
+        self._workspace: torch.Tensor | None = None  # gather buffer reused by every layer
+
+    def write_kv(self, k_cache, v_cache, key, value, slot_mapping):
+        reference.write_kv(k_cache, v_cache, key, value, slot_mapping)
+
+    def copy_blocks(self, kv, src, dst):
+        reference.copy_blocks(kv, src, dst)
+
+    def attention(self, query, k_cache, v_cache, meta, scale, sliding_window=None,
+                  alibi_slopes=None, caller_mask=None):
+        """query [R, Hq, q, D] -> [R, q, Hq, D] (padded layout, see ForwardMetadata).
+
+        caller_mask: a caller's 4D mask over columns (see `caller_mask_on_slots`), used
+        instead of the causal / sliding-window mask, as SDPA uses it.
+        """
+        if caller_mask is not None:
+            mask = caller_mask_on_slots(meta, caller_mask)
+        else:
+            mask = attention_mask(meta, sliding_window, alibi_slopes)
+        workspace = self._gather_workspace(meta.block_tables.numel(), k_cache)
+        groups = length_groups(meta) if query.shape[2] == 1 and caller_mask is None else None
+        if groups is not None:  # decode rows of very different lengths: gather each bucket
+            out = query.new_empty(query.shape[0], 1, query.shape[1], query.shape[3])
+            for rows, cols in groups:
+                keys = cols * meta.block_size
+                part = reference.paged_attention(
+                    query.index_select(0, rows), k_cache, v_cache,
+                    meta.block_tables.index_select(0, rows)[:, :cols],
+                    mask.index_select(0, rows)[..., :keys], scale, workspace)
+                out.index_copy_(0, rows, part)
+            return out
+        out = reference.paged_attention(query, k_cache, v_cache, meta.block_tables, mask,
+                                        scale, workspace)
+        if meta.is_query is not None:  # padding columns: zeros, as the kernels give
+            out = out.masked_fill(~meta.is_query[:, :, None, None], 0.0)
+        return out
+
+    def _gather_workspace(self, num_blocks: int, like: torch.Tensor) -> torch.Tensor:
+        """[2, >= num_blocks, bs, Hkv, D] for gathered K and V, grown in 25% steps.
+
+        Reused across layers and steps: fresh allocations page-fault on CPU, which cost
+        more than the copy itself.
+        """
+        ws = self._workspace
+        if ws is None or ws.shape[1] < num_blocks or ws.dtype != like.dtype:
+            size = max(num_blocks, int(1.25 * (0 if ws is None else ws.shape[1])))
+            with torch.inference_mode(False):  # usable under no_grad and inference_mode alike
+                ws = torch.empty(2, size, *like.shape[1:], dtype=like.dtype, device=like.device)
+            self._workspace = ws
+        return ws
+
+    @property
+    def workspace_bytes(self) -> int:
+        ws = self._workspace
+        return 0 if ws is None else ws.numel() * ws.element_size()
+
+
+def attention_mask(meta: ForwardMetadata, sliding_window: int | None,
+                   alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference's mask, built once per forward and shared by all layers.
+
+    [R, 1, q, T] bool, or with ALiBi slopes [H] a float bias [R, H, q, T]
+    (slope * key position where visible, -inf elsewhere).
+    """
+    key = ("mask", sliding_window, alibi_slopes is not None)
+    mask = meta.scratch.get(key)
+    if mask is None:
+        mask = reference.key_mask(meta.query_pos, meta.is_query, meta.num_keys, sliding_window,
+                                  meta.key_hidden)
+        if alibi_slopes is not None:
+            mask = _alibi_bias(meta, alibi_slopes).masked_fill(~mask, float("-inf"))
+        meta.scratch[key] = mask
+    return mask
+
+
+def _alibi_bias(meta: ForwardMetadata, slopes: torch.Tensor) -> torch.Tensor:
+    """slope * key position [R or 1, H, 1, T]. Positions count visible tokens, as Falcon's
+    alibi counts real tokens of the mask (hidden slots are skipped)."""
+    if meta.key_hidden is None:
+        t = torch.arange(meta.num_keys, device=slopes.device, dtype=slopes.dtype)
+        return slopes.view(1, -1, 1, 1) * t
+    t = ((~meta.key_hidden).cumsum(-1) - 1).to(slopes.dtype)  # [R, T]
+    return slopes.view(1, -1, 1, 1) * t[:, None, None, :]
+
+
+def length_groups(meta: ForwardMetadata) -> list[tuple[torch.Tensor, int]] | None:
+    """Decode rows bucketed by length, as ([n] row indices, block columns they need), when
+    that saves at least a fifth of the padded keys; None otherwise.
+
+    A gather-based attention pads every row to the longest; buckets whose lengths are
+    within 25% of each other keep the padding small. Built once per forward."""
+    if "groups" in meta.scratch:
+        return meta.scratch["groups"]
+    groups = None
+    lens = meta.seq_lens_host
+    if lens is not None and len(lens) >= 8:
+        buckets: dict[int, list[int]] = {}
+        for row, n in enumerate(lens):
+            blocks = max(cdiv(n, meta.block_size), 1)
+            buckets.setdefault(int(math.log(blocks, 1.25)), []).append(row)
+        padded = len(lens) * meta.block_tables.shape[1]
+        cols = {k: max(cdiv(max(lens[r] for r in rows), meta.block_size), 1)
+                for k, rows in buckets.items()}
+        if len(buckets) > 1 and sum(len(r) * cols[k] for k, r in buckets.items()) < 0.8 * padded:
+            device = meta.block_tables.device
+            groups = [(torch.tensor(rows, device=device), cols[k])
+                      for k, rows in sorted(buckets.items())]
+    meta.scratch["groups"] = groups
+    return groups
+
+
+def caller_mask_on_slots(meta: ForwardMetadata, mask: torch.Tensor) -> torch.Tensor:
+    """A caller's 4D mask over columns, [R or 1, 1 or H, q, columns] (bool, True = attend,
+    or an additive float bias), moved onto slots: [R, 1 or H, q, T], unstored slots
+    masked. Raises if the mask lets a query see a column that has no slot."""
+    cached = meta.scratch.get("caller")
+    if cached is not None and cached[0] is mask:  # the same mask reaches every layer
+        return cached[1]
+    given = mask
+    rows, q_len = meta.query_pos.shape
+    if (mask.dim() != 4 or mask.shape[0] not in (1, rows) or mask.shape[2] != q_len
+            or mask.shape[3] != meta.columns):
+        raise ValueError(
+            f"A 4D attention mask on a PagedCache forward must have shape [batch, 1 or "
+            f"heads, new columns, all columns] = [{rows}, 1, {q_len}, {meta.columns}]; got "
+            f"{tuple(mask.shape)}."
+        )
+    mask = mask.expand(rows, -1, -1, -1)
+    visible = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+    skip = meta.columns - meta.seq_lens  # [R] leading columns without a slot
+    unstored = torch.arange(meta.columns, device=mask.device) < skip.unsqueeze(1)
+    if (visible & unstored[:, None, None, :]).any():
+        raise HFPagedError(
+            "This 4D attention mask lets queries see columns that were left padding when "
+            "they were cached; the PagedCache did not store them. Mask those columns, or "
+            "use a cache that was filled without padding."
+        )
+    slots = torch.arange(meta.num_keys, device=mask.device)
+    cols = (slots.unsqueeze(0) + skip.unsqueeze(1)).clamp(max=meta.columns - 1)  # [R, T]
+    index = cols[:, None, None, :].expand(rows, mask.shape[1], q_len, meta.num_keys)
+    out = mask.gather(-1, index)
+    stored = (slots.unsqueeze(0) < meta.seq_lens.unsqueeze(1))[:, None, None, :]
+    out = out & stored if out.dtype == torch.bool else out.masked_fill(~stored, float("-inf"))
+    meta.scratch["caller"] = (given, out)
+    return out
