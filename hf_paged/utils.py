@@ -56,20 +56,30 @@ MOVED = {
 
 
 class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds an old module path and hands back the module at its new path."""
+    """Finds an old module path and hands back the module at its new path (the same module
+    object, so a change made through either name is seen through both)."""
+
+    def __init__(self):
+        self._specs: dict = {}
 
     def find_spec(self, name, path=None, target=None):
         if name in MOVED:
-            return importlib.util.spec_from_loader(name, self)
+            parent = any(old.startswith(name + ".") for old in MOVED)
+            return importlib.util.spec_from_loader(name, self, is_package=parent)
         return None
 
     def create_module(self, spec):
         module = importlib.import_module(MOVED[spec.name])
+        self._specs[spec.name] = module.__spec__  # the import machinery sets the alias's
         sys.modules[spec.name] = module
         return module
 
     def exec_module(self, module):
-        pass  # already executed under its new name
+        # Already executed under its new name: give it back its own spec (an old path with
+        # old children, hf_paged.models, keeps the __path__ the alias spec gave it).
+        alias = module.__spec__.name
+        if alias in self._specs:
+            module.__spec__ = self._specs.pop(alias)
 
     def get_code(self, name):
         """`python -m <old path>` runs the module at its new path as __main__."""

@@ -102,3 +102,19 @@ def test_nothing_implicit_on_the_attention_path():
             text = path.read_text()
             assert "contextvars" not in text and "ContextVar" not in text, path
             assert "_hf_paged_cache" not in text, path
+
+
+def test_the_old_module_paths_still_import():
+    """0.2's flat module paths are the modules at their new homes (one object, two names)."""
+    import importlib
+    import sys
+
+    from hf_paged.utils import MOVED
+
+    for old, new in MOVED.items():
+        module = importlib.import_module(old)
+        assert module is sys.modules[new] and module.__spec__.name == new, old
+    from hf_paged.models.falcon import paged_falcon_attention  # an old child of an old path
+    from hf_paged.server import build_app  # noqa: F401
+
+    assert paged_falcon_attention.__module__ == "hf_paged.hf.falcon"

@@ -39,6 +39,12 @@ class Scheduled:
     start: int  # tokens already cached (the context before this step)
     count: int  # tokens computed this step
     sample: bool  # the step reaches the sequence's last token: a new token is sampled
+    forks: int = 0  # siblings its sampled token starts (n - 1 once its prompt is computed)
+
+    @classmethod
+    def of(cls, seq: Sequence, count: int) -> "Scheduled":
+        sample = count == seq.to_compute
+        return cls(seq, seq.num_computed, count, sample, seq.forks if sample else 0)
 
 
 @dataclass
@@ -61,10 +67,10 @@ class Step:
 class Scheduler:
     """Owns the block tables (a row per running sequence) and the prefix cache of a pool."""
 
-    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, sliding_window: int | None = None,
-                 enable_prefix_caching: bool = True, preemption_mode: str = "recompute",
-                 cpu_pool: BlockPool | None = None):
+    @staticmethod
+    def check_options(max_num_seqs: int, max_num_batched_tokens: int,
+                      preemption_mode: str) -> None:
+        """Raises ValueError for budgets or a preemption mode the scheduler cannot run."""
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least "
@@ -72,6 +78,12 @@ class Scheduler:
             )
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap'; got {preemption_mode!r}.")
+
+    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, sliding_window: int | None = None,
+                 enable_prefix_caching: bool = True, preemption_mode: str = "recompute",
+                 cpu_pool: BlockPool | None = None):
+        self.check_options(max_num_seqs, max_num_batched_tokens, preemption_mode)
         self.pool = pool
         self.block_size = pool.block_size
         self.max_num_seqs = max_num_seqs
@@ -178,8 +190,7 @@ class Scheduler:
                 reserved += need
                 budget -= count
                 served.add(seq.seq_id)
-                step.scheduled.append(Scheduled(seq, seq.num_computed, count,
-                                                count == seq.to_compute))
+                step.scheduled.append(Scheduled.of(seq, count))
         if not step.preempted:  # nothing was short of blocks: admit swapped, then waiting
             budget, reserved = self._admit(step, counts, budget, reserved)
         needed = self.tables.blocks_needed(counts)
@@ -212,8 +223,7 @@ class Scheduler:
                 counts[seq.row] = count
                 reserved += need
                 budget -= count
-                step.scheduled.append(Scheduled(seq, seq.num_computed, count,
-                                                count == seq.to_compute))
+                step.scheduled.append(Scheduled.of(seq, count))
         return budget, reserved
 
     def _start(self, seq: Sequence, budget: int, reserved: int) -> bool:

@@ -2,14 +2,21 @@
 device side of a step), the sampler and output processing, and the `LLM` / `AsyncLLM`
 front ends."""
 
-from .engine import BASE, EngineStats, LLMEngine, engine_options
+from ..errors import IsolationError, RequestRejectedError  # noqa: F401  (0.2's hf_paged.engine names)
+from .engine import BASE, EngineStats, LLMEngine, engine_options, step_budget
 from .runner import ModelRunner
 
 
 def run_worker(model, **options) -> None:
-    """A tensor-parallel rank above 0: builds only the model runner (LLMEngine `options`;
-    the scheduler's are ignored) and runs the steps rank 0 broadcasts until it stops."""
-    ModelRunner(model, **engine_options(options)[0]).worker_loop()
+    """A tensor-parallel rank above 0: builds only the model runner (from LLMEngine
+    `options`, the scheduler's checked as rank 0 checks them) and runs the steps rank 0
+    broadcasts until it stops."""
+    runner_options, scheduler_options = engine_options(options)
+    runner = ModelRunner(model, **runner_options)
+    step_budget(runner, scheduler_options.get("max_num_batched_tokens"),
+                runner_options.get("preemption_mode", "recompute"))
+    runner.worker_loop()
 
 
-__all__ = ["BASE", "EngineStats", "LLMEngine", "ModelRunner", "engine_options", "run_worker"]
+__all__ = ["BASE", "EngineStats", "IsolationError", "LLMEngine", "ModelRunner",
+           "RequestRejectedError", "engine_options", "run_worker"]

@@ -110,8 +110,7 @@ class LLMEngine:
         self.device, self.dtype, self.tp_size = runner.device, runner.dtype, runner.tp_size
         self.block_size, self.max_model_len = runner.block_size, runner.max_model_len
         self.max_num_seqs, self.sliding_window = runner.max_num_seqs, runner.sliding_window
-        self.max_num_batched_tokens = positive(
-            "max_num_batched_tokens", max_num_batched_tokens or (8192 if runner.on_cuda else 2048))
+        self.max_num_batched_tokens = step_budget(runner, max_num_batched_tokens, preemption_mode)
         self.scheduler = Scheduler(self.pool.blocks, self.max_num_seqs,
                                    self.max_num_batched_tokens, self.max_model_len,
                                    self.sliding_window, enable_prefix_caching, preemption_mode,
@@ -406,10 +405,20 @@ class LLMEngine:
         self.runner.worker_loop()
 
 
+def step_budget(runner: ModelRunner, max_num_batched_tokens: int | None,
+                preemption_mode: str = "recompute") -> int:
+    """Tokens per step (default 8192 on CUDA, 2048 elsewhere), with the scheduler's options
+    checked: the same check on every tensor-parallel rank, so all fail alike."""
+    tokens = positive("max_num_batched_tokens",
+                      max_num_batched_tokens or (8192 if runner.on_cuda else 2048))
+    Scheduler.check_options(runner.max_num_seqs, tokens, preemption_mode)
+    return tokens
+
+
 def engine_options(options: dict) -> tuple[dict, dict]:
     """Splits LLMEngine options into (the model runner's, the scheduler's)."""
     runner = {k: v for k, v in options.items() if k in RUNNER_OPTIONS}
     return runner, {k: v for k, v in options.items() if k not in RUNNER_OPTIONS}
 
 
-__all__ = ["BASE", "EngineStats", "LLMEngine", "engine_options"]
+__all__ = ["BASE", "EngineStats", "LLMEngine", "engine_options", "step_budget"]

@@ -68,7 +68,7 @@ class OutputProcessor:
         for row_of_logits, item in enumerate(items):
             seq = item.seq
             request = self.requests[seq.request_id]
-            targets = [seq] + [None] * seq.forks
+            targets = [seq] + [None] * item.forks
             for k, target in enumerate(targets):
                 completion = k if target is None else request.seqs.index(seq)
                 rows.append(self._sample_row(request, seq, completion))
@@ -111,10 +111,9 @@ class OutputProcessor:
         for request_id, message in failed.items():
             self.fail(self.requests[request_id], message, touched)
         for item in items:
-            seq = item.seq
-            if id(seq) in children:
-                seq.forks = 0
-                self.scheduler.fork(seq, children[id(seq)])
+            if item.forks and id(item.seq) in children:
+                item.seq.forks = 0
+                self.scheduler.fork(item.seq, children[id(item.seq)])
         self.check_stops(touched)
 
     def check_stops(self, touched: dict) -> None:

@@ -11,13 +11,17 @@ from ..core.block_table import BlockTables, first_visible
 from ..config import PagedCacheConfig
 from ..errors import HFPagedError, KVCacheExhaustedError
 from ..kv.pool import KVPool
-from ..hf.architectures import kv_layout, tp_heads
-from ..kernels.dispatch import NO_MASK, PagedForward, PagedLayers, PoolAccess
+from ..hf.architectures import SUPPORTED_ARCHITECTURES, kv_layout, tp_heads
+from ..kernels.dispatch import PagedForward, PagedLayers, PoolAccess
 from ..kv.metadata import DeviceBlockTable, build_metadata, to_device
 from ..kv.placement import Placement
 from ..utils import cdiv
 from .plan import HiddenSlots, StepPlan, check_mask_shape, plan_from_mask, plan_unmasked
+from .prefix import load_prefix
 from .stats import MemoryStats, measure
+
+
+_NOT_GIVEN = object()  # expect_forward was not called for the next forward
 
 
 def _ceil_pow2(n: int) -> int:
@@ -100,8 +104,8 @@ class PagedCache(PagedLayers, Cache):
         self._seen = 0  # padded columns processed, what generate calls the sequence length
         self.peak_blocks = 0
         # The 2D mask a caller gave `expect_forward` for the next forward (the one hand-off
-        # this cache takes: see there); None: none given.
-        self._expected_mask: torch.Tensor | None = None
+        # this cache takes: see there); None: "no padding"; _NOT_GIVEN: nothing was given.
+        self._expected_mask: torch.Tensor | None | object = _NOT_GIVEN
         # Width of the mask a running generate call started with, when its forwards get
         # generate's own masks: later columns are the ones generate appends (see
         # begin_generate).
@@ -167,9 +171,6 @@ class PagedCache(PagedLayers, Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._seen
 
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return NO_MASK  # the "paged" attention needs no mask (see kernels/dispatch.py)
-
     def get_query_offset(self, layer_idx: int = 0) -> int:
         return self._seen
 
@@ -216,42 +217,14 @@ class PagedCache(PagedLayers, Cache):
         up (one that fails for lack of blocks keeps it for its retry), and one whose shape
         does not match it raises.
 
-        attention_mask: [R, seen + q] 2D mask (1 = real token).
+        attention_mask: [R, seen + q] 2D mask (1 = real token), or None: no padding.
         """
         self._expected_mask = attention_mask
 
     def load_prefix(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-        """Stores leading tokens given directly as keys and values, before any forward:
-        PEFT prefix tuning's virtual tokens. Rows with the same prefix share its blocks.
-
-        keys, values: one [R, Hkv, V, D] tensor per layer. Raises ValueError if the shapes do
-        not match this cache's layers, KV heads and head dim.
-        """
-        rows, heads, length, dim = keys[0].shape
-        if self._seen or len(keys) != self.num_layers or len(values) != self.num_layers or any(
-                t.shape != (rows, self.num_kv_heads, length, self.head_dim) for t in keys + values):
-            raise ValueError(
-                f"a prefix needs {self.num_layers} layers of [rows, {self.num_kv_heads} KV heads, "
-                f"tokens, {self.head_dim}] on an empty cache; got {len(keys)} layers of "
-                f"{tuple(keys[0].shape)} after {self._seen} columns"
-            )
-        if self.pool is None:
-            self._bind_pool(None, keys[0].dtype, keys[0].device)
-        shared = all(torch.equal(t, t[:1].expand_as(t)) for t in keys + values)
-        stored = 1 if shared else rows
-        # One packed forward of the prefix tokens: [1, Hkv, stored * V, D], rows back to back.
-        plan = StepPlan([length] * stored + [0] * (rows - stored), length, packed=True)
-        self.begin_forward(1, stored * length, plan=plan)
-        try:
-            for layer, (k, v) in enumerate(zip(keys, values)):
-                device = self.pool.layer_kv(layer).device  # a layer's own device (device_map)
-                packed = [t[:stored].transpose(0, 1).reshape(1, heads, stored * length, dim)
-                          .to(device) for t in (k, v)]
-                self.update(packed[0], packed[1], layer)
-        finally:
-            self.end_forward()
-        if shared and rows > 1:
-            self.reorder_cache(torch.zeros(rows, dtype=torch.long))  # every row shares row 0's
+        """Stores leading tokens given directly as keys and values (PEFT prefix tuning's
+        virtual tokens); see `generate/prefix.py`."""
+        load_prefix(self, keys, values)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """Stores the new tokens of one layer; returns that layer's pool views.
@@ -261,10 +234,11 @@ class PagedCache(PagedLayers, Cache):
         """
         if layer_idx == 0:
             if not self._in_forward:
-                # Driven by hand (no patched forward): each layer-0 update starts a forward
-                # that stores every new column.
-                rows, q_len = key_states.shape[0], key_states.shape[2]
-                self._forward, self._step = self._new_forward(), StepPlan([q_len] * rows, q_len)
+                # Driven by hand (no model forward): each layer-0 update starts a forward
+                # that stores every new column, unless expect_forward said otherwise.
+                self._step = self._checked_plan(key_states.shape[0], key_states.shape[2],
+                                                None, None, by_hand=True)
+                self._forward = self._new_forward()
             if self.pool is None:
                 self._bind_pool(None, key_states.dtype, key_states.device)
             self._prepare(self._step, self._forward)
@@ -295,13 +269,36 @@ class PagedCache(PagedLayers, Cache):
         plan: a packed forward's `StepPlan` (one input row holding the real tokens of every
         row back to back: generate's packed prefill, PEFT's virtual tokens).
         """
-        try:
-            self._step = self._plan_step(rows, q_len, attention_mask, plan, self._expected_mask)
-        except (ValueError, HFPagedError):
-            self._expected_mask = None  # not for a later forward
-            raise
+        self._step = self._checked_plan(rows, q_len, attention_mask, plan)
         self._forward, self._in_forward = self._new_forward(), True
         return self._forward
+
+    @property
+    def in_forward(self) -> bool:
+        """Whether a forward begun by `begin_forward` is running."""
+        return self._in_forward
+
+    @property
+    def meta(self):
+        """The metadata of the running forward (None between forwards, or before layer 0)."""
+        return None if self._forward is None else self._forward.meta
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        if not self._in_forward:  # Transformers builds masks at the start of a model forward
+            raise HFPagedError(
+                "A model forward reached this PagedCache without hf-paged preparing it (its "
+                "forward is not one hf-paged wraps: an unsupported architecture, "
+                "hf_paged.disable(), or a module called below the model). Supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}."
+            )
+        return super().get_mask_sizes(query_length, layer_idx)
+
+    def _checked_plan(self, rows, q_len, mask, packed, by_hand=False) -> StepPlan:
+        try:
+            return self._plan_step(rows, q_len, mask, packed, self._expected_mask, by_hand)
+        except (ValueError, HFPagedError):
+            self._expected_mask = _NOT_GIVEN  # not for a later forward
+            raise
 
     def end_forward(self) -> None:
         """Closes the running forward (its metadata is not reused)."""
@@ -311,12 +308,13 @@ class PagedCache(PagedLayers, Cache):
         return PagedForward(num_layers=self.num_layers, sliding_window=self.sliding_window)
 
     def _plan_step(self, rows: int, q_len: int, mask, packed: StepPlan | None,
-                   expected) -> StepPlan:
-        """What a forward adds, from its mask or packing; changes no state."""
+                   expected, by_hand: bool = False) -> StepPlan:
+        """What a forward adds, from its mask or packing; changes no state. by_hand: no
+        model forward (no mask): every new column is stored."""
         if packed is not None:
             if sum(packed.counts) != q_len or rows != 1 or self._seen:
                 raise ValueError(
-                    f"PagedCache: a packed forward of {sum(packed.counts)} tokens was announced "
+                    f"PagedCache: a packed forward of {sum(packed.counts)} tokens was planned "
                     f"for an empty cache, but the model ran on input of shape [{rows}, {q_len}] "
                     f"after {self._seen} cached columns."
                 )
@@ -326,9 +324,9 @@ class PagedCache(PagedLayers, Cache):
                 f"PagedCache holds {self.tables.num_rows} sequence(s) but the forward has {rows} "
                 "rows; call reset() before reusing the cache for another batch."
             )
-        if expected is not None:
+        if expected is not _NOT_GIVEN:
             mask = expected
-        elif mask is not None and mask.dim() == 4:
+        elif by_hand or (mask is not None and mask.dim() == 4):
             return StepPlan([q_len] * rows, q_len)  # a caller's mask: every column stored
         lengths = self.tables.lengths if self.device_table is not None else [0] * rows
         if mask is None:
@@ -360,7 +358,7 @@ class PagedCache(PagedLayers, Cache):
             raise KVCacheExhaustedError(err.needed, err.free, err.num_blocks, err.block_size,
                                         held=self.tables.num_held) from None
         # Committed from here on.
-        self._expected_mask = None
+        self._expected_mask = _NOT_GIVEN
         self.hidden.apply(step)
         context = self.device_table.lengths
         if plan.copies:
@@ -433,7 +431,7 @@ class PagedCache(PagedLayers, Cache):
         self.device_table = None
         self.end_forward()
         self._seen = 0
-        self._expected_mask = None
+        self._expected_mask = _NOT_GIVEN
         self._generate_columns = None
         self.peak_blocks = 0
 

@@ -1,4 +1,5 @@
-"""Everything hf-paged changes in Transformers (5.23), in one place.
+"""Everything hf-paged changes in Transformers (5.23) for `generate()`, in one place (the
+attention and mask registration both paths need is `hf/register.py`).
 
 `enable()` (run by `import hf_paged`) registers the "paged" attention and mask functions
 and wraps four `GenerationMixin` methods:
@@ -11,9 +12,11 @@ and wraps four `GenerationMixin` methods:
 - `_prefill`: runs each distinct prompt once, packed without its pad tokens (prefill.py),
   when nothing stands between generate and the model's forward (`runs_plain_forward`).
 
-Each forward hands its 2D padding mask to the cache through the "paged" mask function.
-Falcon computes attention inline, so `FalconAttention.forward` is wrapped too
-(see `models/falcon.py`). With PEFT loaded, `PeftModel.get_prompt` is wrapped on first use,
+The supported models' `forward` is wrapped too (`_paged_forward`): on a `PagedCache` it has
+the cache plan the forward from the forward's own 2D mask (or a packed plan) and passes the
+forward's `PagedForward` down to the attention as the `paged_kv` keyword. Falcon computes
+attention inline, so `FalconAttention.forward` is wrapped (see `hf/falcon.py`). With PEFT
+loaded, `PeftModel.get_prompt` is wrapped on first use,
 so that prefix tuning's virtual tokens go into the paged cache. `disable()` undoes all of it
 and leaves a warning for `cache_implementation="paged"`, which Transformers would then
 route to its own continuous batching.
@@ -39,7 +42,8 @@ from ..config import PagedCacheConfig
 from ..distributed.placement import model_placement
 from ..errors import HFPagedError, UnsupportedModelError
 from ..hf.architectures import (
-    SUPPORTED_ARCHITECTURES, SUPPORTED_MODELS, attention_tp_size, is_supported, kv_layout, tp_heads,
+    BASE_MODELS, SUPPORTED_ARCHITECTURES, SUPPORTED_MODELS, attention_tp_size, is_supported,
+    kv_layout, tp_heads,
 )
 from ..hf.attention import ATTENTION_NAME, KWARG
 from ..hf.register import register, unregister
@@ -269,23 +273,29 @@ def _prefill(original):
 
 
 def _paged_forward(original):
-    """Wraps a supported model's forward (`LlamaForCausalLM.forward`, ...): on a PagedCache,
-    the cache plans the forward from its explicit inputs (the 2D mask, or a packed plan
-    given as `paged_plan`) before any layer runs, and the forward's `PagedForward` travels
-    down to every attention call as the `paged_kv` keyword."""
+    """Wraps a supported model's forward (`LlamaForCausalLM.forward`, and `LlamaModel.forward`
+    under it, ...): on a PagedCache, the cache plans the forward from its explicit inputs
+    (the 2D mask, or a packed plan given as `paged_plan`) before any layer runs, and the
+    forward's `PagedForward` travels down to every attention call as the `paged_kv` keyword.
+    The inner wrapper of a forward the outer one started only passes the keyword on."""
     signature = inspect.signature(original)
+    names = list(signature.parameters)
+    cache_at = names.index("past_key_values") - 1  # position among the arguments after self
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
         plan = kwargs.pop(PLAN_KWARG, None)
-        if args:  # rare: inputs given by position
+        if len(args) > cache_at:  # rare: the cache given by position
             kwargs = dict(signature.bind_partial(self, *args, **kwargs).arguments)
-            kwargs.pop("self")
+            kwargs.pop(names[0])
             kwargs.update(kwargs.pop("kwargs", {}))
             args = ()
         cache = kwargs.get("past_key_values")
-        if not isinstance(cache, PagedCache) or KWARG in kwargs:
-            return original(self, **kwargs)
+        if not isinstance(cache, PagedCache):
+            return original(self, *args, **kwargs)
+        if cache.in_forward:  # the head's wrapper started this forward
+            kwargs.setdefault(KWARG, cache.current_forward())
+            return original(self, *args, **kwargs)
         if self.config._attn_implementation != ATTENTION_NAME:
             raise HFPagedError(
                 "A PagedCache was passed to a model whose attention implementation is not "
@@ -293,13 +303,13 @@ def _paged_forward(original):
                 "attn_implementation='paged' (or call model.set_attn_implementation('paged')), "
                 "or use generate(..., cache_implementation='paged'), which switches it."
             )
-        inputs = kwargs.get("input_ids")
+        inputs = args[0] if args else kwargs.get("input_ids")  # input_ids comes first
         if inputs is None:
             inputs = kwargs.get("inputs_embeds")
         rows, q_len = inputs.shape[:2]
         kwargs[KWARG] = cache.begin_forward(rows, q_len, kwargs.get("attention_mask"), plan)
         try:
-            return original(self, **kwargs)
+            return original(self, *args, **kwargs)
         finally:
             cache.end_forward()
 
@@ -377,7 +387,7 @@ _WRAPPERS = {
     (GenerationMixin, "_prepare_generation_config"): _prepare_generation_config,
     (GenerationMixin, "_prepare_cache_for_generation"): _prepare_cache_for_generation,
     (GenerationMixin, "_prefill"): _prefill,
-    **{(model, "forward"): _paged_forward for model in SUPPORTED_MODELS},
+    **{(model, "forward"): _paged_forward for model in SUPPORTED_MODELS + BASE_MODELS},
 }
 
 

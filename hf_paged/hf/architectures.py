@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from transformers.models.falcon.modeling_falcon import FalconForCausalLM
-from transformers.models.llama.modeling_llama import LlamaForCausalLM
-from transformers.models.mistral.modeling_mistral import MistralForCausalLM
+from transformers.models.falcon.modeling_falcon import FalconForCausalLM, FalconModel
+from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaModel
+from transformers.models.mistral.modeling_mistral import MistralForCausalLM, MistralModel
 
 from ..errors import UnsupportedModelError
 
 SUPPORTED_MODELS = (LlamaForCausalLM, MistralForCausalLM, FalconForCausalLM)
 SUPPORTED_ARCHITECTURES = tuple(cls.__name__ for cls in SUPPORTED_MODELS)
+# The decoder stacks under them (called directly, or by a head whose forward an accelerate
+# hook captured before hf-paged was imported).
+BASE_MODELS = (LlamaModel, MistralModel, FalconModel)
 
 
 def is_supported(model) -> bool:

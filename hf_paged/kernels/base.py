@@ -26,8 +26,8 @@ class Capabilities:
                    hides columns after a row's first real token)
     caller_mask:   honours a caller's 4D attention mask instead of causal masking
     varlen_queries: rows with more than one new token (prefill, chunked prefill, extend)
-    dtypes:        pool dtypes it runs on
-    devices:       device types it runs on
+    dtypes:        pool dtypes it runs on     } checked when a backend is chosen for a
+    devices:       device types it runs on    } pool (backends.select_backend)
     """
 
     hidden_slots: bool = False
@@ -39,6 +39,8 @@ class Capabilities:
     def covers(self, meta: ForwardMetadata, caller_mask: bool) -> bool:
         """Whether a forward with this metadata (and a caller's mask or not) is covered."""
         if caller_mask and not self.caller_mask:
+            return False
+        if not self.varlen_queries and meta.query_pos.shape[1] > 1:
             return False
         return self.hidden_slots or meta.key_hidden is None
 

@@ -156,6 +156,9 @@ class PagedLayers:
     def is_dummy(self) -> list[bool]:
         return [False] * self.num_layers
 
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return NO_MASK  # the "paged" attention needs no mask: the metadata has the lengths
+
     def current_forward(self) -> "PagedForward":
         """The paged KV of the forward now running on this cache."""
         raise NotImplementedError
@@ -198,9 +201,6 @@ class PagedForward(PagedLayers, Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # positions come with each forward; nothing is sliced by length
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return NO_MASK
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1

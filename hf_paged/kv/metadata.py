@@ -105,7 +105,6 @@ class ForwardMetadata:
     block_tables_i32: torch.Tensor
     context_lens: torch.Tensor
     seq_lens: torch.Tensor
-    query_start_loc: torch.Tensor
     query_pos: torch.Tensor
     is_query: torch.Tensor | None
     slot_mapping: torch.Tensor
@@ -118,6 +117,7 @@ class ForwardMetadata:
     columns: int = 0
     seq_lens_host: list[int] | None = None
     parts: list | None = None
+    query_start_loc: torch.Tensor | None = None
     scratch: dict = field(default_factory=dict, repr=False)
 
     @property

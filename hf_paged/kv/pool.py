@@ -23,17 +23,34 @@ def block_bytes(num_layers: int, num_kv_heads: int, head_dim: int, block_size: i
             * torch.tensor([], dtype=dtype).element_size())
 
 
-_live: "weakref.WeakSet[KVPool]" = weakref.WeakSet()  # for is_pool_view
+# Storage addresses of every live pool's shards, for is_pool_view (a set: read without a
+# lock; written under one, by pools being made, grown, pinned or collected).
+_pool_storages: set[int] = set()
+_storages_lock = threading.Lock()
 
 
 def is_pool_view(t) -> bool:
     """Whether `t` is a layer's K or V view into a live `KVPool` (the attention function's
     check that pool-shaped keys never reach a non-paged attention)."""
-    if not isinstance(t, torch.Tensor) or t.dim() != 4:
-        return False
-    ptr = t.untyped_storage().data_ptr()
-    return any(ptr == kv.untyped_storage().data_ptr() for pool in list(_live)
-               for kv in pool.shards)
+    return (isinstance(t, torch.Tensor) and t.dim() == 4
+            and t.untyped_storage().data_ptr() in _pool_storages)
+
+
+def _track(owner: "KVPool", old: list[int]) -> None:
+    """Records the pool's shard storages in place of `old` (its previous ones)."""
+    new = [kv.untyped_storage().data_ptr() for kv in owner.shards]
+    with _storages_lock:
+        _pool_storages.difference_update(old)
+        _pool_storages.update(new)
+    owner._storages = new
+    if getattr(owner, "_untrack", None) is not None:
+        owner._untrack.detach()
+    owner._untrack = weakref.finalize(owner, _forget, new)
+
+
+def _forget(storages: list[int]) -> None:
+    with _storages_lock:
+        _pool_storages.difference_update(storages)
 
 
 class KVPool:
@@ -75,7 +92,17 @@ class KVPool:
         self.shards = self._zeros(num_blocks)
         self.blocks = BlockPool(num_blocks, block_size)
         self.version = 0  # bumped when `kv` is reallocated, so views can be refreshed
-        _live.add(self)
+        _track(self, [])
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state.pop("_untrack", None)
+        state["_storages"] = []
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        _track(self, [])  # a copy has storages of its own
 
     @classmethod
     def for_config(cls, config: PagedCacheConfig, num_layers: int, num_kv_heads: int,
@@ -134,6 +161,7 @@ class KVPool:
     def pin_memory(self) -> None:
         """Page-locks a CPU pool (faster, asynchronous swaps to and from a GPU)."""
         self.shards = [kv.pin_memory() for kv in self.shards]
+        _track(self, self._storages)
 
     def copy_to(self, other: "KVPool", src: list[int], dst: list[int]) -> None:
         """Copies blocks `src` of this pool into blocks `dst` of `other` (a pool with the
@@ -184,6 +212,7 @@ class KVPool:
     def _grow(self, num_blocks: int) -> None:
         old = self.shards
         self.shards = self._zeros(num_blocks)
+        _track(self, self._storages)
         for new, kv in zip(self.shards, old):
             new[:, :, : kv.shape[2]] = kv
         self.blocks.grow(num_blocks)
