@@ -34,7 +34,7 @@ def first_visible(length: int, window: int) -> int:
 def blocks_to_add(blocks: int, length: int, count: int, block_size: int) -> int:
     """New blocks a row of `blocks` blocks holding `length` tokens takes for `count` more
     (copies of a shared partial block not counted)."""
-    return cdiv(length + count, block_size) - blocks
+    return -(-(length + count) // block_size) - blocks  # cdiv, inlined: a per-row call
 
 
 def _live(blocks):
