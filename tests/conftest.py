@@ -59,13 +59,31 @@ def make_model(kind: str, seed: int = 0, sliding_window: int = 7, **overrides):
     elif kind in FALCON_LAYOUTS:
         base = _common(num_attention_heads=4, **overrides)
         base.pop("intermediate_size")
+        # Falcon ties its lm_head to the embeddings by default: sharpening the head below would
+        # scale the embeddings too, and greedy output would repeat the last prompt token.
+        base.setdefault("tie_word_embeddings", False)
         model = FalconForCausalLM(FalconConfig(**base, **FALCON_LAYOUTS[kind]))
     else:
         raise ValueError(kind)
     # Random weights give near-flat logits; sharpen them so argmax ties are not an issue.
     with torch.no_grad():
+        if model.lm_head.weight is model.get_input_embeddings().weight:
+            raise ValueError(f"{kind}: sharpening a tied lm_head would scale the embeddings")
         model.lm_head.weight.mul_(8.0)
-    return model.eval()
+    model.eval()
+    _assert_exercises_attention(model, kind)
+    return model
+
+
+def _assert_exercises_attention(model, kind: str) -> None:
+    """A test model whose greedy continuation is one token repeated would make every parity
+    test compare constant sequences: insist on a varied continuation of a random prompt."""
+    prompt = torch.randint(3, VOCAB, (1, 12), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12,
+                             do_sample=False, pad_token_id=PAD, eos_token_id=None)
+    distinct = len(set(out[0, 12:].tolist()))
+    assert distinct >= 3, f"{kind}: greedy continuation has {distinct} distinct tokens of 12"
 
 
 FALCON_LAYOUTS = {
