@@ -156,8 +156,6 @@ class PagedCache(PagedLayers, Cache):
     def workspace_bytes(self) -> int:
         return 0 if self.access is None else self.access.workspace_bytes
 
-    def copy_blocks(self, pairs) -> None:
-        self.access.copy_blocks(pairs)
 
     # -- generate's view of the cache -----------------------------------------------------
     def __len__(self) -> int:
@@ -362,7 +360,7 @@ class PagedCache(PagedLayers, Cache):
         self.hidden.apply(step)
         context = self.device_table.lengths
         if plan.copies:
-            self.copy_blocks(plan.copies)
+            self.access.copy_blocks(plan.copies)
         self.device_table.apply(plan.entries)
         self._seen += step.width
         max_len = max(self.tables.lengths)

@@ -12,6 +12,7 @@ pool's first device, is copied to every other device once, never per layer.
 from __future__ import annotations
 
 import contextlib
+from abc import ABC, abstractmethod
 
 import torch
 from transformers.cache_utils import Cache
@@ -133,7 +134,7 @@ class PoolAccess:
         return sum(b.workspace_bytes for b in seen.values())
 
 
-class PagedLayers:
+class PagedLayers(ABC):
     """What Transformers asks of a cache's layers: all are full or sliding attention layers
     of one pool, and none is compileable (block tables change shape)."""
 
@@ -159,9 +160,9 @@ class PagedLayers:
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         return NO_MASK  # the "paged" attention needs no mask: the metadata has the lengths
 
+    @abstractmethod
     def current_forward(self) -> "PagedForward":
         """The paged KV of the forward now running on this cache."""
-        raise NotImplementedError
 
 
 class PagedForward(PagedLayers, Cache):
@@ -191,6 +192,9 @@ class PagedForward(PagedLayers, Cache):
             self._metas = [meta]
         else:
             self._metas = [meta.to(device) for device in pool.placement.devices]
+        # Chosen once per forward for every layer (a caller's 4D mask is decided per call).
+        self._backends = [access.backend_for(shard, m, False)
+                          for shard, m in enumerate(self._metas)]
 
     def current_forward(self) -> "PagedForward":
         return self
@@ -279,7 +283,8 @@ class PagedForward(PagedLayers, Cache):
                     "A 4D attention mask cannot be honoured after blocks left the sliding "
                     "window; call activate_past_recording() before the first forward."
                 )
-        backend = self.access.backend_for(shard, meta, caller_mask is not None)
+        backend = (self._backends[shard] if caller_mask is None
+                   else self.access.backend_for(shard, meta, True))
         if not meta.packed:
             return backend.attention(query, k_cache, v_cache, meta, scale, sliding_window,
                                      alibi_slopes, caller_mask)

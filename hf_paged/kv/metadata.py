@@ -76,8 +76,6 @@ class ForwardMetadata:
     block_tables_i32: [R, nb] int32, the same (a view of the device table, for kernels)
     context_lens: [R] int64       real tokens cached before this forward
     seq_lens:     [R] int64       real tokens cached after it
-    query_start_loc: [R + 1] int64  where each row's tokens start among the N real new tokens
-                                  (the variable-length layout, cumulative counts)
     query_pos:    [R, q] int64    sequence position of each query column (pads: below context)
     is_query:     [R, q] bool     False on left-padding columns; None when there is none
     slot_mapping: [N] int64       flat pool slot of each real new token
@@ -117,12 +115,18 @@ class ForwardMetadata:
     columns: int = 0
     seq_lens_host: list[int] | None = None
     parts: list | None = None
-    query_start_loc: torch.Tensor | None = None
     scratch: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_keys(self) -> int:
         return self.block_tables.shape[1] * self.block_size
+
+    @property
+    def query_start_loc(self) -> torch.Tensor:
+        """[R + 1] int64: where each row's tokens start among the N real new tokens (the
+        variable-length layout: cumulative counts), derived when a kernel asks for it."""
+        counts = self.seq_lens - self.context_lens
+        return torch.cat([counts.new_zeros(1), counts.cumsum(0)])
 
     def to(self, device: torch.device) -> "ForwardMetadata":
         """This metadata on `device` (for the layers of a pool shard there): each tensor
@@ -142,7 +146,6 @@ class ForwardMetadata:
         return replace(
             self, block_tables=table.long(), block_tables_i32=table,
             context_lens=move(self.context_lens), seq_lens=move(self.seq_lens),
-            query_start_loc=move(self.query_start_loc),
             query_pos=move(self.query_pos), is_query=move(self.is_query),
             slot_mapping=move(self.slot_mapping), token_index=move(self.token_index),
             key_hidden=move(self.key_hidden), scratch={},
@@ -184,13 +187,11 @@ def build_metadata(
         blk = block_tables.gather(1, (pos // block_size).unsqueeze(1)).squeeze(1)
         slot_mapping = blk * block_size + pos % block_size
         seq_lens = context_lens + 1
-        query_start_loc = torch.arange(rows + 1, device=device)
     else:
         starts = [0]
         for n in counts:
             starts.append(starts[-1] + n)
         bounds = to_device(starts, device)
-        query_start_loc = bounds
         counts_t = bounds[1:] - bounds[:-1]
         col = torch.arange(q_len, device=device)
         pad = (q_len - counts_t).unsqueeze(1)
@@ -225,7 +226,6 @@ def build_metadata(
         block_tables_i32=block_tables_i32,
         context_lens=context_lens,
         seq_lens=seq_lens,
-        query_start_loc=query_start_loc,
         query_pos=query_pos,
         is_query=is_query,
         slot_mapping=slot_mapping,
