@@ -6,6 +6,8 @@
 //   block_tables [R, max_blocks] int32 (row stride given)
 //   seq_lens     [R] int64             tokens cached per row, the query's own included
 //   out          [R, Hq, D]
+//   sinks        [Hq] float32 or null: a per-head logit joining each softmax's denominator
+//   softcap      scores -> softcap * tanh(scores / softcap) before the softmax (0: none)
 //
 // A thread block handles (row, KV head, partition of PARTITION tokens) and all GROUP query
 // heads of that KV head, so each K/V row is loaded once for the group. With one partition
@@ -66,9 +68,9 @@ __global__ void paged_decode_kernel(
     const T* __restrict__ query, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
     const int32_t* __restrict__ block_tables, const int64_t* __restrict__ seq_lens,
     const float* __restrict__ alibi_slopes, T* __restrict__ out, float* __restrict__ part_out,
-    float* __restrict__ part_max, float* __restrict__ part_sum, int num_heads, int num_kv_heads,
-    int head_dim, int block_size, int bt_stride, int partition, int num_partitions,
-    float scale, int window) {
+    float* __restrict__ part_max, float* __restrict__ part_sum, const float* __restrict__ sinks,
+    int num_heads, int num_kv_heads, int head_dim, int block_size, int bt_stride,
+    int partition, int num_partitions, float scale, int window, float softcap) {
   extern __shared__ float smem[];
   __shared__ float scratch[kWarps];
   const int row = blockIdx.x, kvh = blockIdx.y, part = blockIdx.z;
@@ -102,6 +104,7 @@ __global__ void paged_decode_kernel(
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) {
       float s = warp_sum(acc[g]);
+      if (softcap > 0.f) s = softcap * tanhf(s / softcap);
       if (alibi_slopes != nullptr) s += alibi_slopes[kvh * GROUP + g] * static_cast<float>(t);
       if (lane == 0) logits[g * partition + (t - part * partition)] = s;
     }
@@ -139,7 +142,10 @@ __global__ void paged_decode_kernel(
     const int head = kvh * GROUP + g;
     const int64_t o = (static_cast<int64_t>(row) * num_heads + head) * head_dim + d;
     if (num_partitions == 1) {
-      out[o] = from_float<T>(n > 0 ? acc / sums[g] : 0.f);
+      // A sink adds exp(sink - max) to the denominator (and nothing to the values).
+      float denom = sums[g];
+      if (sinks != nullptr) denom += n > 0 ? __expf(sinks[head] - maxes[g]) : 1.f;
+      out[o] = from_float<T>(n > 0 ? acc / denom : 0.f);
     } else {
       // part_out [R, Hq, P, D]; part_max, part_sum [R, Hq, P]
       const int64_t p = (static_cast<int64_t>(row) * num_heads + head) * num_partitions + part;
@@ -157,13 +163,14 @@ template <typename T>
 __global__ void paged_decode_reduce_kernel(const float* __restrict__ part_out,
                                            const float* __restrict__ part_max,
                                            const float* __restrict__ part_sum,
+                                           const float* __restrict__ sinks,
                                            T* __restrict__ out, int num_heads, int head_dim,
                                            int num_partitions) {
   const int row = blockIdx.x, head = blockIdx.y;
   const int64_t rh = static_cast<int64_t>(row) * num_heads + head;
-  float m = -CUDART_INF_F;
+  float m = sinks != nullptr ? sinks[head] : -CUDART_INF_F;
   for (int p = 0; p < num_partitions; ++p) m = fmaxf(m, part_max[rh * num_partitions + p]);
-  float total = 0.f;
+  float total = sinks != nullptr ? __expf(sinks[head] - m) : 0.f;
   for (int p = 0; p < num_partitions; ++p) {
     const float pm = part_max[rh * num_partitions + p];
     if (pm > -CUDART_INF_F) total += part_sum[rh * num_partitions + p] * __expf(pm - m);
@@ -192,12 +199,13 @@ static cudaError_t launch_group(const DecodeArgs& a, cudaStream_t stream) {
   paged_decode_kernel<T, GROUP><<<grid, kThreads, smem, stream>>>(
       static_cast<const T*>(a.query), static_cast<const T*>(a.k_cache),
       static_cast<const T*>(a.v_cache), a.block_tables, a.seq_lens, a.alibi_slopes,
-      static_cast<T*>(a.out), a.part_out, a.part_max, a.part_sum, a.num_heads, a.num_kv_heads,
-      a.head_dim, a.block_size, a.bt_stride, a.partition, a.num_partitions, a.scale, a.window);
+      static_cast<T*>(a.out), a.part_out, a.part_max, a.part_sum, a.sinks, a.num_heads,
+      a.num_kv_heads, a.head_dim, a.block_size, a.bt_stride, a.partition, a.num_partitions,
+      a.scale, a.window, a.softcap);
   if (a.num_partitions > 1) {
     paged_decode_reduce_kernel<T><<<dim3(a.rows, a.num_heads), 128, 0, stream>>>(
-        a.part_out, a.part_max, a.part_sum, static_cast<T*>(a.out), a.num_heads, a.head_dim,
-        a.num_partitions);
+        a.part_out, a.part_max, a.part_sum, a.sinks, static_cast<T*>(a.out), a.num_heads,
+        a.head_dim, a.num_partitions);
   }
   return cudaGetLastError();
 }

@@ -25,6 +25,8 @@ struct DecodeArgs {
   int num_partitions;          // ceil(max seq len / partition)
   float scale;
   int window;                  // sliding window, 0 = none
+  float softcap;               // scores -> softcap * tanh(scores / softcap); 0 = none
+  const float* sinks;          // [Hq] sink logits, or nullptr
 };
 
 // Decode attention (single pass when num_partitions == 1, else split-KV + reduce).

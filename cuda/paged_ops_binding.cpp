@@ -26,7 +26,8 @@ void check(cudaError_t err, const char* what) {
 torch::Tensor decode(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                      torch::Tensor block_tables, torch::Tensor seq_lens,
                      c10::optional<torch::Tensor> alibi_slopes, double scale, int64_t window,
-                     int64_t max_seq_len, int64_t partition) {
+                     int64_t max_seq_len, int64_t partition, double softcap,
+                     c10::optional<torch::Tensor> sinks) {
   const c10::cuda::CUDAGuard guard(query.device());
   query = query.contiguous();
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.stride(1) == 1,
@@ -44,7 +45,8 @@ torch::Tensor decode(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v
   a.num_partitions = std::max<int64_t>(1, (max_seq_len + partition - 1) / partition);
   a.scale = static_cast<float>(scale);
   a.window = static_cast<int>(window);
-  torch::Tensor part_out, part_max, part_sum, slopes;
+  a.softcap = static_cast<float>(softcap);
+  torch::Tensor part_out, part_max, part_sum, slopes, sink_logits;
   if (a.num_partitions > 1) {
     auto f = query.options().dtype(torch::kFloat32);
     part_out = torch::empty({a.rows, a.num_heads, a.num_partitions, a.head_dim}, f);
@@ -57,6 +59,10 @@ torch::Tensor decode(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v
   if (alibi_slopes.has_value()) {
     slopes = alibi_slopes->to(torch::kFloat32).contiguous();
     a.alibi_slopes = slopes.data_ptr<float>();
+  }
+  if (sinks.has_value()) {
+    sink_logits = sinks->to(torch::kFloat32).contiguous();
+    a.sinks = sink_logits.data_ptr<float>();
   }
   a.query = query.data_ptr();
   a.k_cache = k_cache.data_ptr();

@@ -21,7 +21,7 @@ from .errors import (
     IsolationError, KVCacheExhaustedError, KVPoolAllocationError, RequestRejectedError,
     UnsupportedModelError,
 )
-from .generate.patches import SUPPORTED_ARCHITECTURES, disable, enable, is_enabled
+from .generate.patches import SUPPORTED_ARCHITECTURES, disable, enable, is_enabled, prepare_model
 from .engine.async_llm import AsyncLLM, RequestStream
 from .engine.engine import EngineStats, LLMEngine
 from .engine.llm import LLM
@@ -37,7 +37,7 @@ __all__ = [
     "MemoryStats", "PagedCache", "PagedCacheConfig", "Placement", "RequestMetrics",
     "RequestOutput", "RequestRejectedError", "RequestStream",
     "SUPPORTED_ARCHITECTURES", "SamplingParams", "UnsupportedModelError", "disable", "enable",
-    "is_enabled", "model_placement",
+    "is_enabled", "model_placement", "prepare_model",
 ]
 
 enable()

@@ -65,7 +65,13 @@ def make_model(kind: str, seed: int = 0, sliding_window: int = 7, **overrides):
         model = FalconForCausalLM(FalconConfig(**base, **FALCON_LAYOUTS[kind]))
     else:
         raise ValueError(kind)
-    # Random weights give near-flat logits; sharpen them so argmax ties are not an issue.
+    return sharpen_and_check(model, kind)
+
+
+def sharpen_and_check(model, kind: str):
+    """Random weights give near-flat logits: sharpens the lm_head so argmax ties are not an
+    issue (refusing a head tied to the embeddings, which would scale them too), puts the
+    model in eval mode and checks that its greedy continuation is varied."""
     with torch.no_grad():
         if model.lm_head.weight is model.get_input_embeddings().weight:
             raise ValueError(f"{kind}: sharpening a tied lm_head would scale the embeddings")

@@ -20,7 +20,7 @@ from ..distributed import tensor_parallel as tp
 from ..distributed.placement import input_device, logits_index_device, model_placement
 from ..errors import UnsupportedModelError
 from ..hf.architectures import (
-    SUPPORTED_ARCHITECTURES, attention_tp_size, is_supported, kv_layout, tp_heads,
+    attention_features, attention_tp_size, kv_spec, tp_heads, unsupported_reason,
 )
 from ..hf.attention import KWARG
 from ..hf.register import register
@@ -96,9 +96,9 @@ class ModelRunner:
         """See `LLMEngine` for the options. max_num_seqs: rows of the device block table
         (default 256 on CUDA, 64 elsewhere)."""
         self.model, base, self.adapters = unwrap(model)
-        if not is_supported(base):
-            raise UnsupportedModelError(
-                f"The engine runs {', '.join(SUPPORTED_ARCHITECTURES)}; got {type(base).__name__}.")
+        reason = unsupported_reason(base)
+        if reason is not None:
+            raise UnsupportedModelError(f"The engine cannot serve this model: {reason}.")
         register()  # the "paged" attention, even where generate's patches are disabled
         self.model.eval()
         self.base = base
@@ -106,7 +106,8 @@ class ModelRunner:
         self.device, self.dtype = input_device(base), base.dtype  # the model's inputs' device
         self.tp_size = getattr(base, "tp_size", None) or 1
         self.rank = torch.distributed.get_rank() if self.tp_size > 1 else 0
-        num_layers, _, head_dim = kv_layout(text_config)
+        spec = kv_spec(text_config)
+        num_layers, head_dim, v_head_dim = spec.num_layers, spec.head_dim, spec.v_head_dim
         num_heads, kv_heads = tp_heads(text_config, attention_tp_size(base))  # this rank's
         # A model spread by device_map keeps each layer's KV on that layer's device.
         placement = model_placement(base, num_layers)
@@ -117,8 +118,9 @@ class ModelRunner:
         self.max_model_len = positive("max_model_len", max_model_len
                                       or getattr(text_config, "max_position_embeddings", 2048))
         self.max_num_seqs = positive("max_num_seqs", max_num_seqs or (256 if self.on_cuda else 64))
-        self.sliding_window = getattr(text_config, "sliding_window", None)
-        per_layer = block_bytes(1, kv_heads, head_dim, self.block_size, self.dtype)
+        # Blocks leave a sequence as the window passes only when every layer slides by it.
+        self.sliding_window = spec.common_window
+        per_layer = block_bytes(1, kv_heads, head_dim, self.block_size, self.dtype, v_head_dim)
         per_block = num_layers * per_layer
         blocks = self._pool_blocks(num_blocks, kv_cache_bytes, gpu_memory_utilization,
                                    per_layer, placement)
@@ -127,7 +129,7 @@ class ModelRunner:
             blocks = tp.agree_on_min(blocks, self.device)
             self.control = tp.control_group()
         self.pool = KVPool(num_layers, kv_heads, head_dim, self.block_size, blocks, self.dtype,
-                           placement, growable=False)
+                           placement, growable=False, v_head_dim=v_head_dim)
         logger.info("hf-paged engine: KV pool of %d blocks x %d tokens (%s)", blocks,
                     self.block_size, ", ".join(
                         f"{blocks * per_layer * len(layers) / 2**20:.1f} MiB on {device}"
@@ -141,10 +143,12 @@ class ModelRunner:
             else:
                 swap_blocks = swap_space_bytes // per_block
             self.cpu_pool = KVPool(num_layers, kv_heads, head_dim, self.block_size,
-                                   swap_blocks, self.dtype, placement.on("cpu"), growable=False)
+                                   swap_blocks, self.dtype, placement.on("cpu"), growable=False,
+                                   v_head_dim=v_head_dim)
             if torch.cuda.is_available() and self.on_cuda:
                 self.cpu_pool.pin_memory()
-        self.access = PoolAccess(self.pool, backend, num_heads, self.sliding_window)
+        self.access = PoolAccess(self.pool, backend, num_heads, spec.windows, spec.latent,
+                                 attention_features(base))
         self.device_table = DeviceBlockTable(self.max_num_seqs,
                                              cdiv(self.max_model_len, self.block_size),
                                              self.kv_device)

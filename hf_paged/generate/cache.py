@@ -11,7 +11,7 @@ from ..core.block_table import BlockTables, first_visible
 from ..config import PagedCacheConfig
 from ..errors import HFPagedError, KVCacheExhaustedError
 from ..kv.pool import KVPool
-from ..hf.architectures import SUPPORTED_ARCHITECTURES, kv_layout, tp_heads
+from ..hf.architectures import kv_spec, tp_heads
 from ..kernels.dispatch import PagedForward, PagedLayers, PoolAccess
 from ..kv.metadata import DeviceBlockTable, build_metadata, to_device
 from ..kv.placement import Placement
@@ -70,6 +70,7 @@ class PagedCache(PagedLayers, Cache):
         max_cache_len: int | None = None,
         tp_size: int = 1,
         placement: Placement | None = None,
+        features: frozenset = frozenset(),
     ):
         """config: the model's config. dtype, device: the pool's; when neither they nor a
         pool are given, the pool is made at the first forward with the keys' dtype and device.
@@ -80,14 +81,22 @@ class PagedCache(PagedLayers, Cache):
         `model.tp_size`); each rank's cache holds its own heads.
         placement: for a model spread over devices by `device_map`, where each layer's
         keys and values go (`hf_paged.model_placement(model)`; generate finds it itself):
-        one pool shard per device. Default: every layer on the pool's device."""
+        one pool shard per device. Default: every layer on the pool's device.
+        features: what the model's attention layers pass beyond q, k, v
+        (`hf_paged.hf.architectures.attention_features(model)`), so that a backend named
+        in cache_config that cannot apply them is refused before anything is stored."""
         super().__init__(layers=[])
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         self.cache_config = PagedCacheConfig.from_any(cache_config)
-        self.num_layers, _, self.head_dim = kv_layout(text_config)
+        self.spec = kv_spec(text_config)
+        self.num_layers, self.head_dim = self.spec.num_layers, self.spec.head_dim
+        self.layer_windows = self.spec.windows
+        self.features = frozenset(features)
         # Under tensor parallelism each rank holds (and caches) its own share of the heads.
         self.num_heads, self.num_kv_heads = tp_heads(text_config, tp_size)
-        self.sliding_window = getattr(text_config, "sliding_window", None)
+        # Blocks leave the cache as a sliding window passes them only when every layer
+        # slides by the same window (a full-attention layer still reads them).
+        self.sliding_window = self.spec.common_window
         self.block_size = self.cache_config.block_size
         if pool is None and not self.cache_config.is_sized and max_cache_len:
             self.block_size = min(self.block_size, max(_ceil_pow2(max_cache_len + 1), 16))
@@ -120,14 +129,14 @@ class PagedCache(PagedLayers, Cache):
         if pool is None:
             pool = KVPool.for_config(self.cache_config, self.num_layers, self.num_kv_heads,
                                      self.head_dim, dtype, self.placement or device,
-                                     block_size=self.block_size)
+                                     block_size=self.block_size,
+                                     v_head_dim=self.spec.v_head_dim)
         if pool.block_size != self.block_size:
             raise ValueError(
                 f"PagedCache: pool block_size {pool.block_size} != cache_config block_size "
                 f"{self.block_size}."
             )
-        self.access = PoolAccess(pool, self.cache_config.backend, self.num_heads,
-                                 self.sliding_window)
+        self.access = self._access(pool)
         self.pool = pool
         self.placement = pool.placement
         self.tables = BlockTables(pool.blocks)
@@ -143,9 +152,12 @@ class PagedCache(PagedLayers, Cache):
     def __setstate__(self, state):
         self.__dict__.update(state)
         if self.pool is not None:
-            self.access = PoolAccess(self.pool, self.cache_config.backend, self.num_heads,
-                                     self.sliding_window)
+            self.access = self._access(self.pool)
             weakref.finalize(self, self.tables.release, later=True)
+
+    def _access(self, pool: KVPool) -> PoolAccess:
+        return PoolAccess(pool, self.cache_config.backend, self.num_heads, self.layer_windows,
+                          self.spec.latent, self.features)
 
     @property
     def backend(self):
@@ -248,8 +260,8 @@ class PagedCache(PagedLayers, Cache):
         if self._forward is None:
             raise HFPagedError(
                 "The paged attention ran without a forward prepared on its PagedCache: this "
-                "model's forward is not one hf-paged patches (supported architectures: see "
-                "hf_paged.SUPPORTED_ARCHITECTURES)."
+                "model's forward is not one hf-paged has wrapped (generate() wraps it; for "
+                "direct forwards call hf_paged.prepare_model(model) first)."
             )
         return self._forward
 
@@ -284,10 +296,10 @@ class PagedCache(PagedLayers, Cache):
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         if not self._in_forward:  # Transformers builds masks at the start of a model forward
             raise HFPagedError(
-                "A model forward reached this PagedCache without hf-paged preparing it (its "
-                "forward is not one hf-paged wraps: an unsupported architecture, "
-                "hf_paged.disable(), or a module called below the model). Supported: "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}."
+                "A model forward reached this PagedCache without hf-paged preparing it: its "
+                "forward is not one hf-paged has wrapped (call hf_paged.prepare_model(model) "
+                "before running forwards on a PagedCache yourself; generate() does it), "
+                "hf_paged.disable() was called, or a module below the model was called."
             )
         return super().get_mask_sizes(query_length, layer_idx)
 
@@ -303,7 +315,7 @@ class PagedCache(PagedLayers, Cache):
         self._forward, self._step, self._in_forward = None, None, False
 
     def _new_forward(self) -> PagedForward:
-        return PagedForward(num_layers=self.num_layers, sliding_window=self.sliding_window)
+        return PagedForward(layer_windows=self.layer_windows)
 
     def _plan_step(self, rows: int, q_len: int, mask, packed: StepPlan | None,
                    expected, by_hand: bool = False) -> StepPlan:

@@ -12,9 +12,11 @@ and wraps four `GenerationMixin` methods:
 - `_prefill`: runs each distinct prompt once, packed without its pad tokens (prefill.py),
   when nothing stands between generate and the model's forward (`runs_plain_forward`).
 
-The supported models' `forward` is wrapped too (`_paged_forward`): on a `PagedCache` it has
-the cache plan the forward from the forward's own 2D mask (or a packed plan) and passes the
-forward's `PagedForward` down to the attention as the `paged_kv` keyword. Falcon computes
+The forward of every served model class (and of its decoder stack) is wrapped too
+(`_paged_forward`; Llama, Mistral and Falcon at `enable()`, any other class the first time
+generate or `prepare_model` sees it): on a `PagedCache` it has the cache plan the forward
+from the forward's own 2D mask (or a packed plan) and passes the forward's `PagedForward`
+down to the attention as the `paged_kv` keyword. Falcon computes
 attention inline, so `FalconAttention.forward` is wrapped (see `hf/falcon.py`). With PEFT
 loaded, `PeftModel.get_prompt` is wrapped on first use,
 so that prefix tuning's virtual tokens go into the paged cache. `disable()` undoes all of it
@@ -42,8 +44,8 @@ from ..config import PagedCacheConfig
 from ..distributed.placement import model_placement
 from ..errors import HFPagedError, UnsupportedModelError
 from ..hf.architectures import (
-    BASE_MODELS, SUPPORTED_ARCHITECTURES, SUPPORTED_MODELS, attention_tp_size, is_supported,
-    kv_layout, tp_heads,
+    EAGER_MODELS, SUPPORTED_ARCHITECTURES, attention_features, attention_tp_size,
+    check_supported, kv_spec, tp_heads, unsupported_reason,
 )
 from ..hf.attention import ATTENTION_NAME, KWARG
 from ..hf.register import register, unregister
@@ -87,8 +89,8 @@ def _warn_stock(model, why: str) -> None:
                   "default cache instead.", UserWarning, stacklevel=_user_stacklevel())
 
 
-def _warn_unsupported(model) -> None:
-    _warn_stock(model, f"cache_implementation='paged' supports {', '.join(SUPPORTED_ARCHITECTURES)}")
+def _warn_unsupported(model, reason: str) -> None:
+    _warn_stock(model, f"cache_implementation='paged' cannot serve this model: {reason}")
 
 
 def runs_plain_forward(model) -> bool:
@@ -142,17 +144,17 @@ def build_cache(model, generation_config, max_cache_length: int | None) -> Paged
     """
     cache_config = PagedCacheConfig.from_any(generation_config.cache_config)
     text_config = model.config.get_text_config(decoder=True)
-    layers, _, head_dim = kv_layout(text_config)
+    spec = kv_spec(text_config)
     # A model spread by device_map keeps each layer's KV on that layer's device.
-    placement = model_placement(model, layers)
+    placement = model_placement(model, spec.num_layers)
     tp_size = attention_tp_size(model)
     pool = None
     if cache_config.is_sized:
-        pool = kept_pool(model, cache_config, layers, tp_heads(text_config, tp_size)[1],
-                         head_dim, model.dtype, placement)
+        pool = kept_pool(model, cache_config, spec.num_layers, tp_heads(text_config, tp_size)[1],
+                         spec.head_dim, model.dtype, placement, v_head_dim=spec.v_head_dim)
     return PagedCache(text_config, cache_config, dtype=model.dtype, device=placement.primary,
                       pool=pool, max_cache_len=max_cache_length, tp_size=tp_size,
-                      placement=placement)
+                      placement=placement, features=attention_features(model))
 
 
 # -- wrappers -------------------------------------------------------------------------------
@@ -207,13 +209,13 @@ def _prepare_cache_for_generation(original):
                     f"{generation_config.cache_implementation or 'the default cache'!s}).",
                     UserWarning, stacklevel=_user_stacklevel())
             return stock()
-        if not is_supported(self):
+        reason = unsupported_reason(self)
+        if reason is not None:
             if paged:
                 raise UnsupportedModelError(
-                    f"A PagedCache was passed to {type(self).__name__}.generate(); supported "
-                    f"architectures: {', '.join(SUPPORTED_ARCHITECTURES)}."
-                )
-            _warn_unsupported(self)
+                    f"A PagedCache was passed to {type(self).__name__}.generate(), which it "
+                    f"cannot serve: {reason}.")
+            _warn_unsupported(self, reason)
             generation_config.cache_implementation = None
             return stock()
         if cache is not None and not paged:
@@ -249,6 +251,7 @@ def _prepare_cache_for_generation(original):
             if generation_config.is_assistant:  # its rejected candidates get cropped
                 cache.activate_past_recording()
         _wrap_peft()
+        _wrap_forwards(self)
         cache.begin_generate(model_kwargs.get("attention_mask"), runs_plain_forward(self))
         call = _call.get()
         if call is not None:
@@ -262,7 +265,7 @@ def _prepare_cache_for_generation(original):
 def _prefill(original):
     @functools.wraps(original)
     def prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs):
-        if (is_supported(self) and paged_prefill.applies(input_ids, generation_config, model_kwargs)
+        if (paged_prefill.applies(input_ids, generation_config, model_kwargs)
                 and runs_plain_forward(self)):
             outputs = paged_prefill.paged_prefill(self, input_ids, generation_config, model_kwargs)
             if outputs is not None:
@@ -387,8 +390,43 @@ _WRAPPERS = {
     (GenerationMixin, "_prepare_generation_config"): _prepare_generation_config,
     (GenerationMixin, "_prepare_cache_for_generation"): _prepare_cache_for_generation,
     (GenerationMixin, "_prefill"): _prefill,
-    **{(model, "forward"): _paged_forward for model in SUPPORTED_MODELS + BASE_MODELS},
+    **{(model, "forward"): _paged_forward for model in EAGER_MODELS},
 }
+
+
+def _forward_owner(module) -> type | None:
+    """The class in `module`'s MRO that defines its forward, when it takes past_key_values."""
+    for cls in type(module).__mro__:
+        forward = cls.__dict__.get("forward")
+        if forward is not None:
+            params = inspect.signature(forward).parameters
+            return cls if "past_key_values" in params else None
+    return None
+
+
+def _wrap_forwards(model) -> None:
+    """Wraps the forward of `model`'s class and of its decoder stack's (`model.model`), once
+    per class, so that a PagedCache passed to them is prepared (see `_paged_forward`)."""
+    if not _originals:  # disabled
+        return
+    for module in (model, getattr(model, "base_model", model)):
+        owner = _forward_owner(module)
+        if owner is None or (owner, "forward") in _originals:
+            continue
+        with _patch_lock:
+            if (owner, "forward") not in _originals:
+                original = owner.__dict__["forward"]
+                _originals[owner, "forward"] = original
+                owner.forward = _paged_forward(original)
+
+
+def prepare_model(model) -> None:
+    """Makes `model`'s forward prepare a `PagedCache` passed to it directly (generate() and
+    the engine do this themselves). Raises `UnsupportedModelError` naming the reason when
+    the paged cache cannot serve the model."""
+    check_supported(model)
+    enable()
+    _wrap_forwards(model)
 
 
 def enable() -> None:
@@ -422,4 +460,4 @@ def is_enabled() -> bool:
 
 
 __all__ = ["CACHE_IMPLEMENTATION", "SUPPORTED_ARCHITECTURES", "build_cache", "disable", "enable",
-           "is_enabled", "is_supported", "paged_attention", "runs_plain_forward"]
+           "is_enabled", "paged_attention", "prepare_model", "runs_plain_forward"]

@@ -1,6 +1,16 @@
-"""Per-architecture facts: which models are supported and how their KV heads are laid out."""
+"""Per-architecture facts, read from the model's structure and config: whether the paged
+cache can serve it, how its KV is laid out, and each layer's attention window.
+
+A causal LM is served when its attention goes through Transformers' attention interface
+(`_supports_attention_backend`) and every layer is a full or sliding-window attention layer
+that updates a standard `Cache`; Falcon, whose attention is inline, has its own wrapper
+(`falcon.py`). Anything else gets a named reason (`unsupported_reason`).
+"""
 
 from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
 
 from transformers.models.falcon.modeling_falcon import FalconForCausalLM, FalconModel
 from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaModel
@@ -8,20 +18,119 @@ from transformers.models.mistral.modeling_mistral import MistralForCausalLM, Mis
 
 from ..errors import UnsupportedModelError
 
-SUPPORTED_MODELS = (LlamaForCausalLM, MistralForCausalLM, FalconForCausalLM)
-SUPPORTED_ARCHITECTURES = tuple(cls.__name__ for cls in SUPPORTED_MODELS)
-# The decoder stacks under them (called directly, or by a head whose forward an accelerate
-# hook captured before hf-paged was imported).
-BASE_MODELS = (LlamaModel, MistralModel, FalconModel)
+# Wrapped when hf-paged is enabled, so that their forwards take a PagedCache even before any
+# generate() call has seen them; every other served class is wrapped at first use.
+EAGER_MODELS = (LlamaForCausalLM, MistralForCausalLM, FalconForCausalLM,
+                LlamaModel, MistralModel, FalconModel)
+# The architectures the test suite runs against stock Transformers (README's table).
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM", "MistralForCausalLM", "FalconForCausalLM", "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM", "Phi3ForCausalLM", "GptOssForCausalLM", "Olmo2ForCausalLM",
+    "GraniteForCausalLM", "Starcoder2ForCausalLM", "MixtralForCausalLM",
+    "SmolLM3ForCausalLM", "Cohere2ForCausalLM", "GPTNeoXForCausalLM", "PhiForCausalLM",
+    "Glm4ForCausalLM", "Exaone4ForCausalLM", "MinistralForCausalLM",
+    "DeepseekV3ForCausalLM",
+)
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def unsupported_reason(model) -> str | None:
+    """Why the paged cache cannot serve `model` (a sentence naming the class), or None."""
+    from transformers import GenerationMixin
+
+    name = type(model).__name__
+    config = getattr(model, "config", None)
+    if config is None or not isinstance(model, GenerationMixin):
+        return f"{name} is not a Transformers generative model"
+    if getattr(config, "is_encoder_decoder", False):
+        return f"{name} is an encoder-decoder model; the paged cache serves decoder-only models"
+    text = config.get_text_config(decoder=True)
+    if text is not config:
+        return (f"{name} is a multimodal model; the paged cache serves text decoders (its "
+                "causal attention would be wrong over bidirectionally attended inputs)")
+    if isinstance(model, FalconForCausalLM):
+        return None
+    other = sorted(set(getattr(text, "layer_types", None) or ()) - set(ATTENTION_LAYER_TYPES))
+    if other:
+        return (f"{name} has {', '.join(other)} layers (linear attention or state-space "
+                "layers), which a KV cache of blocks cannot hold")
+    if getattr(model, "_is_stateful", False):
+        return f"{name} carries recurrent state, which a KV cache of blocks cannot hold"
+    if not getattr(model, "_supports_attention_backend", False):
+        return (f"{name}'s attention does not go through Transformers' attention interface, "
+                "so no attention implementation can read its keys from blocks")
+    if getattr(text, "num_kv_shared_layers", 0):
+        return f"{name}'s layers share other layers' KV caches, which the paged cache does not"
+    if "past_key_values" not in inspect.signature(type(model).forward).parameters:
+        return f"{name}.forward takes no past_key_values"
+    return None
 
 
 def is_supported(model) -> bool:
-    return isinstance(model, SUPPORTED_MODELS)
+    return unsupported_reason(model) is None
 
 
-def kv_layout(config) -> tuple[int, int, int]:
-    """(num_layers, num_kv_heads actually stored, head_dim) of a decoder config."""
+def check_supported(model) -> None:
+    """Raises `UnsupportedModelError` with the reason when `model` cannot be served."""
+    reason = unsupported_reason(model)
+    if reason is not None:
+        raise UnsupportedModelError(f"{reason}.")
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """What one token of a decoder stores per layer, and each layer's window.
+
+    num_kv_heads, head_dim, v_head_dim: the heads and sizes of what a layer's `update`
+    receives (keys [B, Hkv, q, head_dim], values [B, Hkv, q, v_head_dim]).
+    latent: the layers cache a compressed latent that the attention expands into keys and
+    values itself (multi-head latent attention, as Transformers runs DeepSeek-V2/V3): the
+    cache then hands each layer its rows' stored tokens back in full, not pool views.
+    windows: per layer, its sliding window (None: full attention).
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    latent: bool
+    windows: tuple[int | None, ...]
+
+    @property
+    def common_window(self) -> int | None:
+        """The window every layer shares, or None when some layer attends to everything
+        (then no block may be released for all layers at once)."""
+        first = self.windows[0] if self.windows else None
+        return first if all(w == first for w in self.windows) else None
+
+
+def layer_windows(config) -> tuple[int | None, ...]:
+    """Each layer's sliding window: from `layer_types` where the config has them, else the
+    model-wide `sliding_window` (Mistral, Mixtral, Phi-3, Starcoder2)."""
+    layers = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None) or None
+    if getattr(config, "model_type", None) == "falcon":
+        return (None,) * layers
+    types = getattr(config, "layer_types", None)
+    if types:
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    if getattr(config, "use_sliding_window", True) is False:
+        return (None,) * layers
+    return (window,) * layers
+
+
+def kv_spec(config) -> KVSpec:
+    """The KV layout of a decoder config (its text config for a composite one)."""
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
     heads = config.num_attention_heads
+    windows = layer_windows(config)
+    if getattr(config, "kv_lora_rank", None) and getattr(config, "qk_rope_head_dim", None):
+        # MLA: `update` gets the normalized latent [B, 1, q, kv_lora_rank] as keys and the
+        # rotated shared key [B, 1, q, qk_rope_head_dim] as values.
+        return KVSpec(config.num_hidden_layers, 1, config.kv_lora_rank,
+                      config.qk_rope_head_dim, True, windows)
     if getattr(config, "model_type", None) == "falcon":
         # new_decoder_architecture broadcasts its num_kv_heads to every query head before
         # caching; we store the unique heads only. multi_query has one KV head.
@@ -31,26 +140,39 @@ def kv_layout(config) -> tuple[int, int, int]:
             kv_heads = 1
         else:
             kv_heads = heads
-        return config.num_hidden_layers, kv_heads, config.hidden_size // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        dim = config.hidden_size // heads
+        return KVSpec(config.num_hidden_layers, kv_heads, dim, dim, False, windows)
+    # Only a config class that declares it has grouped KV heads (GPT-NeoX keeps any such
+    # keyword it is given without using it).
+    declared = ("num_key_value_heads" in getattr(type(config), "__dataclass_fields__", {})
+                or "num_key_value_heads" in getattr(config, "attribute_map", {}))
+    kv_heads = (getattr(config, "num_key_value_heads", None) if declared else None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return config.num_hidden_layers, kv_heads, head_dim
+    return KVSpec(config.num_hidden_layers, kv_heads, head_dim, head_dim, False, windows)
+
+
+def kv_layout(config) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads actually stored, key head_dim) of a decoder config."""
+    spec = kv_spec(config)
+    return spec.num_layers, spec.num_kv_heads, spec.head_dim
 
 
 def tp_heads(config, tp_size: int) -> tuple[int, int]:
     """(query heads, KV heads stored) on one rank of a model split over `tp_size` ranks by
-    Transformers' tensor parallelism (attention projections split by whole heads)."""
+    Transformers' tensor parallelism (attention projections split by whole heads; a latent
+    KV is one head every rank keeps whole)."""
     heads = config.num_attention_heads
-    kv_heads = kv_layout(config)[1]
+    spec = kv_spec(config)
+    kv_heads = spec.num_kv_heads
     if tp_size == 1:
         return heads, kv_heads
-    if heads % tp_size or kv_heads % tp_size:
+    if heads % tp_size or (kv_heads % tp_size and not spec.latent):
         raise UnsupportedModelError(
             f"Tensor parallelism over {tp_size} ranks splits attention by heads: this model "
             f"has {heads} query and {kv_heads} KV heads, which do not divide by {tp_size}. "
             "Use a world size that divides both."
         )
-    return heads // tp_size, kv_heads // tp_size
+    return heads // tp_size, kv_heads if spec.latent else kv_heads // tp_size
 
 
 def attention_tp_size(model) -> int:
@@ -65,3 +187,20 @@ def attention_tp_size(model) -> int:
     heads = kv_layout(model.config.get_text_config(decoder=True))[1]
     per_rank = get_kv_heads_per_rank(getattr(model, "tp_plan", None) or {}, heads, tp_size)
     return 1 if per_rank == heads else tp_size
+
+
+def attention_features(model) -> frozenset[str]:
+    """What `model`'s attention layers ask of the attention function beyond masked softmax:
+    "softcap" (tanh soft-capping of the scores, Gemma 2) and "sinks" (per-head sink logits,
+    gpt-oss), read from the attention modules themselves."""
+    import torch
+
+    found = set()
+    for module in model.modules():
+        if not hasattr(module, "layer_idx"):
+            continue
+        if getattr(module, "attn_logit_softcapping", None) is not None:
+            found.add("softcap")
+        if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
+            found.add("sinks")
+    return frozenset(found)

@@ -13,6 +13,8 @@ cache, training) gets Transformers' own SDPA mask, built once per forward.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
@@ -34,18 +36,23 @@ def paged_attention_forward(
     scaling: float | None = None,
     dropout: float = 0.0,
     sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
     paged_kv: PagedForward | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Transformers attention interface: query [B, Hq, q, D] -> (out [B, q, Hq, D], None).
+    """Transformers attention interface: query [B, Hq, q, D] -> (out [B, q, Hq, Dv], None).
 
-    paged_kv: the forward's paged KV; `key`/`value` are then the layer's pool views and its
-    metadata says where each row's tokens are. A mask reaching here is the caller's (4D).
+    paged_kv: the forward's paged KV; `key`/`value` are then the layer's pool views (or, for
+    a latent KV, keys expanded from its rows' tokens) and its metadata says where each row's
+    tokens are. A mask reaching here is the caller's (4D). Each layer passes its own
+    sliding_window, softcap (Gemma 2) and s_aux sink logits (gpt-oss).
     """
     if paged_kv is not None:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         return paged_kv.attend(query, module.layer_idx, scale, sliding_window,
-                               caller_mask=attention_mask), None
+                               caller_mask=attention_mask, softcap=softcap, sinks=s_aux,
+                               key=key, value=value), None
     if is_pool_view(key):
         raise HFPagedError(
             f"Layer {module.layer_idx} got a paged KV pool's keys without the forward's "
@@ -53,8 +60,29 @@ def paged_attention_forward(
             "attention layers do not pass the forward's keywords on to the attention "
             "function; it is not supported on the paged cache."
         )
+    if softcap is not None or s_aux is not None:  # beyond SDPA: the model's own eager path
+        return _eager(module, query, key, value, attention_mask, dropout=dropout,
+                      scaling=scaling, sliding_window=sliding_window, softcap=softcap,
+                      s_aux=s_aux, **kwargs)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                   scaling=scaling, sliding_window=sliding_window, **kwargs)
+
+
+def _eager(module, query, key, value, attention_mask, **kwargs):
+    """The modeling module's own `eager_attention_forward` (which applies its softcap or
+    sinks), with the boolean SDPA mask made additive as eager attention adds it."""
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if eager is None:
+        raise HFPagedError(f"{type(module).__name__} passes softcap or s_aux to its attention "
+                           "but its module has no eager_attention_forward to run them.")
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype,
+                                     device=query.device).masked_fill(
+            ~attention_mask, torch.finfo(query.dtype).min)
+    for name in ("softcap", "s_aux"):
+        if kwargs.get(name) is None:
+            kwargs.pop(name, None)
+    return eager(module, query, key, value, attention_mask, **kwargs)
 
 
 def paged_mask(

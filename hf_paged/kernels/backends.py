@@ -20,7 +20,8 @@ class TritonBackend(Backend):
     """Triton kernels: split-KV decode with GQA grouping, extend/prefill, writes, copies."""
 
     name = "triton"
-    capabilities = Capabilities(devices=("cuda", "cpu"))  # cpu: under TRITON_INTERPRET=1
+    # cpu: under TRITON_INTERPRET=1
+    capabilities = Capabilities(softcap=True, sinks=True, devices=("cuda", "cpu"))
 
     def __init__(self):
         from . import triton_attention, triton_cache_ops
@@ -35,16 +36,18 @@ class TritonBackend(Backend):
         self._ops.copy_blocks(kv, src, dst)
 
     def attention(self, query, k_cache, v_cache, meta, scale, sliding_window=None,
-                  alibi_slopes=None, caller_mask=None):
+                  alibi_slopes=None, caller_mask=None, softcap=None, sinks=None):
         """query [R, Hq, q, D] -> [R, q, Hq, D] (padded layout, see ForwardMetadata)."""
         if query.shape[2] == 1 and meta.is_query is None:
             out = self._attn.decode_attention(
                 query[:, :, 0], k_cache, v_cache, meta.block_tables_i32, meta.seq_lens, scale,
-                sliding_window, alibi_slopes, max_seq_len=meta.max_seq_len)
+                sliding_window, alibi_slopes, max_seq_len=meta.max_seq_len, softcap=softcap,
+                sinks=sinks)
             return out.unsqueeze(1)
         return self._attn.extend_attention(
             query.transpose(1, 2), k_cache, v_cache, meta.block_tables_i32, meta.query_pos,
-            meta.context_lens, meta.seq_lens, scale, sliding_window, alibi_slopes)
+            meta.context_lens, meta.seq_lens, scale, sliding_window, alibi_slopes,
+            softcap=softcap, sinks=sinks)
 
 
 class CudaBackend(Backend):
@@ -52,6 +55,7 @@ class CudaBackend(Backend):
     goes through Triton, or the reference where Triton is missing."""
 
     name = "cuda"
+    capabilities = Capabilities(softcap=True, sinks=True)
 
     def __init__(self):
         from . import cuda_ops
@@ -68,21 +72,22 @@ class CudaBackend(Backend):
         self._ops.copy_blocks(kv, src, dst)
 
     def attention(self, query, k_cache, v_cache, meta, scale, sliding_window=None,
-                  alibi_slopes=None, caller_mask=None):
+                  alibi_slopes=None, caller_mask=None, softcap=None, sinks=None):
         if query.shape[2] == 1 and meta.is_query is None:
             out = self._ops.decode(query[:, :, 0], k_cache, v_cache, meta.block_tables_i32,
                                    meta.seq_lens, alibi_slopes, scale, sliding_window or 0,
-                                   meta.max_seq_len, self._partition)
+                                   meta.max_seq_len, self._partition, softcap or 0.0, sinks)
             return out.unsqueeze(1)
         return self._extend.attention(query, k_cache, v_cache, meta, scale, sliding_window,
-                                      alibi_slopes)
+                                      alibi_slopes, softcap=softcap, sinks=sinks)
 
 
 class FlashAttnBackend(Backend):
-    """flash-attn 2's paged KV cache (`flash_attn_with_kvcache` with `block_table`)."""
+    """flash-attn 2's paged KV cache (`flash_attn_with_kvcache` with `block_table`); it has
+    soft-capping but no attention sinks (those forwards go to the reference under "auto")."""
 
     name = "flash_attn"
-    capabilities = Capabilities(dtypes=(torch.float16, torch.bfloat16))
+    capabilities = Capabilities(softcap=True, dtypes=(torch.float16, torch.bfloat16))
 
     def write_kv(self, k_cache, v_cache, key, value, slot_mapping):
         reference.write_kv(k_cache, v_cache, key, value, slot_mapping)
@@ -96,7 +101,7 @@ class FlashAttnBackend(Backend):
         self._fn = flash_attn_with_kvcache
 
     def attention(self, query, k_cache, v_cache, meta, scale, sliding_window=None,
-                  alibi_slopes=None, caller_mask=None):
+                  alibi_slopes=None, caller_mask=None, softcap=None, sinks=None):
         """Queries are right-aligned to each row's end (flash-attn's causal convention),
         which is where the padded layout puts them; padding columns are discarded."""
         return self._fn(
@@ -105,6 +110,7 @@ class FlashAttnBackend(Backend):
             softmax_scale=scale, causal=True,
             window_size=(sliding_window - 1, 0) if sliding_window else (-1, -1),
             alibi_slopes=None if alibi_slopes is None else alibi_slopes.float(),
+            softcap=softcap or 0.0,
         )
 
 

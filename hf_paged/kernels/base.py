@@ -26,6 +26,9 @@ class Capabilities:
                    hides columns after a row's first real token)
     caller_mask:   honours a caller's 4D attention mask instead of causal masking
     varlen_queries: rows with more than one new token (prefill, chunked prefill, extend)
+    softcap:       tanh soft-capping of the scores (`softcap=`, Gemma 2)
+    sinks:         a per-head sink logit in the softmax denominator (`s_aux=`, gpt-oss)
+    value_dim:     values of another size than keys (a latent KV's pool)
     dtypes:        pool dtypes it runs on     } checked when a backend is chosen for a
     devices:       device types it runs on    } pool (backends.select_backend)
     """
@@ -33,6 +36,9 @@ class Capabilities:
     hidden_slots: bool = False
     caller_mask: bool = False
     varlen_queries: bool = True
+    softcap: bool = False
+    sinks: bool = False
+    value_dim: bool = False
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
     devices: tuple[str, ...] = ("cuda",)
 
@@ -43,6 +49,14 @@ class Capabilities:
         if not self.varlen_queries and meta.query_pos.shape[1] > 1:
             return False
         return self.hidden_slots or meta.key_hidden is None
+
+    def missing(self, softcap: bool, sinks: bool) -> str | None:
+        """The layer feature this backend cannot apply, or None."""
+        if softcap and not self.softcap:
+            return "logit soft-capping (softcap)"
+        if sinks and not self.sinks:
+            return "attention sinks (s_aux)"
+        return None
 
 
 class Backend(ABC):
@@ -66,10 +80,13 @@ class Backend(ABC):
     def attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: ForwardMetadata, scale: float, sliding_window: int | None = None,
                   alibi_slopes: torch.Tensor | None = None,
-                  caller_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """query [R, Hq, q, D] (the padded layout of `meta`) -> [R, q, Hq, D].
+                  caller_mask: torch.Tensor | None = None, softcap: float | None = None,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """query [R, Hq, q, D] (the padded layout of `meta`) -> [R, q, Hq, Dv].
 
         sliding_window W: a query at position p sees keys t with p - W < t <= p.
         alibi_slopes [Hq]: adds slope * key position to the scores (Falcon-RW).
         caller_mask: only where `capabilities.caller_mask` (see torch_backend.py).
+        softcap c: scores -> c * tanh(scores / c), before masking; sinks [Hq]: per-head
+        logits joining each softmax's denominator (only where declared).
         """

@@ -19,9 +19,10 @@ from transformers.cache_utils import Cache
 
 from ..errors import BackwardNotSupportedError, HFPagedError
 from ..kv.metadata import ForwardMetadata, to_device
+from . import reference
 from .backends import select_backend
 from .base import Backend
-from .torch_backend import TorchBackend
+from .torch_backend import TorchBackend, attention_mask, caller_mask_on_slots
 
 # What a paged cache answers to `get_mask_sizes`: Transformers then asks the "paged" mask
 # function for a mask of 0 keys, and that function returns None (the attention reads the
@@ -53,16 +54,31 @@ class _NoBackward(torch.autograd.Function):
 class PoolAccess:
     """Per-layer views of a `KVPool` and one attention backend per shard."""
 
-    def __init__(self, pool, backend: str, num_heads: int, sliding_window: int | None = None):
+    def __init__(self, pool, backend: str, num_heads: int,
+                 windows: tuple[int | None, ...] | None = None, latent: bool = False,
+                 features: frozenset = frozenset()):
         """backend: a name for `select_backend` ("auto", "torch", ...); num_heads: query
-        heads (of this rank); sliding_window: the model's. Raises ValueError
+        heads (of this rank); windows: each layer's sliding window (None: full attention);
+        latent: the layers store a latent KV their attention expands (each layer's write
+        returns its rows' tokens in full; see `PagedForward.write`). features: what the
+        model's attention layers pass (`hf.architectures.attention_features`): a backend
+        named explicitly that cannot apply them is refused here. Raises ValueError
         (nothing bound) when it cannot run on the pool's devices; in a pool over several
         devices, a CPU shard a GPU backend cannot serve gets the reference."""
         self.pool = pool
-        self.num_heads, self.sliding_window = num_heads, sliding_window
+        self.num_heads, self.latent = num_heads, latent
+        self.windows = tuple(windows) if windows is not None else (None,) * pool.num_layers
+        self.backend_name = backend
         devices = pool.placement.devices
 
         def select(device):
+            if pool.fused or latent:  # only the reference reads values of their own size
+                if backend not in ("auto", "torch"):
+                    raise ValueError(
+                        f"cache_config['backend']={backend!r} cannot run here: this model's "
+                        "keys and values differ in size (a latent KV), which only the "
+                        "'torch' backend reads.")
+                return TorchBackend()
             try:
                 return select_backend(backend, device, pool.dtype, pool.block_size,
                                       num_heads, pool.num_kv_heads)
@@ -72,6 +88,11 @@ class PoolAccess:
                 return TorchBackend()  # layers run on a CPU next to GPUs: the reference
 
         self.backends: list[Backend] = [select(device) for device in devices]
+        if backend != "auto":
+            for b in self.backends:
+                missing = b.capabilities.missing("softcap" in features, "sinks" in features)
+                if missing is not None:
+                    raise ValueError(_cannot_apply(backend, missing))
         self._references: list[Backend | None] = [
             b if isinstance(b, TorchBackend) else None for b in self.backends]
         self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -85,7 +106,7 @@ class PoolAccess:
     def views(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k_cache, v_cache) [NB, bs, Hkv, D] of a layer (renewed when the pool grows)."""
         if self._views_version != self.pool.version:
-            self._views = [self.pool.layer_kv(layer) for layer in range(self.pool.num_layers)]
+            self._views = [self.pool.layer_views(layer) for layer in range(self.pool.num_layers)]
             self._views_version = self.pool.version
         return self._views[layer_idx]
 
@@ -95,9 +116,22 @@ class PoolAccess:
         backend = self.backends[shard]
         if backend.capabilities.covers(meta, caller_mask):
             return backend
+        return self.reference(shard)
+
+    def reference(self, shard: int) -> Backend:
         if self._references[shard] is None:
             self._references[shard] = TorchBackend()
         return self._references[shard]
+
+    def with_features(self, backend: Backend, shard: int, softcap: bool, sinks: bool) -> Backend:
+        """`backend`, or the reference where it cannot apply a layer's softcap or sinks (a
+        backend named explicitly for a model known to use them was refused when bound)."""
+        missing = backend.capabilities.missing(softcap, sinks)
+        if missing is None:
+            return backend
+        if self.backend_name != "auto":
+            raise ValueError(_cannot_apply(self.backend_name, missing))
+        return self.reference(shard)
 
     def switches(self) -> list[bool]:
         """Per shard: its CUDA device is not the current one (Triton launches on the current
@@ -134,12 +168,18 @@ class PoolAccess:
         return sum(b.workspace_bytes for b in seen.values())
 
 
+def _cannot_apply(name: str, missing: str) -> str:
+    return (f"cache_config['backend']={name!r} cannot run here: it does not implement "
+            f"{missing}, which this model's attention uses; use 'auto' or 'torch'.")
+
+
 class PagedLayers(ABC):
-    """What Transformers asks of a cache's layers: all are full or sliding attention layers
-    of one pool, and none is compileable (block tables change shape)."""
+    """What Transformers asks of a cache's layers: each is a full or a sliding-window
+    attention layer (`layer_windows`) of one pool, and none is compileable (block tables
+    change shape)."""
 
     num_layers: int = 0
-    sliding_window: int | None = None
+    layer_windows: tuple[int | None, ...] = ()
 
     @property
     def is_compileable(self) -> bool:
@@ -147,7 +187,7 @@ class PagedLayers(ABC):
 
     @property
     def is_sliding(self) -> list[bool]:
-        return [self.sliding_window is not None] * self.num_layers
+        return [w is not None for w in self.layer_windows]
 
     @property
     def is_linear(self) -> list[bool]:
@@ -171,12 +211,13 @@ class PagedForward(PagedLayers, Cache):
     keyword, and (in the engine) as the forward's `past_key_values`."""
 
     def __init__(self, access: PoolAccess | None = None, meta: ForwardMetadata | None = None,
-                 released_blocks: bool = False, num_layers: int = 0,
-                 sliding_window: int | None = None):
+                 released_blocks: bool = False,
+                 layer_windows: tuple[int | None, ...] = ()):
         """Made with its metadata (the engine), or before it (generate: the cache binds it
         at the forward's first write, once the pool exists and the slots are taken)."""
         Cache.__init__(self, layers=[])
-        self.num_layers, self.sliding_window = num_layers, sliding_window
+        self.layer_windows = tuple(layer_windows)
+        self.num_layers = len(self.layer_windows)
         self.meta = None
         if access is not None:
             self.bind(access, meta, released_blocks)
@@ -184,7 +225,7 @@ class PagedForward(PagedLayers, Cache):
     def bind(self, access: PoolAccess, meta: ForwardMetadata, released_blocks: bool) -> None:
         pool = access.pool
         self.access, self.meta = access, meta
-        self.num_layers, self.sliding_window = pool.num_layers, access.sliding_window
+        self.num_layers, self.layer_windows = pool.num_layers, access.windows
         self.released_blocks = released_blocks
         self._switch = access.switches()
         self._where = pool.placement.where
@@ -222,12 +263,20 @@ class PagedForward(PagedLayers, Cache):
 
         key_states, value_states: [R, Hkv, q, D] (padded layout; `meta.token_index` picks
         the stored columns) or [1, Hkv, N, D] for a packed forward
-        -> (k_cache, v_cache) [NB, bs, Hkv, D]
+        -> (k_cache, v_cache) [NB, bs, Hkv, D]; a latent layout instead returns each row's
+        stored tokens in full, [R, Hkv, T, D] and [R, Hkv, T, Dv] (slot t of row r holds its
+        token t; T = meta.num_keys), which the layer expands before its attention.
         """
         meta = self.meta_for(layer_idx)
         k_cache, v_cache = self.access.views(layer_idx)
-        if meta.num_new == 0:
-            return k_cache, v_cache
+        if meta.num_new:
+            self._store(key_states, value_states, layer_idx, meta, k_cache, v_cache)
+        if self.access.latent:
+            return (reference.gather_kv(k_cache, meta.block_tables),
+                    reference.gather_kv(v_cache, meta.block_tables))
+        return k_cache, v_cache
+
+    def _store(self, key_states, value_states, layer_idx, meta, k_cache, v_cache) -> None:
         if key_states.device != k_cache.device:
             raise HFPagedError(
                 f"Layer {layer_idx} computed its keys on {key_states.device}, but its KV pool "
@@ -235,9 +284,16 @@ class PagedForward(PagedLayers, Cache):
                 "new one), or its layers are spread over devices and the cache was made "
                 "without placement=hf_paged.model_placement(model)."
             )
-        heads, dim = k_cache.shape[2], k_cache.shape[3]
+        heads, dim, v_dim = k_cache.shape[2], k_cache.shape[3], v_cache.shape[3]
+        if (key_states.shape[1] != heads or key_states.shape[-1] != dim
+                or value_states.shape[1] != heads or value_states.shape[-1] != v_dim):
+            raise HFPagedError(
+                f"Layer {layer_idx} stores keys {tuple(key_states.shape)} and values "
+                f"{tuple(value_states.shape)} ([batch, heads, tokens, dim]), but its KV pool "
+                f"holds {heads} heads of {dim} (keys) and {v_dim} (values) per token: the "
+                "cache was made for another model config.")
         key = key_states.transpose(1, 2).reshape(-1, heads, dim)
-        value = value_states.transpose(1, 2).reshape(-1, heads, dim)
+        value = value_states.transpose(1, 2).reshape(-1, heads, v_dim)
         if meta.token_index is not None and not meta.packed:
             key = key.index_select(0, meta.token_index)
             value = value.index_select(0, meta.token_index)
@@ -245,35 +301,70 @@ class PagedForward(PagedLayers, Cache):
         with torch.no_grad(), self.access.on_device(shard, self._switch):  # plain values
             self.access.backends[shard].write_kv(k_cache, v_cache, key.to(k_cache.dtype),
                                                  value.to(v_cache.dtype), meta.slot_mapping)
-        return k_cache, v_cache
 
     def attend(self, query: torch.Tensor, layer_idx: int, scale: float,
                sliding_window: int | None = None,
                alibi_slopes: torch.Tensor | None = None,
-               caller_mask: torch.Tensor | None = None) -> torch.Tensor:
+               caller_mask: torch.Tensor | None = None,
+               softcap: float | None = None, sinks: torch.Tensor | None = None,
+               key: torch.Tensor | None = None, value: torch.Tensor | None = None,
+               ) -> torch.Tensor:
         """Attention of this forward's queries over layer `layer_idx`.
 
-        query [R, Hq, q, D] -> [R, q, Hq, D]; packed: [1, Hq, N, D] -> [1, N, Hq, D].
+        query [R, Hq, q, D] -> [R, q, Hq, Dv]; packed: [1, Hq, N, D] -> [1, N, Hq, Dv].
         alibi_slopes [Hq]: adds slope * key position to the scores (Falcon-RW).
         caller_mask: a 4D mask the caller passed to the model's forward, over columns
         ([R or 1, 1 or Hq, q, columns], bool or additive float); it replaces the causal and
         sliding-window masks, as in SDPA.
+        softcap: tanh soft-capping of the scores; sinks [Hq]: per-head sink logits.
+        key, value: a latent layout's expanded keys and values over each row's tokens
+        ([R, Hq, T, D], [R, Hq, T, Dv], from the rows `write` returned); else unused (the
+        layer's pool views are read through the metadata).
         """
         shard = self._where[layer_idx][0]
         pool_dtype = self.access.pool.dtype
         with self.access.on_device(shard, self._switch):
-            out = self._attend(query.to(pool_dtype), layer_idx, shard, scale, sliding_window,
-                               alibi_slopes, caller_mask).to(query.dtype)
+            if self.access.latent:
+                out = self._attend_expanded(query, key, value, layer_idx, scale,
+                                            sliding_window, caller_mask, softcap, sinks)
+            else:
+                out = self._attend(query.to(pool_dtype), layer_idx, shard, scale,
+                                   sliding_window, alibi_slopes, caller_mask, softcap,
+                                   None if sinks is None else sinks.to(pool_dtype))
+            out = out.to(query.dtype)
         if torch.is_grad_enabled() and query.requires_grad:
             out = _NoBackward.apply(out, query)
         return out
 
+    def _attend_expanded(self, query, key, value, layer_idx, scale, sliding_window,
+                         caller_mask, softcap, sinks):
+        """A latent layout's attention: the reference over the keys and values the layer
+        expanded from its rows' stored tokens (slot t = token t of the row)."""
+        meta = self.meta_for(layer_idx)
+        if key is None or key.shape[0] != meta.block_tables.shape[0] or key.shape[2] != meta.num_keys:
+            raise HFPagedError(
+                f"Layer {layer_idx} stores a latent KV: its attention must get keys expanded "
+                f"from the rows its cache update returned ([{meta.block_tables.shape[0]}, "
+                f"heads, {meta.num_keys}, dim]); got "
+                f"{None if key is None else tuple(key.shape)}.")
+        if caller_mask is not None:
+            mask = caller_mask_on_slots(meta, caller_mask)
+        else:
+            mask = attention_mask(meta, sliding_window)
+        padded = _spread_packed(query, meta) if meta.packed else query
+        out = reference.attend(padded, key.to(padded.dtype), value.to(padded.dtype), mask,
+                               scale, softcap, sinks)
+        if meta.is_query is not None:
+            out = out.masked_fill(~meta.is_query[:, :, None, None], 0.0)
+        return _gather_packed(out, meta) if meta.packed else out
+
     def _attend(self, query, layer_idx, shard, scale, sliding_window, alibi_slopes,
-                caller_mask):
+                caller_mask, softcap=None, sinks=None):
         meta = self.meta_for(layer_idx)
         k_cache, v_cache = self.access.views(layer_idx)
         if meta.max_seq_len == 0:  # every row is still all padding: no key to attend to
-            return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+            return query.new_zeros(query.shape[0], query.shape[2], query.shape[1],
+                                   v_cache.shape[-1])
         if caller_mask is not None:
             if alibi_slopes is not None:
                 raise ValueError("A 4D attention mask cannot be combined with ALiBi here "
@@ -285,33 +376,46 @@ class PagedForward(PagedLayers, Cache):
                 )
         backend = (self._backends[shard] if caller_mask is None
                    else self.access.backend_for(shard, meta, True))
+        if softcap is not None or sinks is not None:
+            backend = self.access.with_features(backend, shard, softcap is not None,
+                                                sinks is not None)
+        args = (scale, sliding_window, alibi_slopes)
+        extra = {} if softcap is None and sinks is None else dict(softcap=softcap, sinks=sinks)
         if not meta.packed:
-            return backend.attention(query, k_cache, v_cache, meta, scale, sliding_window,
-                                     alibi_slopes, caller_mask)
+            return backend.attention(query, k_cache, v_cache, meta, *args, caller_mask, **extra)
         if meta.parts is None:
-            return _attend_packed(query, k_cache, v_cache, meta, backend, scale,
-                                  sliding_window, alibi_slopes)
-        out = torch.empty_like(query.transpose(1, 2))  # [1, N, Hq, D]
+            return _attend_packed(query, k_cache, v_cache, meta, backend, args, extra)
+        out = query.new_empty(1, query.shape[2], query.shape[1], v_cache.shape[-1])
         for part, positions in meta.parts:
             piece = query.index_select(2, positions)
-            out[:, positions] = _attend_packed(piece, k_cache, v_cache, part, backend, scale,
-                                               sliding_window, alibi_slopes)
+            out[:, positions] = _attend_packed(piece, k_cache, v_cache, part, backend, args,
+                                               extra)
         return out
 
 
-def _attend_packed(query, k_cache, v_cache, meta, backend, scale, sliding_window,
-                   alibi_slopes):
-    """query [1, Hq, N, D], the rows' tokens back to back -> [1, N, Hq, D]."""
+def _spread_packed(query: torch.Tensor, meta: ForwardMetadata) -> torch.Tensor:
+    """A packed query [1, Hq, N, D] (rows' tokens back to back) in the padded layout
+    [R, Hq, q, D] of `meta` (right-aligned rows, zeros on padding)."""
     rows, q_cols = meta.query_pos.shape
     heads, dim = query.shape[1], query.shape[3]
     tokens = query.transpose(1, 2).reshape(-1, heads, dim)  # [N, Hq, D]
     if meta.token_index is not None:  # spread into the right-aligned [R * q] layout
         padded = tokens.new_zeros(rows * q_cols, heads, dim)
         tokens = padded.index_copy_(0, meta.token_index, tokens)
-    padded_query = tokens.view(rows, q_cols, heads, dim).transpose(1, 2)
-    out = backend.attention(padded_query, k_cache, v_cache, meta, scale, sliding_window,
-                            alibi_slopes)
+    return tokens.view(rows, q_cols, heads, dim).transpose(1, 2)
+
+
+def _gather_packed(out: torch.Tensor, meta: ForwardMetadata) -> torch.Tensor:
+    """[R, q, Hq, Dv] in the padded layout -> [1, N, Hq, Dv], the real tokens only."""
+    rows, q_cols, heads, dim = out.shape
     out = out.reshape(rows * q_cols, heads, dim)
     if meta.token_index is not None:
         out = out.index_select(0, meta.token_index)
     return out.unsqueeze(0)
+
+
+def _attend_packed(query, k_cache, v_cache, meta, backend, args, extra):
+    """query [1, Hq, N, D], the rows' tokens back to back -> [1, N, Hq, Dv]."""
+    out = backend.attention(_spread_packed(query, meta), k_cache, v_cache, meta, *args,
+                            **extra)
+    return _gather_packed(out, meta)

@@ -2,7 +2,7 @@
 
 Shapes (R = batch rows, q = padded query length, Hq/Hkv = query/KV heads, D = head dim,
 NB = pool blocks, bs = block size, nb = block-table columns in use, T = nb * bs):
-  k_cache, v_cache:  [NB, bs, Hkv, D]  one layer's pool
+  k_cache, v_cache:  [NB, bs, Hkv, D]  one layer's pool (values may have their own size Dv)
   block_tables:      [R, nb] int64     physical block of each logical block
   slot_mapping:      [N] int64         flat slot (block * bs + offset) of each new token
 """
@@ -21,9 +21,12 @@ def write_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Stores new tokens: key/value [N, Hkv, D] go to flat slots `slot_mapping` [N]."""
-    nb, bs, h, d = k_cache.shape
-    k_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, key)
-    v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, value)
+    for cache, new in ((k_cache, key), (v_cache, value)):
+        nb, bs, h, d = cache.shape
+        if cache.is_contiguous():
+            cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, new)
+        else:  # a view of a fused K|V tensor (keys and values of different sizes)
+            cache.index_put_((slot_mapping // bs, slot_mapping % bs), new)
 
 
 def copy_blocks(kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -81,17 +84,57 @@ def paged_attention(
     block_tables: torch.Tensor,
     mask: torch.Tensor,
     scale: float,
-    workspace: torch.Tensor | None = None,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of new queries over their sequences' cached tokens.
 
     query [R, Hq, q, D], mask [R, 1, q, T] bool or [R, Hq, q, T] float bias (see `key_mask`)
-    -> out [R, q, Hq, D]. Covers decode (q = 1), prefill and extend (q > 1) alike.
-    workspace: optional [2, >= R * nb, bs, Hkv, D] buffer for the gathered K and V.
+    -> out [R, q, Hq, Dv]. Covers decode (q = 1), prefill and extend (q > 1) alike.
+    workspace: optional buffers [>= R * nb, bs, Hkv, D] for the gathered K and V.
+    softcap, sinks: see `attend`.
     """
     k = gather_kv(k_cache, block_tables, None if workspace is None else workspace[0])
     v = gather_kv(v_cache, block_tables, None if workspace is None else workspace[1])
-    out = F.scaled_dot_product_attention(
-        query, k, v, attn_mask=mask, scale=scale, enable_gqa=query.shape[1] != k.shape[1]
-    )
-    return out.transpose(1, 2)
+    return attend(query, k, v, mask, scale, softcap, sinks)
+
+
+def attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Masked attention over gathered keys: query [R, Hq, q, D], key [R, Hkv, T, D], value
+    [R, Hkv, T, Dv], mask as in `paged_attention` -> out [R, q, Hq, Dv].
+
+    softcap c: scores become c * tanh(scores / c) before masking (Gemma 2).
+    sinks [Hq]: a per-head logit that joins each softmax's denominator and adds no value
+    (gpt-oss's attention sinks).
+    """
+    if softcap is None and sinks is None:
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, scale=scale,
+            enable_gqa=query.shape[1] != key.shape[1])
+        return out.transpose(1, 2)
+    group = query.shape[1] // key.shape[1]
+    if group > 1:
+        key = key.repeat_interleave(group, dim=1)
+        value = value.repeat_interleave(group, dim=1)
+    scores = torch.matmul(query, key.transpose(-1, -2)).float() * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    else:
+        scores = scores + mask
+    if sinks is not None:
+        sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, -1)
+    return torch.matmul(probs.to(value.dtype), value).transpose(1, 2)

@@ -22,10 +22,12 @@ class TorchBackend(Backend):
     """The pure-PyTorch reference; runs anywhere."""
 
     name = "torch"
-    capabilities = Capabilities(hidden_slots=True, caller_mask=True, devices=("cpu", "cuda"))
+    capabilities = Capabilities(hidden_slots=True, caller_mask=True, softcap=True, sinks=True,
+                                value_dim=True, devices=("cpu", "cuda"))
 
     def __init__(self):
-        self._workspace: torch.Tensor | None = None  # gather buffer reused by every layer
+        # Gather buffers for K (0) and V (1), reused by every layer
+        self._workspace: dict[int, torch.Tensor] = {}
 
     def write_kv(self, k_cache, v_cache, key, value, slot_mapping):
         reference.write_kv(k_cache, v_cache, key, value, slot_mapping)
@@ -34,8 +36,8 @@ class TorchBackend(Backend):
         reference.copy_blocks(kv, src, dst)
 
     def attention(self, query, k_cache, v_cache, meta, scale, sliding_window=None,
-                  alibi_slopes=None, caller_mask=None):
-        """query [R, Hq, q, D] -> [R, q, Hq, D] (padded layout, see ForwardMetadata).
+                  alibi_slopes=None, caller_mask=None, softcap=None, sinks=None):
+        """query [R, Hq, q, D] -> [R, q, Hq, Dv] (padded layout, see ForwardMetadata).
 
         caller_mask: a caller's 4D mask over columns (see `caller_mask_on_slots`), used
         instead of the causal / sliding-window mask, as SDPA uses it.
@@ -44,42 +46,44 @@ class TorchBackend(Backend):
             mask = caller_mask_on_slots(meta, caller_mask)
         else:
             mask = attention_mask(meta, sliding_window, alibi_slopes)
-        workspace = self._gather_workspace(meta.block_tables.numel(), k_cache)
+        blocks = meta.block_tables.numel()
+        workspace = (self._gather_workspace(blocks, k_cache, 0),
+                     self._gather_workspace(blocks, v_cache, 1))
         groups = length_groups(meta) if query.shape[2] == 1 and caller_mask is None else None
         if groups is not None:  # decode rows of very different lengths: gather each bucket
-            out = query.new_empty(query.shape[0], 1, query.shape[1], query.shape[3])
+            out = query.new_empty(query.shape[0], 1, query.shape[1], v_cache.shape[-1])
             for rows, cols in groups:
                 keys = cols * meta.block_size
                 part = reference.paged_attention(
                     query.index_select(0, rows), k_cache, v_cache,
                     meta.block_tables.index_select(0, rows)[:, :cols],
-                    mask.index_select(0, rows)[..., :keys], scale, workspace)
+                    mask.index_select(0, rows)[..., :keys], scale, workspace, softcap, sinks)
                 out.index_copy_(0, rows, part)
             return out
         out = reference.paged_attention(query, k_cache, v_cache, meta.block_tables, mask,
-                                        scale, workspace)
+                                        scale, workspace, softcap, sinks)
         if meta.is_query is not None:  # padding columns: zeros, as the kernels give
             out = out.masked_fill(~meta.is_query[:, :, None, None], 0.0)
         return out
 
-    def _gather_workspace(self, num_blocks: int, like: torch.Tensor) -> torch.Tensor:
-        """[2, >= num_blocks, bs, Hkv, D] for gathered K and V, grown in 25% steps.
+    def _gather_workspace(self, num_blocks: int, like: torch.Tensor, which: int) -> torch.Tensor:
+        """[>= num_blocks, bs, Hkv, D] to gather `like`'s blocks into, grown in 25% steps.
 
         Reused across layers and steps: fresh allocations page-fault on CPU, which cost
-        more than the copy itself.
+        more than the copy itself. which: 0 for keys, 1 for values (sizes may differ).
         """
-        ws = self._workspace
-        if ws is None or ws.shape[1] < num_blocks or ws.dtype != like.dtype:
-            size = max(num_blocks, int(1.25 * (0 if ws is None else ws.shape[1])))
+        ws = self._workspace.get(which)
+        if (ws is None or ws.shape[0] < num_blocks or ws.shape[1:] != like.shape[1:]
+                or ws.dtype != like.dtype):
+            size = max(num_blocks, int(1.25 * (0 if ws is None else ws.shape[0])))
             with torch.inference_mode(False):  # usable under no_grad and inference_mode alike
-                ws = torch.empty(2, size, *like.shape[1:], dtype=like.dtype, device=like.device)
-            self._workspace = ws
+                ws = torch.empty(size, *like.shape[1:], dtype=like.dtype, device=like.device)
+            self._workspace[which] = ws
         return ws
 
     @property
     def workspace_bytes(self) -> int:
-        ws = self._workspace
-        return 0 if ws is None else ws.numel() * ws.element_size()
+        return sum(ws.numel() * ws.element_size() for ws in self._workspace.values())
 
 
 def attention_mask(meta: ForwardMetadata, sliding_window: int | None,

@@ -2,7 +2,9 @@
 
 Both read the pool layout of `reference.py`: one layer's K and V as [NB, bs, Hkv, D],
 block tables [R, nb] int32, and follow its masking rules (causal on sequence positions,
-Transformers' sliding window `key > query - W`, optional ALiBi `slope * key position`).
+Transformers' sliding window `key > query - W`, optional ALiBi `slope * key position`,
+optional soft-capping `c * tanh(score / c)` and per-head sink logits in the softmax
+denominator).
 
 On a machine without a GPU these kernels run under `TRITON_INTERPRET=1` (set before this
 module is imported); the interpreter gets bf16 `tl.dot` wrong, so tiles are then cast to
@@ -56,15 +58,22 @@ def _load_tile(K, V, TABLE_ROW, stride_kb, stride_kt, head_offset, pos, limit, d
 
 
 @triton.jit
+def _tanh(x):
+    return 2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0  # saturates to +-1 without overflow
+
+
+@triton.jit
 def _attend_tile(q, K, V, TABLE_ROW, stride_kb, stride_kt, head_offset, pos, limit, valid,
-                 slopes, scale, m_i, l_i, acc, d, dmask, BS: tl.constexpr,
-                 HAS_ALIBI: tl.constexpr, CAST_FP32: tl.constexpr):
-    """Scores of queries q [M, D_P] against positions `pos` [TILE] (ALiBi: + slopes * pos,
-    slopes broadcastable to [M, 1]), masked by `valid` ([M or 1, TILE]), folded into the
-    running softmax (m_i, l_i, acc)."""
+                 slopes, scale, softcap, m_i, l_i, acc, d, dmask, BS: tl.constexpr,
+                 HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, CAST_FP32: tl.constexpr):
+    """Scores of queries q [M, D_P] against positions `pos` [TILE] (soft-capped by `softcap`;
+    ALiBi: + slopes * pos, slopes broadcastable to [M, 1]), masked by `valid`
+    ([M or 1, TILE]), folded into the running softmax (m_i, l_i, acc)."""
     k, v = _load_tile(K, V, TABLE_ROW, stride_kb, stride_kt, head_offset, pos, limit, d, dmask,
                       BS, CAST_FP32)
     s = _dot(q, tl.trans(k), CAST_FP32) * scale
+    if HAS_SOFTCAP:
+        s = softcap * _tanh(s / softcap)
     if HAS_ALIBI:
         s += slopes * pos[None, :].to(tl.float32)
     s = tl.where(valid, s, float("-inf"))
@@ -85,20 +94,20 @@ def _online_softmax_step(s, m_i, l_i, acc, v, FP32: tl.constexpr):
 
 @triton.jit
 def _decode_kernel(
-    Q, K, V, BT, SEQ, SLOPES, O_PART, LSE_PART,
+    Q, K, V, BT, SEQ, SLOPES, SINKS, O_PART, LSE_PART,
     stride_qr, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_btr,
     stride_or, stride_oh, stride_os,
     stride_lr, stride_lh,
-    scale, window, tokens_per_split,
+    scale, softcap, window, tokens_per_split,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
-    D: tl.constexpr, D_P: tl.constexpr, HAS_ALIBI: tl.constexpr, CAST_FP32: tl.constexpr,
-    STORE_LSE: tl.constexpr,
+    D: tl.constexpr, D_P: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr, CAST_FP32: tl.constexpr, STORE_LSE: tl.constexpr,
 ):
     """Program (row, KV head, split): all GROUP query heads of the KV head at once, so each
     key and value is read once; the split covers `tokens_per_split` visible positions of the
-    row, TILE at a time."""
+    row, TILE at a time. Sink logits enter split 0's softmax (the merge then carries them)."""
     r = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -122,12 +131,17 @@ def _decode_kernel(
         slopes = tl.load(SLOPES + heads, mask=gmask, other=0.0).to(tl.float32)[:, None]
     m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_P], tl.float32)
+    if HAS_SINKS:  # a sink is a score exp(sink) with no value: start the softmax from it
+        sink = tl.load(SINKS + heads, mask=gmask, other=0.0).to(tl.float32)
+        m_i = tl.where(split == 0, sink, m_i)
+        l_i = tl.where(split == 0, 1.0, l_i)
     acc = tl.zeros([GROUP_P, D_P], tl.float32)
     for t0 in range(start, end, TILE):
         pos = t0 + t
         m_i, l_i, acc = _attend_tile(q, K, V, BT + r * stride_btr, stride_kb, stride_kt,
                                      kvh * stride_kh, pos, end, (pos < end)[None, :], slopes,
-                                     scale, m_i, l_i, acc, d, dmask, BS, HAS_ALIBI, CAST_FP32)
+                                     scale, softcap, m_i, l_i, acc, d, dmask, BS, HAS_ALIBI,
+                                     HAS_SOFTCAP, CAST_FP32)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
     o_ptr = O_PART + r * stride_or + heads[:, None] * stride_oh + split * stride_os + d[None, :]
@@ -184,6 +198,8 @@ def decode_attention(
     max_seq_len: int | None = None,
     tile: int = DECODE_TILE,
     num_warps: int = DECODE_WARPS,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One new token per row over its cached tokens (itself included).
 
@@ -193,6 +209,7 @@ def decode_attention(
     one split the kernel writes `out` itself, else a merge kernel combines the splits.
     max_seq_len: host-known bound on seq_lens (default: what the table can hold).
     tile, num_warps: launch shape (tokens per loop step, a power of two >= 16).
+    softcap: scores -> softcap * tanh(scores / softcap); sinks [Hq]: sink logits.
     """
     rows, heads, dim = query.shape
     _, bs, kv_heads, _ = k_cache.shape
@@ -212,17 +229,19 @@ def decode_attention(
                              device=query.device)
         lse_part = torch.empty(rows, heads, num_splits, dtype=torch.float32, device=query.device)
     slopes = alibi_slopes.contiguous() if alibi_slopes is not None else out  # else unused
+    sink_logits = sinks.float().contiguous() if sinks is not None else out  # else unused
     query, seq_lens = query.contiguous(), seq_lens.contiguous()
     _decode_kernel[(rows, kv_heads, num_splits)](
-        query, k_cache, v_cache, block_tables, seq_lens, slopes, o_part, lse_part,
+        query, k_cache, v_cache, block_tables, seq_lens, slopes, sink_logits, o_part, lse_part,
         query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1),
-        scale, sliding_window or 0, per_split,
+        scale, softcap or 0.0, sliding_window or 0, per_split,
         GROUP=group, GROUP_P=_p2(group), BS=bs, TILE=tile, D=dim, D_P=_p2(dim),
-        HAS_ALIBI=alibi_slopes is not None, CAST_FP32=INTERPRETING or query.dtype == torch.float32,
+        HAS_ALIBI=alibi_slopes is not None, HAS_SOFTCAP=softcap is not None,
+        HAS_SINKS=sinks is not None, CAST_FP32=INTERPRETING or query.dtype == torch.float32,
         STORE_LSE=num_splits > 1, num_warps=num_warps,
     )
     if num_splits > 1:
@@ -254,14 +273,15 @@ def _sm_count(index: int) -> int:
 
 @triton.jit
 def _extend_kernel(
-    Q, K, V, BT, QPOS, CTX, SEQ, SLOPES, OUT,
+    Q, K, V, BT, QPOS, CTX, SEQ, SLOPES, SINKS, OUT,
     stride_qr, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_btr, stride_pr,
     stride_or, stride_ot, stride_oh,
-    q_len, scale, window,
+    q_len, scale, softcap, window,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
-    D: tl.constexpr, D_P: tl.constexpr, HAS_ALIBI: tl.constexpr, CAST_FP32: tl.constexpr,
+    D: tl.constexpr, D_P: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr, CAST_FP32: tl.constexpr,
 ):
     """Program (row, query head, BLOCK_M query columns) over the positions its queries see,
     TILE at a time."""
@@ -290,14 +310,19 @@ def _extend_kernel(
     lo = tl.where(window > 0, tl.maximum(lowest - window + 1, 0), 0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:  # a sink is a score exp(sink) with no value: start the softmax from it
+        sink = tl.load(SINKS + h).to(tl.float32)
+        m_i = tl.where(is_query, sink, m_i)
+        l_i = tl.where(is_query, 1.0, l_i)
     acc = tl.zeros([BLOCK_M, D_P], tl.float32)
     for t0 in range(lo, hi, TILE):
         pos = t0 + t
         valid = (pos[None, :] <= qpos[:, None]) & is_query[:, None]
         valid = valid & ((window <= 0) | (pos[None, :] > qpos[:, None] - window))
         m_i, l_i, acc = _attend_tile(q, K, V, BT + r * stride_btr, stride_kb, stride_kt,
-                                     kvh * stride_kh, pos, hi, valid, slope, scale, m_i, l_i,
-                                     acc, d, dmask, BS, HAS_ALIBI, CAST_FP32)
+                                     kvh * stride_kh, pos, hi, valid, slope, scale, softcap,
+                                     m_i, l_i, acc, d, dmask, BS, HAS_ALIBI, HAS_SOFTCAP,
+                                     CAST_FP32)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # padding columns come out as zeros
     tl.store(OUT + r * stride_or + cols[:, None] * stride_ot + h * stride_oh + d[None, :],
              out.to(OUT.dtype.element_ty), mask=cmask[:, None] & dmask[None, :])
@@ -314,12 +339,14 @@ def extend_attention(
     scale: float,
     sliding_window: int | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q >= 1 new tokens per row attending causally to their context and to each other.
 
     query [R, q, Hq, D] (left-padded columns allowed); query_pos [R, q] sequence position
     of each column (padding: below context_lens); context_lens, seq_lens [R]
-    -> out [R, q, Hq, D], zeros on padding columns.
+    -> out [R, q, Hq, D], zeros on padding columns. softcap, sinks: as `decode_attention`.
     """
     rows, q_len, heads, dim = query.shape
     _, bs, kv_heads, _ = k_cache.shape
@@ -327,16 +354,19 @@ def extend_attention(
     block_m, tile, num_warps = extend_launch(query.dtype)
     cast_fp32 = INTERPRETING or query.dtype == torch.float32
     slopes = alibi_slopes.contiguous() if alibi_slopes is not None else out  # else unused
+    sink_logits = sinks.float().contiguous() if sinks is not None else out  # else unused
     context_lens, seq_lens = context_lens.contiguous(), seq_lens.contiguous()
     _extend_kernel[(rows, heads, triton.cdiv(q_len, block_m))](
-        query, k_cache, v_cache, block_tables, query_pos, context_lens, seq_lens, slopes, out,
+        query, k_cache, v_cache, block_tables, query_pos, context_lens, seq_lens, slopes,
+        sink_logits, out,
         query.stride(0), query.stride(1), query.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), query_pos.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
-        q_len, scale, sliding_window or 0,
+        q_len, scale, softcap or 0.0, sliding_window or 0,
         GROUP=heads // kv_heads, BLOCK_M=block_m, BS=bs, TILE=tile, D=dim, D_P=_p2(dim),
-        HAS_ALIBI=alibi_slopes is not None, CAST_FP32=cast_fp32,
+        HAS_ALIBI=alibi_slopes is not None, HAS_SOFTCAP=softcap is not None,
+        HAS_SINKS=sinks is not None, CAST_FP32=cast_fp32,
         num_warps=num_warps,
     )
     return out

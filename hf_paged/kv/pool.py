@@ -17,9 +17,10 @@ from ..kv.placement import Placement
 
 
 def block_bytes(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
-                dtype: torch.dtype) -> int:
-    """Bytes of one block's K and V over `num_layers` layers."""
-    return (num_layers * 2 * num_kv_heads * head_dim * block_size
+                dtype: torch.dtype, v_head_dim: int | None = None) -> int:
+    """Bytes of one block's K and V over `num_layers` layers (values of `v_head_dim`, by
+    default the keys' size)."""
+    return (num_layers * num_kv_heads * (head_dim + (v_head_dim or head_dim)) * block_size
             * torch.tensor([], dtype=dtype).element_size())
 
 
@@ -58,7 +59,9 @@ class KVPool:
 
     `shards[s]` is `[L_s, 2, NB, bs, Hkv, D]` on `placement.devices[s]`, holding the layers
     `placement.layers[s]`: one shard for a model on one device, one per device for a model
-    spread by `device_map`. Block b is block b in every shard.
+    spread by `device_map`. Block b is block b in every shard. Keys and values of different
+    sizes (a latent KV) share one tensor `[L_s, 1, NB, bs, Hkv, Dk + Dv]` instead, each
+    layer's K and V being views of its last dimension (`layer_views`).
 
     A sized pool (`num_blocks` / `max_kv_bytes`) is allocated once and kept for its model
     (`kept_pool`); the caches of every call with that sizing, concurrent ones included, draw
@@ -77,9 +80,12 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device | Placement,
         growable: bool,
+        v_head_dim: int | None = None,
     ):
-        """device: the device of every layer, or a `Placement` of the layers over devices."""
+        """device: the device of every layer, or a `Placement` of the layers over devices.
+        head_dim, v_head_dim: sizes of a key and a value head (default: the same)."""
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.v_head_dim = v_head_dim or head_dim
         self.block_size = block_size
         self.placement = (device if isinstance(device, Placement)
                           else Placement.single(num_layers, device))
@@ -107,11 +113,12 @@ class KVPool:
     @classmethod
     def for_config(cls, config: PagedCacheConfig, num_layers: int, num_kv_heads: int,
                    head_dim: int, dtype: torch.dtype, device,
-                   block_size: int | None = None) -> "KVPool":
+                   block_size: int | None = None, v_head_dim: int | None = None) -> "KVPool":
         """block_size: overrides the config's (an unsized cache may use shorter blocks).
         device: a device or a `Placement`; `max_kv_bytes` bounds all devices together."""
         block_size = block_size or config.block_size
-        per_block = block_bytes(num_layers, num_kv_heads, head_dim, block_size, dtype)
+        per_block = block_bytes(num_layers, num_kv_heads, head_dim, block_size, dtype,
+                                v_head_dim)
         num_blocks = config.num_blocks
         if config.max_kv_bytes is not None:
             num_blocks = config.max_kv_bytes // per_block
@@ -122,12 +129,15 @@ class KVPool:
                     f"allowed: at least {per_block}."
                 )
         return cls(num_layers, num_kv_heads, head_dim, block_size, num_blocks or 0,
-                   dtype, device, growable=not config.is_sized)
+                   dtype, device, growable=not config.is_sized, v_head_dim=v_head_dim)
 
     def _zeros(self, num_blocks: int) -> list[torch.Tensor]:
         # Zeros, not empty: masked-out keys are still multiplied by 0 and must not be NaN.
         # Made outside inference mode so calls under no_grad and inference_mode can share it.
-        tail = (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        tail = ((2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+                if not self.fused else
+                (1, num_blocks, self.block_size, self.num_kv_heads,
+                 self.head_dim + self.v_head_dim))
         shards = []
         for device, layers in zip(self.placement.devices, self.placement.layers):
             try:
@@ -136,7 +146,7 @@ class KVPool:
                                               device=device))
             except (RuntimeError, MemoryError) as err:  # out of memory, or a size torch refuses
                 size = block_bytes(len(layers), self.num_kv_heads, self.head_dim,
-                                   self.block_size, self.dtype) * num_blocks
+                                   self.block_size, self.dtype, self.v_head_dim) * num_blocks
                 raise KVPoolAllocationError(
                     f"Could not allocate a KV pool of {num_blocks} block(s) of "
                     f"{self.block_size} tokens ({size / 2**30:.2f} GiB for {len(layers)} "
@@ -153,10 +163,23 @@ class KVPool:
                                  "or `layer_kv(layer)`")
         return self.shards[0]
 
+    @property
+    def fused(self) -> bool:
+        """Keys and values differ in size and share the last dimension of one tensor."""
+        return self.v_head_dim != self.head_dim
+
     def layer_kv(self, layer: int) -> torch.Tensor:
-        """[2, NB, bs, Hkv, D]: K and V blocks of one layer, on that layer's device."""
+        """[2, NB, bs, Hkv, D] (fused: [1, NB, bs, Hkv, Dk + Dv]): K and V blocks of one
+        layer, on that layer's device."""
         shard, index = self.placement.where[layer]
         return self.shards[shard][index]
+
+    def layer_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k_cache [NB, bs, Hkv, Dk], v_cache [NB, bs, Hkv, Dv]) of one layer."""
+        kv = self.layer_kv(layer)
+        if not self.fused:
+            return kv[0], kv[1]
+        return kv[0, ..., : self.head_dim], kv[0, ..., self.head_dim:]
 
     def pin_memory(self) -> None:
         """Page-locks a CPU pool (faster, asynchronous swaps to and from a GPU)."""
@@ -176,7 +199,8 @@ class KVPool:
     @property
     def bytes_per_token(self) -> int:
         """K+V bytes of one token over all layers."""
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.element_size
+        return (self.num_layers * self.num_kv_heads * (self.head_dim + self.v_head_dim)
+                * self.element_size)
 
     @property
     def element_size(self) -> int:
@@ -226,18 +250,21 @@ _kept_lock = threading.Lock()
 
 
 def kept_pool(model, config: PagedCacheConfig, num_layers: int, num_kv_heads: int,
-              head_dim: int, dtype: torch.dtype, device) -> KVPool:
+              head_dim: int, dtype: torch.dtype, device,
+              v_head_dim: int | None = None) -> KVPool:
     """The sized pool of `model` for `config`, made on first use.
 
     Only the latest sizing is kept: a call asking for another one replaces it, and the old
     pool is freed once the caches still using it are gone.
     """
     key = (config.block_size, config.num_blocks, config.max_kv_bytes, num_layers, num_kv_heads,
-           head_dim, dtype, device if isinstance(device, Placement) else str(device))
+           head_dim, v_head_dim, dtype,
+           device if isinstance(device, Placement) else str(device))
     with _kept_lock:
         kept = _kept.get(model)
         if kept is not None and kept[0] == key:
             return kept[1]
-        pool = KVPool.for_config(config, num_layers, num_kv_heads, head_dim, dtype, device)
+        pool = KVPool.for_config(config, num_layers, num_kv_heads, head_dim, dtype, device,
+                                 v_head_dim=v_head_dim)
         _kept[model] = (key, pool)
         return pool

@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 from transformers import (
-    AutoModelForCausalLM, GenerationConfig, GenerationMixin, GPT2Config, GPT2LMHeadModel, pipeline,
+    AutoModelForCausalLM, GenerationConfig, GenerationMixin, BloomConfig, BloomForCausalLM, pipeline,
 )
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -67,12 +67,13 @@ def test_from_pretrained_with_paged_attention(tmp_path):
 
 
 def test_unsupported_architecture_warns_and_keeps_stock_behaviour():
+    """Bloom computes attention inline (not through the attention interface)."""
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2,
-                                       n_positions=128, pad_token_id=0)).eval()
+    model = BloomForCausalLM(BloomConfig(vocab_size=64, hidden_size=32, n_layer=2, n_head=2,
+                                         pad_token_id=0)).eval()
     ids = torch.randint(1, 64, (2, 7))
     ref = model.generate(ids, max_new_tokens=6, do_sample=False)
-    with pytest.warns(UserWarning, match="LlamaForCausalLM"):
+    with pytest.warns(UserWarning, match="BloomForCausalLM's attention does not go through"):
         out = model.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation="paged")
     assert torch.equal(ref, out)
     assert model.config._attn_implementation != "paged"

@@ -33,7 +33,7 @@ from hf_paged.kernels import triton_attention as attn, triton_cache_ops as ops  
 TORCH_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
 
-def signature(fn, pointers: dict[str, str], constexprs: dict, floats=("scale",)) -> dict:
+def signature(fn, pointers: dict[str, str], constexprs: dict, floats=("scale", "softcap")) -> dict:
     """Triton signature: named pointers typed, floats fp32, every other argument i32."""
     sig = {}
     for name in fn.arg_names:
@@ -55,24 +55,29 @@ def aligned(fn, sig: dict) -> dict:
 
 def cases():
     """(label, kernel, pointer types, constexprs, num_warps) as the wrappers launch them."""
-    configs = {"fp16": (4, 16, 128, False), "bf16": (1, 8, 64, True), "fp32": (8, 32, 128, False)}
-    for dt, (group, bs, d, alibi) in configs.items():
+    # dtype: GQA group, block size, head dim, ALiBi, soft-capping, sinks
+    configs = {"fp16": (4, 16, 128, False, False, False), "bf16": (1, 8, 64, True, True, False),
+               "fp32": (8, 32, 128, False, True, True)}
+    for dt, (group, bs, d, alibi, softcap, sinks) in configs.items():
         cast = dt == "fp32"
+        features = dict(HAS_SOFTCAP=softcap, HAS_SINKS=sinks)
         block_m, tile, warps = attn.extend_launch(getattr(torch, TORCH_DTYPES[dt]))
         for single in (False, True):  # split-KV partials, or one split writing the output
-            yield (f"decode {dt} group={group} bs={bs} d={d} alibi={alibi} single={single}",
+            yield (f"decode {dt} group={group} bs={bs} d={d} alibi={alibi} softcap={softcap} "
+                   f"sinks={sinks} single={single}",
                    attn._decode_kernel,
-                   dict(Q=dt, K=dt, V=dt, BT="i32", SEQ="i64", SLOPES="fp32",
+                   dict(Q=dt, K=dt, V=dt, BT="i32", SEQ="i64", SLOPES="fp32", SINKS="fp32",
                         O_PART=dt if single else "fp32", LSE_PART="fp32"),
                    dict(GROUP=group, GROUP_P=attn._p2(group), BS=bs, TILE=attn.DECODE_TILE,
                         D=d, D_P=attn._p2(d), HAS_ALIBI=alibi, CAST_FP32=cast,
-                        STORE_LSE=not single),
+                        STORE_LSE=not single, **features),
                    attn.DECODE_WARPS)
-        yield (f"extend {dt} group={group} bs={bs} d={d} alibi={alibi}", attn._extend_kernel,
+        yield (f"extend {dt} group={group} bs={bs} d={d} alibi={alibi} softcap={softcap} "
+               f"sinks={sinks}", attn._extend_kernel,
                dict(Q=dt, K=dt, V=dt, BT="i32", QPOS="i64", CTX="i64", SEQ="i64",
-                    SLOPES="fp32", OUT=dt),
+                    SLOPES="fp32", SINKS="fp32", OUT=dt),
                dict(GROUP=group, BLOCK_M=block_m, BS=bs, TILE=tile, D=d, D_P=attn._p2(d),
-                    HAS_ALIBI=alibi, CAST_FP32=cast), warps)
+                    HAS_ALIBI=alibi, CAST_FP32=cast, **features), warps)
     yield ("merge bf16 d=128", attn._merge_splits_kernel,
            dict(O_PART="fp32", LSE_PART="fp32", OUT="bf16"), dict(SPLITS=5, SPLITS_P=8, D=128, D_P=128), 4)
     yield ("write_kv fp16", ops._write_kv_kernel,

@@ -72,7 +72,7 @@ class EmulatedCudaOps:
             raise RuntimeError(f"{what} failed ({err}): {self.lib.emu_last_message().decode()}")
 
     def decode(self, query, k_cache, v_cache, block_tables, seq_lens, alibi_slopes, scale,
-               window, max_seq_len, partition):
+               window, max_seq_len, partition, softcap=0.0, sinks=None):
         query = query.contiguous()
         assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
         seq_lens = seq_lens.to(torch.int64).contiguous()
@@ -83,13 +83,15 @@ class EmulatedCudaOps:
         part_max = torch.empty(rows, heads, parts) if parts > 1 else None
         part_sum = torch.empty(rows, heads, parts) if parts > 1 else None
         slopes = None if alibi_slopes is None else alibi_slopes.float().contiguous()
+        sinks = None if sinks is None else sinks.float().contiguous()
         c_int, c_float = ctypes.c_int, ctypes.c_float
         self._check(self.lib.emu_decode(
             _ptr(query), _ptr(k_cache), _ptr(v_cache), _ptr(block_tables), _ptr(seq_lens),
             _ptr(slopes), _ptr(out), _ptr(part_out), _ptr(part_max), _ptr(part_sum),
             c_int(rows), c_int(heads), c_int(k_cache.shape[2]), c_int(dim),
             c_int(k_cache.shape[1]), c_int(block_tables.stride(0)), c_int(partition),
-            c_int(parts), c_float(scale), c_int(window), c_int(DTYPES[query.dtype])),
+            c_int(parts), c_float(scale), c_int(window), c_int(DTYPES[query.dtype]),
+            c_float(softcap), _ptr(sinks)),
             "paged_decode")
         return out
 

@@ -14,7 +14,8 @@ int emu_decode(const void* query, const void* k_cache, const void* v_cache,
                const int32_t* block_tables, const int64_t* seq_lens, const float* alibi_slopes,
                void* out, float* part_out, float* part_max, float* part_sum, int rows,
                int num_heads, int num_kv_heads, int head_dim, int block_size, int bt_stride,
-               int partition, int num_partitions, float scale, int window, int dtype) {
+               int partition, int num_partitions, float scale, int window, int dtype,
+               float softcap, const float* sinks) {
   hf_paged::DecodeArgs a{};
   a.query = query;
   a.k_cache = k_cache;
@@ -36,6 +37,8 @@ int emu_decode(const void* query, const void* k_cache, const void* v_cache,
   a.num_partitions = num_partitions;
   a.scale = scale;
   a.window = window;
+  a.softcap = softcap;
+  a.sinks = sinks;
   return hf_paged::paged_decode(a, static_cast<DType>(dtype), nullptr);
 }
 

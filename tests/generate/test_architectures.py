@@ -1,0 +1,162 @@
+"""Every architecture of the zoo (tests/zoo.py) on the paged cache against stock Transformers
+(DynamicCache), token for token, in generate's modes and in the engine; and the named
+refusals of the models the paged cache cannot serve."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+import hf_paged
+from hf_paged import PagedCache
+from hf_paged.hf.architectures import SUPPORTED_ARCHITECTURES, kv_spec, unsupported_reason
+from conftest import assert_same, both, left_padded_batch
+from zoo import NAMES, make_arch
+
+GEN = dict(max_new_tokens=12, do_sample=False, return_dict_in_generate=True, eos_token_id=None)
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def arch(request):
+    return request.param, make_arch(request.param)
+
+
+def paged_run(model, **kwargs):
+    """A paged generate call that must not fall back to stock (no hf-paged warning)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = model.generate(cache_implementation="paged", **kwargs)
+    notes = [str(w.message) for w in caught if "hf-paged" in str(w.message)]
+    assert not notes, notes
+    return out
+
+
+def test_greedy_left_padded_batch(arch):
+    name, model = arch
+    ids, mask = left_padded_batch([5, 13, 9], seed=1)
+    ref = model.generate(input_ids=ids, attention_mask=mask, **GEN)
+    out = paged_run(model, input_ids=ids, attention_mask=mask, **GEN)
+    assert isinstance(out.past_key_values, PagedCache), name
+    assert_same(ref, out)
+    assert len(set(out.sequences[:, ids.shape[1]:].flatten().tolist())) >= 3
+
+
+def test_beam_search(arch):
+    _, model = arch
+    ids, mask = left_padded_batch([6, 10], seed=2)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, num_beams=3,
+                  do_sample=False, num_return_sequences=2)
+    assert_same(model.generate(**kwargs), paged_run(model, **kwargs))
+
+
+def test_sampling_with_several_sequences(arch):
+    _, model = arch
+    ids, mask = left_padded_batch([7, 4], seed=3)
+    ref, out = both(model, seed=11, input_ids=ids, attention_mask=mask, max_new_tokens=10,
+                    do_sample=True, top_k=20, num_return_sequences=3)
+    assert_same(ref, out)
+
+
+def test_assisted_decoding_and_prompt_lookup(arch):
+    _, model = arch
+    ids, mask = left_padded_batch([14], seed=4)
+    ids = torch.cat([ids, ids[:, -6:]], 1)  # repeats, so that prompt lookup proposes
+    mask = torch.ones_like(ids)
+    for extra in (dict(assistant_model=model), dict(prompt_lookup_num_tokens=3)):
+        kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
+                      **extra)
+        assert_same(model.generate(**kwargs), paged_run(model, **kwargs))
+
+
+class _Collect(BaseStreamer):
+    def __init__(self):
+        self.tokens = []
+
+    def put(self, value):
+        self.tokens.append(value.flatten().tolist())
+
+    def end(self):
+        self.tokens.append("end")
+
+
+def test_streaming(arch):
+    _, model = arch
+    ids, mask = left_padded_batch([9], seed=5)
+    ref, out = _Collect(), _Collect()
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                  eos_token_id=None)
+    model.generate(**kwargs, streamer=ref)
+    paged_run(model, **kwargs, streamer=out)
+    assert out.tokens == ref.tokens and len(ref.tokens) == 10
+
+
+def test_engine_greedy_with_chunked_prefill(arch):
+    name, model = arch
+    prompts = [left_padded_batch([n], seed=20 + n)[0][0].tolist() for n in (5, 23, 12)]
+    llm = hf_paged.LLM(model, block_size=4, num_blocks=128, max_num_batched_tokens=8,
+                       max_num_seqs=4)
+    outs = llm.generate(prompts, hf_paged.SamplingParams(max_tokens=9, temperature=0.0))
+    for prompt, got in zip(prompts, outs):
+        ids = torch.tensor([prompt])
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=9,
+                             do_sample=False)[0, len(prompt):].tolist()
+        assert got.outputs[0].token_ids == ref, name
+
+
+def test_zoo_covers_the_supported_list():
+    classes = {make_arch(n).__class__.__name__ for n in NAMES}
+    assert classes | {"LlamaForCausalLM", "MistralForCausalLM", "FalconForCausalLM"} \
+        == set(SUPPORTED_ARCHITECTURES)
+
+
+def test_layer_windows_follow_the_attention_modules(arch):
+    """The windows read from the config are those each attention module passes."""
+    name, model = arch
+    spec = kv_spec(model.config)
+    for module in model.modules():
+        if hasattr(module, "layer_idx") and hasattr(module, "sliding_window") \
+                and "Attention" in type(module).__name__:
+            is_sliding = getattr(module, "is_sliding", module.sliding_window is not None)
+            passed = module.sliding_window if is_sliding else None
+            assert spec.windows[module.layer_idx] == passed, (name, module.layer_idx)
+
+
+# -- refusals ---------------------------------------------------------------------------------
+def _refused():
+    import transformers as t
+
+    small = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                 intermediate_size=64)
+    yield "bypasses", t.BloomForCausalLM(t.BloomConfig(vocab_size=64, hidden_size=32,
+                                                        n_layer=2, n_head=2))
+    yield "recurrent", t.MambaForCausalLM(t.MambaConfig(vocab_size=64, hidden_size=32,
+                                                         num_hidden_layers=2))
+    yield "linear", t.Qwen3NextForCausalLM(t.Qwen3NextConfig(
+        **small, num_key_value_heads=1, head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+        num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, layer_types=["linear_attention", "full_attention"]))
+    yield "encoder-decoder", t.T5ForConditionalGeneration(t.T5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2))
+
+
+_WHY = {"bypasses": "does not go through Transformers' attention interface",
+        "recurrent": "recurrent state|attention interface",
+        "linear": "linear_attention layers",
+        "encoder-decoder": "encoder-decoder"}
+
+
+@pytest.mark.parametrize("kind", list(_WHY))
+def test_unservable_models_are_refused_by_name(kind):
+    model = dict(_refused())[kind].eval()
+    reason = unsupported_reason(model)
+    assert reason is not None and type(model).__name__ in reason
+    import re
+    assert re.search(_WHY[kind], reason), reason
+    with pytest.raises(hf_paged.UnsupportedModelError, match=type(model).__name__):
+        hf_paged.LLM(model)
+    with pytest.raises(hf_paged.UnsupportedModelError):
+        hf_paged.prepare_model(model)

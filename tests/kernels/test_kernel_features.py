@@ -1,0 +1,102 @@
+"""Soft-capping and attention sinks in every kernel backend against the PyTorch reference
+(Triton under its interpreter without a GPU; the CUDA C++ decode kernel on a GPU and through
+the CPU emulator), and the reference itself against a direct formula."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_paged.kernels import reference
+from test_kernels import (  # noqa: F401  (fixtures)
+    DEVICE, DTYPES, TOLERANCE, cuda_kernels, emulated_cuda_ops, needs_triton, paged_inputs,
+)
+
+FEATURES = [(5.0, False), (None, True), (3.0, True)]  # (softcap, sinks)
+
+
+def expected(q, k, v, table, query_pos, is_query, scale, window, softcap, sinks):
+    """float32 reference with features: q [R, Hq, q, D] -> [R, q, Hq, D]."""
+    mask = reference.key_mask(query_pos, is_query, table.shape[1] * k.shape[1], window)
+    return reference.paged_attention(q.float(), k.float(), v.float(), table.long(), mask, scale,
+                                     softcap=softcap,
+                                     sinks=None if sinks is None else sinks.float())
+
+
+def test_reference_features_match_the_formula():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 3, 8, generator=g) for _ in range(3))
+    sinks = torch.tensor([0.5, -1.0])
+    mask = torch.ones(1, 1, 3, 3, dtype=torch.bool).tril()
+    out = reference.attend(q, k, v, mask, 0.3, softcap=2.0, sinks=sinks)
+    s = 2.0 * torch.tanh(q @ k.transpose(-1, -2) * 0.3 / 2.0)
+    s = s.masked_fill(~mask, float("-inf"))
+    e = torch.exp(s)
+    p = e / (e.sum(-1, keepdim=True) + torch.exp(sinks).view(1, 2, 1, 1))
+    torch.testing.assert_close(out, (p @ v).transpose(1, 2))
+
+
+def _sinks(heads, with_sinks, device=DEVICE):
+    return torch.randn(heads, device=device) * 2 if with_sinks else None
+
+
+@needs_triton
+@pytest.mark.parametrize("softcap, with_sinks", FEATURES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 5])
+def test_triton_decode_features(softcap, with_sinks, dtype, window):
+    from hf_paged.kernels.triton_attention import decode_attention
+
+    k, v, table, seq = paged_inputs([3, 97, 50], 8, 2, 64, dtype, seed=2)
+    q = torch.randn(3, 4, 64, device=DEVICE).to(dtype)
+    sinks = _sinks(4, with_sinks)
+    ref = expected(q[:, :, None], k, v, table, (seq - 1)[:, None], None, 0.125, window,
+                   softcap, sinks)[:, 0]
+    for splits, tile in ((1, 64), (3, 16)):  # the sink in one split, merged with the others
+        out = decode_attention(q, k, v, table, seq, 0.125, window, None, num_splits=splits,
+                               tile=tile, softcap=softcap, sinks=sinks)
+        torch.testing.assert_close(out.float(), ref, **TOLERANCE[dtype])
+
+
+@needs_triton
+@pytest.mark.parametrize("softcap, with_sinks", FEATURES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 6])
+def test_triton_extend_features(softcap, with_sinks, dtype, window):
+    from hf_paged.kernels.triton_attention import extend_attention
+
+    ctx, new, heads = [0, 12], [17, 9], 4
+    lengths = [c + n for c, n in zip(ctx, new)]
+    k, v, table, seq = paged_inputs(lengths, 8, 2, 32, dtype, seed=3)
+    q_len = max(new)
+    ctx_t = torch.tensor(ctx, device=DEVICE)
+    col = torch.arange(q_len, device=DEVICE)
+    pad = (q_len - torch.tensor(new, device=DEVICE)).unsqueeze(1)
+    query_pos = ctx_t.unsqueeze(1) + col - pad
+    is_query = col >= pad
+    q = torch.randn(2, q_len, heads, 32, device=DEVICE).to(dtype)
+    sinks = _sinks(heads, with_sinks)
+    ref = expected(q.transpose(1, 2), k, v, table, query_pos, is_query, 0.2, window, softcap,
+                   sinks)
+    out = extend_attention(q, k, v, table, query_pos, ctx_t, seq, 0.2, window, None,
+                           softcap=softcap, sinks=sinks)
+    torch.testing.assert_close(out.float()[is_query], ref[is_query], **TOLERANCE[dtype])
+    assert torch.all(out[~is_query] == 0)
+
+
+@pytest.mark.parametrize("softcap, with_sinks", FEATURES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_decode_features(cuda_kernels, softcap, with_sinks, dtype):
+    from hf_paged.kernels import cuda_ops
+
+    ops, device = cuda_kernels
+    lengths = [1, 17, 97, 300]
+    k, v, table, seq = paged_inputs(lengths, 16, 2, 64, dtype, device=device)
+    q = torch.randn(len(lengths), 8, 64, device=device).to(dtype)
+    sinks = _sinks(8, with_sinks, device)
+    ref = expected(q[:, :, None], k, v, table, (seq - 1)[:, None], None, 0.125, None, softcap,
+                   sinks)[:, 0]
+    for partition in (cuda_ops.PARTITION, 64):  # single pass and split-KV
+        out = ops.decode(q, k, v, table, seq, None, 0.125, 0, max(lengths), partition,
+                         softcap or 0.0, sinks)
+        torch.testing.assert_close(out.float(), ref, **TOLERANCE[dtype])
