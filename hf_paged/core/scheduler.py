@@ -15,6 +15,10 @@ cap on running sequences (`max_num_seqs`):
 The step is returned as a plan the engine carries out on the device: the scheduled
 sequences with their token counts, block-table entries to write, copy-on-write pairs and
 swaps. `after_step` records what was computed.
+
+A hybrid model's KV groups (core/kv_groups.py) each give a sequence a table of its own:
+the sequence's blocks are counted, allocated, cached by prefix, swapped and freed in every
+group at once, and a sliding group's blocks leave as the window passes them.
 """
 
 from __future__ import annotations
@@ -23,11 +27,11 @@ import bisect
 from dataclasses import dataclass, field
 
 from .block_pool import BlockPool
-from .block_table import FREED, BlockTables, blocks_to_add
+from .block_table import FREED, blocks_to_add
+from .kv_groups import GroupedTables, KVGroups
 from ..errors import RequestRejectedError
 from .prefix_cache import PrefixCache, block_key
 from .sequence import Sequence, SeqStatus
-from ..utils import cdiv
 
 
 
@@ -82,17 +86,19 @@ class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, sliding_window: int | None = None,
                  enable_prefix_caching: bool = True, preemption_mode: str = "recompute",
-                 cpu_pool: BlockPool | None = None):
+                 cpu_pool: BlockPool | None = None, groups: KVGroups | None = None):
+        """sliding_window: of every layer (one KV group); groups: a hybrid model's KV groups
+        instead (each with its window)."""
         self.check_options(max_num_seqs, max_num_batched_tokens, preemption_mode)
         self.pool = pool
         self.block_size = pool.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.sliding_window = sliding_window
+        self.groups = groups or KVGroups.plan((sliding_window,))
         self.preemption_mode = preemption_mode
         self.cpu_pool = cpu_pool
-        self.tables = BlockTables(pool, max_num_seqs)
+        self.tables = GroupedTables(pool, self.groups, max_num_seqs)
         self.prefix = PrefixCache(pool, enable_prefix_caching)
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
         self.running: list[Sequence] = []  # kept in rank order
@@ -104,10 +110,8 @@ class Scheduler:
 
     # -- requests --------------------------------------------------------------------------
     def blocks_at_once(self, total_tokens: int) -> int:
-        """Most blocks a sequence of `total_tokens` holds at one time."""
-        if self.sliding_window is not None:
-            total_tokens = min(total_tokens, self.sliding_window + self.max_num_batched_tokens)
-        return cdiv(total_tokens, self.block_size) + (self.sliding_window is not None)
+        """Most blocks a sequence of `total_tokens` holds at one time, all groups."""
+        return self.groups.blocks_for(total_tokens, self.block_size, self.max_num_batched_tokens)
 
     def check_fits(self, prompt_len: int, max_tokens: int, n: int = 1) -> None:
         """Raises RequestRejectedError for a request that could never run."""
@@ -146,7 +150,7 @@ class Scheduler:
                 queue.remove(seq)
         self._free(seq)
         if seq.swapped is not None and self.cpu_pool is not None:
-            self.cpu_pool.decref([b for b in seq.swapped if b != FREED])
+            self.cpu_pool.decref([b for t in seq.swapped for b in t if b != FREED])
             seq.swapped = None
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
@@ -160,10 +164,8 @@ class Scheduler:
         step = Step()
         budget = self.max_num_batched_tokens
         counts = [0] * self.max_num_seqs
-        if self.sliding_window is not None:  # blocks no query of a row can see again
-            released = self.tables.release_outside_window(self.sliding_window,
-                                                          self._computed_per_row())
-            self.prefix.released(released)
+        # Blocks no query of a row can see again, in the sliding groups.
+        self.prefix.released(self.tables.release_outside_window(self._computed_per_row()))
         reserved = 0  # blocks the counts planned so far will take
         served: set[int] = set()
         for seq in list(self.running):
@@ -229,20 +231,23 @@ class Scheduler:
     def _start(self, seq: Sequence, budget: int, reserved: int) -> bool:
         """Gives `seq` a row with its cached prefix, if the first chunk's blocks fit."""
         keys = self._prefix_keys(seq)
-        hits = self.prefix.lookup(keys)
-        cached = len(hits) * self.block_size
+        # A prefix is a hit as far as every group still has its blocks.
+        hits = [self.prefix.lookup(self._group_keys(keys, g))
+                for g in range(self.groups.num_groups)]
+        found = min(len(h) for h in hits)
+        hits = [h[:found] for h in hits]
+        cached = found * self.block_size
         chunk = min(seq.num_tokens - cached, budget)
         # Blocks the first chunk needs beyond the hits (hits stop being evictable).
-        need = blocks_to_add(len(hits), 0, cached + chunk, self.block_size)
-        hit_evictable = sum(1 for b in hits if self.pool.refcount(b) == 1)
+        need = blocks_to_add(found, 0, cached + chunk, self.block_size) * len(hits)
+        hit_evictable = sum(1 for h in hits for b in h if self.pool.refcount(b) == 1)
         if need > self._available() - hit_evictable - reserved:
             return False
         row = self._free_rows.pop()
         seq.reserved_rows = [self._free_rows.pop() for _ in range(seq.forks)]
-        self.prefix.acquire(hits)
-        self.tables.assign(row, hits, cached)
-        self._pending_entries += [(row, i, b) for i, b in enumerate(hits)]
-        seq.row, seq.num_computed, seq.registered = row, cached, len(hits)
+        self.prefix.acquire([b for h in hits for b in h])
+        self._pending_entries += self.tables.assign(row, hits, cached)
+        seq.row, seq.num_computed, seq.registered = row, cached, found
         if seq.preemptions == 0:  # its first admission
             seq.cached_tokens = cached
             self.prefix.queried_tokens += len(seq.prompt)
@@ -250,21 +255,23 @@ class Scheduler:
         return True
 
     def _swap_in(self, seq: Sequence, budget: int, reserved: int) -> bool:
-        live = [b for b in seq.swapped if b != FREED]
+        live = [b for t in seq.swapped for b in t if b != FREED]
         count = min(seq.num_tokens - seq.swapped_length, budget)
-        growth = self._row_needs_for(len(seq.swapped), seq.swapped_length, count)
+        growth = sum(self._row_needs_for(len(t), seq.swapped_length, count)
+                     for t in seq.swapped)
         if len(live) + growth > self._available() - reserved:
             return False
         if len(live) > self.pool.num_free:
             self.prefix.evict(len(live) - self.pool.num_free)
         fresh = iter(self.pool.allocate(len(live)))
-        table = [b if b == FREED else next(fresh) for b in seq.swapped]
-        self._pending_swap_in += [(c, g) for c, g in zip(seq.swapped, table) if c != FREED]
+        tables = [[b if b == FREED else next(fresh) for b in t] for t in seq.swapped]
+        self._pending_swap_in += [(c, g) for cpu, gpu in zip(seq.swapped, tables)
+                                  for c, g in zip(cpu, gpu) if c != FREED]
         self.cpu_pool.decref(live)  # the copy back is queued before any later swap-out
         row = self._free_rows.pop()
         seq.reserved_rows = [self._free_rows.pop() for _ in range(seq.forks)]
-        self.tables.assign(row, table, seq.swapped_length, incref=False)
-        self._pending_entries += [(row, i, b) for i, b in enumerate(table) if b != FREED]
+        self._pending_entries += self.tables.assign(row, tables, seq.swapped_length,
+                                                    incref=False)
         seq.row, seq.swapped = row, None
         return True
 
@@ -273,14 +280,15 @@ class Scheduler:
         seq.preemptions += 1
         self.running.remove(seq)
         step.preempted.append(seq)
-        table, length = self.tables.tables[seq.row], self.tables.lengths[seq.row]
-        live = [b for b in table if b != FREED]
+        tables, length = self.tables.row_tables(seq.row), self.tables.lengths[seq.row]
+        live = [b for t in tables for b in t if b != FREED]
         if (self.preemption_mode == "swap" and self.cpu_pool is not None
                 and len(live) <= self.cpu_pool.num_free):
             cpu = iter(self.cpu_pool.allocate(len(live)))
-            seq.swapped = [b if b == FREED else next(cpu) for b in table]
+            seq.swapped = [[b if b == FREED else next(cpu) for b in t] for t in tables]
             seq.swapped_length = length
-            step.swap_out += [(g, c) for g, c in zip(table, seq.swapped) if g != FREED]
+            step.swap_out += [(g, c) for gpu, host in zip(tables, seq.swapped)
+                              for g, c in zip(gpu, host) if g != FREED]
             self._free(seq)
             seq.status = SeqStatus.SWAPPED
             self._insert(self.swapped, seq)
@@ -312,11 +320,10 @@ class Scheduler:
     def fork(self, parent: Sequence, children: list[Sequence]) -> None:
         """`children` continue `parent` (same prompt, rows reserved at admission), sharing
         its blocks copy-on-write."""
-        table, length = self.tables.tables[parent.row], self.tables.lengths[parent.row]
+        tables, length = self.tables.row_tables(parent.row), self.tables.lengths[parent.row]
         for child in children:
             row = parent.reserved_rows.pop()
-            self.tables.assign(row, table, length)
-            self._pending_entries += [(row, i, b) for i, b in enumerate(table) if b != FREED]
+            self._pending_entries += self.tables.assign(row, tables, length)
             child.row, child.num_computed = row, parent.num_computed
             child.block_hashes = list(parent.block_hashes)
             child.registered = parent.registered
@@ -328,17 +335,24 @@ class Scheduler:
         return self.pool.num_free + self.prefix.num_evictable
 
     def _row_needs(self, row: int, count: int) -> int:
-        table = self.tables.tables[row]
-        return self._row_needs_for(len(table), self.tables.lengths[row], count,
-                                   table[-1] if table else None)
+        """Blocks `count` more tokens of `row` take, over all groups."""
+        length = self.tables.lengths[row]
+        need = 0
+        for tables in self.tables.by_group:
+            table = tables.tables[row]
+            need += self._row_needs_for(len(table), length, count, table[-1] if table else None)
+        return need
 
     def _row_fits(self, row: int, room: int) -> int:
         """Most tokens `row` can take with `room` more blocks (0 if it must copy a shared
-        partial block first, or has no room)."""
+        partial block first, or has no room). Every group grows alike: a block's worth of
+        tokens takes a block in each."""
         table, length = self.tables.tables[row], self.tables.lengths[row]
         if self._row_needs(row, 1) > room:
             return 0
-        return (len(table) + room) * self.block_size - length
+        per_block = self.groups.num_groups
+        extra = (room - self._row_needs(row, 0)) // per_block
+        return (len(table) + extra) * self.block_size - length
 
     def _row_needs_for(self, blocks: int, length: int, count: int, last: int | None = None) -> int:
         """Blocks `count` more tokens take in a row of `blocks` blocks holding `length`."""
@@ -374,11 +388,21 @@ class Scheduler:
         if seq.registered >= full:
             return
         keys = self._keys(seq, full)
-        table = self.tables.tables[seq.row]
-        for i in range(seq.registered, full):
-            if table[i] != FREED:
-                self.prefix.register(table[i], keys[i])
+        for g, tables in enumerate(self.tables.by_group):
+            table, group_keys = tables.tables[seq.row], self._group_keys(keys, g)
+            for i in range(seq.registered, full):
+                if table[i] != FREED:
+                    self.prefix.register(table[i], group_keys[i])
         seq.registered = full
+
+    @staticmethod
+    def _group_keys(keys: list[bytes], group: int) -> list[bytes]:
+        """The prefix-cache keys of a sequence's blocks in KV group `group` (group 0's are
+        the content keys; other groups hold other blocks for the same content)."""
+        if group == 0:
+            return keys
+        tag = group.to_bytes(2, "little")
+        return [key + tag for key in keys]
 
     @staticmethod
     def _insert(queue: list[Sequence], seq: Sequence) -> None:

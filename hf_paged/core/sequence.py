@@ -35,7 +35,7 @@ class Sequence:
     num_computed: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # content keys of full blocks
     registered: int = 0  # leading full blocks already offered to the prefix cache
-    swapped: list[int] | None = None  # CPU block table of a swapped sequence
+    swapped: list[list[int]] | None = None  # CPU block tables (per KV group) when swapped
     swapped_length: int = 0
     forks: int = 0  # siblings to fork once the prompt is computed (n - 1)
     reserved_rows: list[int] = field(default_factory=list)  # rows kept for those siblings

@@ -114,7 +114,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.pool.blocks, self.max_num_seqs,
                                    self.max_num_batched_tokens, self.max_model_len,
                                    self.sliding_window, enable_prefix_caching, preemption_mode,
-                                   None if self.cpu_pool is None else self.cpu_pool.blocks)
+                                   None if self.cpu_pool is None else self.cpu_pool.blocks,
+                                   runner.groups)
         self.sampler = Sampler()
         self.vocab_size = base.get_output_embeddings().weight.shape[0]
         # Decode every step (servers stream text); otherwise only finished completions.

@@ -25,8 +25,10 @@ from ..hf.architectures import (
 from ..hf.attention import KWARG
 from ..hf.register import register
 from ..hf.switch import paged_attention
+from ..core.kv_groups import KVGroups
 from ..kernels.dispatch import PoolAccess
 from ..kv.metadata import DeviceBlockTable, ForwardMetadata, build_metadata, to_device
+from ..kv.placement import Placement
 from ..kv.pool import KVPool, block_bytes
 from ..utils import cdiv
 
@@ -109,8 +111,12 @@ class ModelRunner:
         spec = kv_spec(text_config)
         num_layers, head_dim, v_head_dim = spec.num_layers, spec.head_dim, spec.v_head_dim
         num_heads, kv_heads = tp_heads(text_config, attention_tp_size(base))  # this rank's
-        # A model spread by device_map keeps each layer's KV on that layer's device.
+        # A model spread by device_map keeps each layer's KV on that layer's device; on one
+        # device, sliding-window and full layers form KV groups sharing the pool's blocks.
         placement = model_placement(base, num_layers)
+        self.groups = KVGroups.plan(spec.windows, hybrid=placement.is_single)
+        if self.groups.is_hybrid:
+            placement = Placement.single(self.groups.slots, placement.primary)
         self.kv_device = placement.primary  # where block tables and metadata are built
         self._index_device = logits_index_device(base)  # for logits_to_keep
         self.on_cuda = any(d.type == "cuda" for d in placement.devices)
@@ -121,14 +127,17 @@ class ModelRunner:
         # Blocks leave a sequence as the window passes only when every layer slides by it.
         self.sliding_window = spec.common_window
         per_layer = block_bytes(1, kv_heads, head_dim, self.block_size, self.dtype, v_head_dim)
-        per_block = num_layers * per_layer
+        slots = self.groups.slots  # layers a block holds
+        per_block = slots * per_layer
+        if num_blocks is not None and self.groups.is_hybrid:  # counted in blocks of all layers
+            num_blocks = positive("num_blocks", num_blocks) * num_layers // slots
         blocks = self._pool_blocks(num_blocks, kv_cache_bytes, gpu_memory_utilization,
                                    per_layer, placement)
         self.control = None
         if self.tp_size > 1:  # every rank must hold the same blocks: the smallest pool wins
             blocks = tp.agree_on_min(blocks, self.device)
             self.control = tp.control_group()
-        self.pool = KVPool(num_layers, kv_heads, head_dim, self.block_size, blocks, self.dtype,
+        self.pool = KVPool(slots, kv_heads, head_dim, self.block_size, blocks, self.dtype,
                            placement, growable=False, v_head_dim=v_head_dim)
         logger.info("hf-paged engine: KV pool of %d blocks x %d tokens (%s)", blocks,
                     self.block_size, ", ".join(
@@ -142,16 +151,16 @@ class ModelRunner:
                 swap_blocks = min(blocks, physical // 4 // ranks_here // per_block)
             else:
                 swap_blocks = swap_space_bytes // per_block
-            self.cpu_pool = KVPool(num_layers, kv_heads, head_dim, self.block_size,
+            self.cpu_pool = KVPool(slots, kv_heads, head_dim, self.block_size,
                                    swap_blocks, self.dtype, placement.on("cpu"), growable=False,
                                    v_head_dim=v_head_dim)
             if torch.cuda.is_available() and self.on_cuda:
                 self.cpu_pool.pin_memory()
         self.access = PoolAccess(self.pool, backend, num_heads, spec.windows, spec.latent,
-                                 attention_features(base))
+                                 attention_features(base), self.groups)
         self.device_table = DeviceBlockTable(self.max_num_seqs,
                                              cdiv(self.max_model_len, self.block_size),
-                                             self.kv_device)
+                                             self.kv_device, self.groups.num_groups)
 
     def _pool_blocks(self, num_blocks, kv_cache_bytes, utilization, per_layer,
                      placement) -> int:
@@ -176,7 +185,8 @@ class ModelRunner:
         if blocks == 0:
             raise ValueError(f"kv_cache_bytes={kv_cache_bytes} is smaller than one KV block "
                              f"({per_block} bytes).")
-        most = self.max_num_seqs * (cdiv(self.max_model_len, self.block_size) + 1)
+        most = self.max_num_seqs * self.groups.num_groups * (
+            cdiv(self.max_model_len, self.block_size) + 1)
         return min(blocks, most)  # never more than every sequence at full length
 
     # -- a step ------------------------------------------------------------------------------
@@ -197,27 +207,36 @@ class ModelRunner:
         self.prepare(work)
         return [self.forward(f) for f in work.forwards]
 
-    def metadata(self, rows: list[int], context: list[int], counts: list[int]) -> ForwardMetadata:
-        """Packed-forward metadata of `rows` (device block-table rows), each with `context`
-        tokens cached and `counts` new ones; decode rows apart from prompt chunks."""
+    def metadata(self, rows: list[int], context: list[int],
+                 counts: list[int]) -> list[ForwardMetadata]:
+        """Packed-forward metadata of sequence `rows` (their block-table rows), each with
+        `context` tokens cached and `counts` new ones, decode rows apart from prompt chunks:
+        one per KV group (each group's tables are rows g * max_num_seqs + row)."""
         device = self.kv_device
-        table = self.device_table.table.index_select(0, to_device(rows, device))
+        index = to_device(rows, device)
+        context_t = to_device(context, device)
         lens = [c + n for c, n in zip(context, counts)]
-        return build_metadata(table, to_device(context, device), counts, max(counts), max(lens),
-                              self.block_size, packed=True, seq_lens_host=lens,
-                              split_decodes=True)
+        metas = []
+        for g in range(self.groups.num_groups):
+            table = self.device_table.group(g).index_select(0, index)
+            metas.append(build_metadata(table, context_t, counts, max(counts), max(lens),
+                                        self.block_size, packed=True, seq_lens_host=lens,
+                                        split_decodes=True))
+        return metas
 
     def forward(self, f: Forward, check=None) -> torch.Tensor:
         """Runs one packed forward; returns the logits [S, V] of its rows that sample.
-        check: called with the forward's metadata before it runs (the isolation debug mode)."""
-        meta = self.metadata(f.rows, f.context, f.counts)
+        check: called with the forward's metadata (one per KV group) before it runs (the
+        isolation debug mode)."""
+        metas = self.metadata(f.rows, f.context, f.counts)
+        meta = metas[0]
         if check is not None:
-            check(meta)
+            check(metas)
         keep = to_device(f.last or [len(f.ids) - 1], self._index_device)
         extra = {}
         if f.adapter is not None:  # PEFT picks the adapter per batch row; the batch is one row
             extra["adapter_names"] = [f.adapter]
-        paged_kv = self.access.forward(meta)
+        paged_kv = self.access.forward(meta, group_metas=metas)
         with torch.inference_mode(), paged_attention(self.base):
             out = self.model(input_ids=to_device(f.ids, self.device)[None],
                              position_ids=to_device(f.positions, self.device)[None],

@@ -7,7 +7,7 @@ import weakref
 import torch
 from transformers.cache_utils import Cache
 
-from ..core.block_table import BlockTables, first_visible
+from ..core.kv_groups import GroupedTables, KVGroups
 from ..config import PagedCacheConfig
 from ..errors import HFPagedError, KVCacheExhaustedError
 from ..kv.pool import KVPool
@@ -26,6 +26,32 @@ _NOT_GIVEN = object()  # expect_forward was not called for the next forward
 
 def _ceil_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
+
+
+def kv_groups(spec, placement: Placement | None) -> KVGroups:
+    """The KV groups of a new pool: sliding-window and full layers apart (hybrid) when every
+    layer is on one device, since groups share block slots; one group otherwise."""
+    return KVGroups.plan(spec.windows, hybrid=placement is None or placement.is_single)
+
+
+def pool_placement(groups: KVGroups, placement: Placement | None, device):
+    """Where a pool for `groups` goes: the model's placement (one group), or its one device
+    for a pool of `groups.slots` layers per block."""
+    if not groups.is_hybrid:
+        return placement or device
+    return Placement.single(groups.slots, placement.primary if placement else device)
+
+
+def groups_for_pool(spec, pool: KVPool) -> KVGroups:
+    """The groups a given pool serves: hybrid when it holds a group's slots, one group when
+    it holds every layer."""
+    groups = KVGroups.plan(spec.windows, hybrid=pool.placement.is_single)
+    if pool.num_layers == groups.slots:
+        return groups
+    if pool.num_layers == spec.num_layers:
+        return KVGroups.plan(spec.windows, hybrid=False)
+    raise ValueError(f"PagedCache: the pool holds {pool.num_layers} layers per block; this "
+                     f"model needs {spec.num_layers} (or {groups.slots}, grouped).")
 
 
 class PagedCache(PagedLayers, Cache):
@@ -103,7 +129,8 @@ class PagedCache(PagedLayers, Cache):
         self.max_cache_len = max_cache_len
         self.pool: KVPool | None = None
         self.placement = placement
-        self.tables: BlockTables | None = None
+        self.groups: KVGroups | None = None  # how the layers share blocks (with the pool)
+        self.tables: GroupedTables | None = None
         self.hidden = HiddenSlots()
         self.device_table: DeviceBlockTable | None = None
         self.access: PoolAccess | None = None
@@ -127,10 +154,15 @@ class PagedCache(PagedLayers, Cache):
 
     def _bind_pool(self, pool: KVPool | None, dtype: torch.dtype, device) -> None:
         if pool is None:
-            pool = KVPool.for_config(self.cache_config, self.num_layers, self.num_kv_heads,
-                                     self.head_dim, dtype, self.placement or device,
+            self.groups = kv_groups(self.spec, self.placement)
+            pool = KVPool.for_config(self.cache_config, self.groups.slots, self.num_kv_heads,
+                                     self.head_dim, dtype,
+                                     pool_placement(self.groups, self.placement, device),
                                      block_size=self.block_size,
-                                     v_head_dim=self.spec.v_head_dim)
+                                     v_head_dim=self.spec.v_head_dim,
+                                     model_layers=self.num_layers)
+        else:
+            self.groups = groups_for_pool(self.spec, pool)
         if pool.block_size != self.block_size:
             raise ValueError(
                 f"PagedCache: pool block_size {pool.block_size} != cache_config block_size "
@@ -138,8 +170,9 @@ class PagedCache(PagedLayers, Cache):
             )
         self.access = self._access(pool)
         self.pool = pool
-        self.placement = pool.placement
-        self.tables = BlockTables(pool.blocks)
+        if not self.groups.is_hybrid:
+            self.placement = pool.placement
+        self.tables = GroupedTables(pool.blocks, self.groups)
         # Blocks go back to the (possibly shared) pool when this cache is collected.
         weakref.finalize(self, self.tables.release, later=True)
 
@@ -157,7 +190,7 @@ class PagedCache(PagedLayers, Cache):
 
     def _access(self, pool: KVPool) -> PoolAccess:
         return PoolAccess(pool, self.cache_config.backend, self.num_heads, self.layer_windows,
-                          self.spec.latent, self.features)
+                          self.spec.latent, self.features, self.groups)
 
     @property
     def backend(self):
@@ -356,9 +389,10 @@ class PagedCache(PagedLayers, Cache):
             self.tables.resize(rows)
             self.hidden.resize(rows)
             cols = cdiv(self.max_cache_len or 1, self.block_size) + 1
-            self.device_table = DeviceBlockTable(rows, cols, self.pool.device)
-        if self.sliding_window is not None and not self._recording:
-            self.tables.release_outside_window(self.sliding_window)
+            self.device_table = DeviceBlockTable(rows, cols, self.pool.device,
+                                                 self.groups.num_groups)
+        if not self._recording:
+            self.tables.release_outside_window()
         needed = self.tables.blocks_needed(counts)
         try:
             self.pool.ensure_free(needed, limit=self._block_limit(rows),
@@ -377,14 +411,17 @@ class PagedCache(PagedLayers, Cache):
         self._seen += step.width
         max_len = max(self.tables.lengths)
         num_cols = max(cdiv(max_len, self.block_size), 1)
-        meta = build_metadata(
-            self.device_table, context, counts, max(counts) if step.packed else step.width,
-            max_len, self.block_size, packed=step.packed,
-            key_hidden=self.hidden.slot_mask(num_cols * self.block_size, self.pool.device),
-            columns=self._seen, seq_lens_host=list(self.tables.lengths))
-        self.device_table.lengths = meta.seq_lens
+        key_hidden = self.hidden.slot_mask(num_cols * self.block_size, self.pool.device)
+        q_len = max(counts) if step.packed else step.width
+        lengths = list(self.tables.lengths)
+        metas = [build_metadata(
+            self.device_table.group(g), context, counts, q_len, max_len, self.block_size,
+            packed=step.packed, key_hidden=key_hidden, columns=self._seen,
+            seq_lens_host=lengths) for g in range(self.groups.num_groups)]
+        self.device_table.lengths = metas[0].seq_lens
         self.peak_blocks = max(self.peak_blocks, self.tables.num_held)
-        forward.bind(self.access, meta, released_blocks=any(self.tables.freed))
+        forward.bind(self.access, metas[0], released_blocks=self.tables.released_any(),
+                     group_metas=metas)
 
     def _block_limit(self, rows: int) -> int | None:
         """Most blocks this cache can need: caps an unsized pool's growth headroom."""
@@ -420,9 +457,7 @@ class PagedCache(PagedLayers, Cache):
         removed = self._seen - keep
         if self.device_table is not None:
             lengths = [max(n - removed, 0) for n in self.tables.lengths]
-            if self.sliding_window is not None and any(
-                    f and first_visible(n, self.sliding_window) < f * self.block_size
-                    for n, f in zip(lengths, self.tables.freed)):
+            if self.tables.cannot_keep(lengths):
                 raise HFPagedError(
                     f"crop({tokens_to_remove}) would need tokens this cache already released "
                     "outside the sliding window; call activate_past_recording() before "

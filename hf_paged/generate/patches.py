@@ -53,7 +53,7 @@ from ..hf.switch import paged_attention
 from ..hf.switch import release_paged_attention, use_paged_attention
 from ..kv.pool import kept_pool
 from . import prefill as paged_prefill
-from .cache import PagedCache
+from .cache import PagedCache, kv_groups, pool_placement
 from .plan import PLAN_KWARG
 
 CACHE_IMPLEMENTATION = "paged"
@@ -150,8 +150,10 @@ def build_cache(model, generation_config, max_cache_length: int | None) -> Paged
     tp_size = attention_tp_size(model)
     pool = None
     if cache_config.is_sized:
-        pool = kept_pool(model, cache_config, spec.num_layers, tp_heads(text_config, tp_size)[1],
-                         spec.head_dim, model.dtype, placement, v_head_dim=spec.v_head_dim)
+        groups = kv_groups(spec, placement)
+        pool = kept_pool(model, cache_config, groups.slots, tp_heads(text_config, tp_size)[1],
+                         spec.head_dim, model.dtype, pool_placement(groups, placement, None),
+                         v_head_dim=spec.v_head_dim, model_layers=spec.num_layers)
     return PagedCache(text_config, cache_config, dtype=model.dtype, device=placement.primary,
                       pool=pool, max_cache_len=max_cache_length, tp_size=tp_size,
                       placement=placement, features=attention_features(model))

@@ -32,7 +32,7 @@ def load_prefix(cache, keys: list[torch.Tensor], values: list[torch.Tensor]) -> 
     cache.begin_forward(1, stored * length, plan=plan)
     try:
         for layer, (k, v) in enumerate(zip(keys, values)):
-            device = cache.pool.layer_kv(layer).device  # a layer's own device (device_map)
+            device = cache.access.views(layer)[0].device  # a layer's own device (device_map)
             packed = [t[:stored].transpose(0, 1).reshape(1, heads, stored * length, dim)
                       .to(device) for t in (k, v)]
             cache.update(packed[0], packed[1], layer)

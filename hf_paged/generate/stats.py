@@ -27,6 +27,22 @@ class DeviceMemory:
 
 
 @dataclass(frozen=True)
+class GroupMemory:
+    """One KV group of a hybrid model (see core/kv_groups.py): its layers' blocks.
+
+    window:         its sliding window (None: full attention)
+    layers:         its layers
+    blocks_in_use:  blocks its tables hold (each of block_size tokens of its layers)
+    tokens_stored:  distinct tokens held in them
+    """
+
+    window: int | None
+    layers: tuple[int, ...]
+    blocks_in_use: int
+    tokens_stored: int
+
+
+@dataclass(frozen=True)
 class MemoryStats:
     """KV memory of a `PagedCache` at one moment.
 
@@ -47,6 +63,12 @@ class MemoryStats:
                          batch, reused by every layer and step)
     devices:             the same memory per device: {"cuda:1": DeviceMemory, ...}, one
                          entry per device holding layers (one for a model on one device)
+    groups:              a hybrid model's KV groups (sliding-window layers apart from full
+                         ones), each with its own blocks; empty for one group. The figures
+                         above then count blocks of every layer: a group's block of k of the
+                         model's L layers counts k / L of one, and tokens_stored averages
+                         the layers (a token a sliding group released counts for the
+                         layers still holding it)
     """
 
     tokens_stored: int
@@ -62,6 +84,7 @@ class MemoryStats:
     utilization: float
     workspace_bytes: int = 0
     devices: dict[str, DeviceMemory] = field(default_factory=dict)
+    groups: tuple[GroupMemory, ...] = ()
 
     @property
     def kv_bytes_in_use(self) -> int:
@@ -72,46 +95,62 @@ class MemoryStats:
         return self.peak_blocks_in_use * self.block_size * self.bytes_per_token
 
 
+def _fill(tables, block_size: int) -> dict[int, int]:
+    """Tokens held in each block of one group's tables."""
+    fill: dict[int, int] = {}
+    for table, n in zip(tables.tables, tables.lengths):
+        for i, block in enumerate(table):
+            if block != FREED:
+                fill[block] = max(fill.get(block, 0), min(block_size, n - i * block_size))
+    return fill
+
+
 def measure(cache) -> MemoryStats:
     """Memory figures of `cache` (a PagedCache) at this moment."""
     if cache.pool is None:  # nothing stored yet
         return MemoryStats(0, 0, 0, 0, 0, cache.block_size, 0, 0, 0, 0, 0.0)
-    bs = cache.block_size
-    fill: dict[int, int] = {}
-    for table, n in zip(cache.tables.tables, cache.tables.lengths):
-        for i, block in enumerate(table):
-            if block != FREED:
-                fill[block] = max(fill.get(block, 0), min(bs, n - i * bs))
-    tokens = sum(fill.values())
-    in_use = len(fill)
-    shared = sum(1 for b in fill if cache.pool.blocks.refcount(b) > 1)
-    bpt = cache.pool.bytes_per_token
+    bs, groups = cache.block_size, cache.groups
+    fills = [_fill(t, bs) for t in cache.tables.by_group]
+    layers = groups.num_layers
+    # A group's block holds `slots` of the model's layers: that share of a block of all.
+    share = groups.slots / layers
+    in_use_pool = sum(len(f) for f in fills)
+    in_use = -(-in_use_pool * groups.slots // layers)
+    tokens = round(sum(sum(f.values()) * len(g) for f, g in zip(fills, groups.layers)) / layers)
+    shared = sum(1 for f in fills for b in f if cache.pool.blocks.refcount(b) > 1)
+    bpt = cache.pool.bytes_per_token * layers // groups.slots
+    unshared = sum(len(t) - f for tables in cache.tables.by_group
+                   for t, f in zip(tables.tables, tables.freed))
     return MemoryStats(
         tokens_stored=tokens,
         logical_tokens=sum(cache.tables.lengths),
         blocks_in_use=in_use,
-        peak_blocks_in_use=max(cache.peak_blocks, in_use),
-        num_blocks=cache.pool.blocks.num_blocks,
+        peak_blocks_in_use=max(-(-cache.peak_blocks * groups.slots // layers), in_use),
+        num_blocks=int(cache.pool.blocks.num_blocks * share),
         block_size=bs,
-        shared_blocks=shared,
+        shared_blocks=-(-shared * groups.slots // layers),
         bytes_per_token=bpt,
         pool_bytes=cache.pool.nbytes,
-        unshared_kv_bytes=sum(len(t) - f for t, f in zip(cache.tables.tables, cache.tables.freed))
-        * bs * bpt,
+        unshared_kv_bytes=unshared * bs * cache.pool.bytes_per_token,
         utilization=tokens / (in_use * bs) if in_use else 0.0,
         workspace_bytes=cache.workspace_bytes,
-        devices=_per_device(cache.pool, in_use * bs),
+        devices=_per_device(cache.pool, in_use_pool * bs, layers),
+        groups=() if not groups.is_hybrid else tuple(
+            GroupMemory(w, g, len(f), sum(f.values()))
+            for w, g, f in zip(groups.windows, groups.layers, fills)),
     )
 
 
-def _per_device(pool, tokens_in_blocks: int) -> dict[str, DeviceMemory]:
-    """tokens_in_blocks: block slots the cache holds (blocks in use * block size)."""
+def _per_device(pool, tokens_in_blocks: int, model_layers: int) -> dict[str, DeviceMemory]:
+    """tokens_in_blocks: block slots the cache holds (pool blocks in use * block size).
+    A pool of fewer layers per block than the model's (KV groups) is on one device."""
     per_layer = pool.bytes_per_token // pool.num_layers
-    totals: dict[str, list[int]] = {}  # device -> [layers, pool bytes]
+    totals: dict[str, list[int]] = {}  # device -> [layers, pool bytes, layers per block]
     for device, layers, kv in zip(pool.placement.devices, pool.placement.layers, pool.shards):
-        entry = totals.setdefault(str(device), [0, 0])
-        entry[0] += len(layers)
+        entry = totals.setdefault(str(device), [0, 0, 0])
+        entry[0] += len(layers) if pool.num_layers == model_layers else model_layers
         entry[1] += kv.numel() * kv.element_size()
+        entry[2] += len(layers)
     return {device: DeviceMemory(device, n, n * per_layer, nbytes,
-                                 tokens_in_blocks * n * per_layer)
-            for device, (n, nbytes) in totals.items()}
+                                 tokens_in_blocks * slots * per_layer)
+            for device, (n, nbytes, slots) in totals.items()}

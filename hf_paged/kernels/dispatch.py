@@ -17,6 +17,7 @@ from abc import ABC, abstractmethod
 import torch
 from transformers.cache_utils import Cache
 
+from ..core.kv_groups import KVGroups
 from ..errors import BackwardNotSupportedError, HFPagedError
 from ..kv.metadata import ForwardMetadata, to_device
 from . import reference
@@ -56,18 +57,25 @@ class PoolAccess:
 
     def __init__(self, pool, backend: str, num_heads: int,
                  windows: tuple[int | None, ...] | None = None, latent: bool = False,
-                 features: frozenset = frozenset()):
+                 features: frozenset = frozenset(), groups: KVGroups | None = None):
         """backend: a name for `select_backend` ("auto", "torch", ...); num_heads: query
         heads (of this rank); windows: each layer's sliding window (None: full attention);
         latent: the layers store a latent KV their attention expands (each layer's write
         returns its rows' tokens in full; see `PagedForward.write`). features: what the
         model's attention layers pass (`hf.architectures.attention_features`): a backend
-        named explicitly that cannot apply them is refused here. Raises ValueError
+        named explicitly that cannot apply them is refused here. groups: how the layers
+        share the pool's blocks (default: one group, layer i in slot i). Raises ValueError
         (nothing bound) when it cannot run on the pool's devices; in a pool over several
         devices, a CPU shard a GPU backend cannot serve gets the reference."""
         self.pool = pool
         self.num_heads, self.latent = num_heads, latent
-        self.windows = tuple(windows) if windows is not None else (None,) * pool.num_layers
+        self.groups = groups or KVGroups.plan((None,) * pool.num_layers)
+        if self.groups.slots != pool.num_layers:
+            raise ValueError(f"the KV groups put {self.groups.slots} layers in a block; the "
+                             f"pool's blocks hold {pool.num_layers}")
+        self.where = self.groups.where()  # per layer: (group, slot)
+        self.windows = (tuple(windows) if windows is not None
+                        else (None,) * self.groups.num_layers)
         self.backend_name = backend
         devices = pool.placement.devices
 
@@ -104,9 +112,11 @@ class PoolAccess:
         return self.backends[0]
 
     def views(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k_cache, v_cache) [NB, bs, Hkv, D] of a layer (renewed when the pool grows)."""
+        """(k_cache, v_cache) [NB, bs, Hkv, D] of a layer: its slot of the pool's blocks
+        (renewed when the pool grows)."""
         if self._views_version != self.pool.version:
-            self._views = [self.pool.layer_views(layer) for layer in range(self.pool.num_layers)]
+            slots = [self.pool.layer_views(slot) for slot in range(self.pool.num_layers)]
+            self._views = [slots[slot] for _, slot in self.where]
             self._views_version = self.pool.version
         return self._views[layer_idx]
 
@@ -156,10 +166,13 @@ class PoolAccess:
             with self.on_device(shard, switch):
                 backend.copy_blocks(kv, src, dst)
 
-    def forward(self, meta: ForwardMetadata, released_blocks: bool = False) -> "PagedForward":
+    def forward(self, meta: ForwardMetadata, released_blocks: bool = False,
+                group_metas: list[ForwardMetadata] | None = None) -> "PagedForward":
         """The paged KV of one forward with metadata `meta` (on the pool's first device).
-        released_blocks: blocks left a sliding window (a caller's 4D mask cannot be honoured)."""
-        return PagedForward(self, meta, released_blocks)
+        released_blocks: blocks left a sliding window (a caller's 4D mask cannot be honoured).
+        group_metas: each KV group's metadata (the same rows and tokens, each group's own
+        block tables and slots), when the layers form several groups."""
+        return PagedForward(self, meta, released_blocks, group_metas=group_metas)
 
     @property
     def workspace_bytes(self) -> int:
@@ -212,7 +225,8 @@ class PagedForward(PagedLayers, Cache):
 
     def __init__(self, access: PoolAccess | None = None, meta: ForwardMetadata | None = None,
                  released_blocks: bool = False,
-                 layer_windows: tuple[int | None, ...] = ()):
+                 layer_windows: tuple[int | None, ...] = (),
+                 group_metas: list[ForwardMetadata] | None = None):
         """Made with its metadata (the engine), or before it (generate: the cache binds it
         at the forward's first write, once the pool exists and the slots are taken)."""
         Cache.__init__(self, layers=[])
@@ -220,15 +234,23 @@ class PagedForward(PagedLayers, Cache):
         self.num_layers = len(self.layer_windows)
         self.meta = None
         if access is not None:
-            self.bind(access, meta, released_blocks)
+            self.bind(access, meta, released_blocks, group_metas)
 
-    def bind(self, access: PoolAccess, meta: ForwardMetadata, released_blocks: bool) -> None:
+    def bind(self, access: PoolAccess, meta: ForwardMetadata, released_blocks: bool,
+             group_metas: list[ForwardMetadata] | None = None) -> None:
+        """meta: the forward's metadata (group 0's); group_metas: every group's, when the
+        layers form several groups (then on one device)."""
         pool = access.pool
         self.access, self.meta = access, meta
-        self.num_layers, self.layer_windows = pool.num_layers, access.windows
+        self.layer_windows = access.windows
+        self.num_layers = len(self.layer_windows)
+        # Per layer, its group's metadata, when there are several groups.
+        self._layer_metas = (None if group_metas is None or len(group_metas) == 1
+                             else [group_metas[g] for g, _ in access.where])
         self.released_blocks = released_blocks
         self._switch = access.switches()
-        self._where = pool.placement.where
+        # Per layer, the pool shard holding its slot.
+        self._shard = [pool.placement.where[slot][0] for _, slot in access.where]
         if pool.placement.is_single:
             self._metas = [meta]
         else:
@@ -252,10 +274,12 @@ class PagedForward(PagedLayers, Cache):
 
     # -- per layer ----------------------------------------------------------------------------
     def meta_for(self, layer_idx: int) -> ForwardMetadata:
-        """This forward's metadata on the device of layer `layer_idx`."""
+        """This forward's metadata for layer `layer_idx`: its group's, on its device."""
+        if self._layer_metas is not None:
+            return self._layer_metas[layer_idx]
         if len(self._metas) == 1:
             return self.meta
-        return self._metas[self._where[layer_idx][0]]
+        return self._metas[self._shard[layer_idx]]
 
     def write(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
         """Stores one layer's new tokens through `meta.slot_mapping`; returns the layer's
@@ -297,7 +321,7 @@ class PagedForward(PagedLayers, Cache):
         if meta.token_index is not None and not meta.packed:
             key = key.index_select(0, meta.token_index)
             value = value.index_select(0, meta.token_index)
-        shard = self._where[layer_idx][0]
+        shard = self._shard[layer_idx]
         with torch.no_grad(), self.access.on_device(shard, self._switch):  # plain values
             self.access.backends[shard].write_kv(k_cache, v_cache, key.to(k_cache.dtype),
                                                  value.to(v_cache.dtype), meta.slot_mapping)
@@ -321,7 +345,7 @@ class PagedForward(PagedLayers, Cache):
         ([R, Hq, T, D], [R, Hq, T, Dv], from the rows `write` returned); else unused (the
         layer's pool views are read through the metadata).
         """
-        shard = self._where[layer_idx][0]
+        shard = self._shard[layer_idx]
         pool_dtype = self.access.pool.dtype
         with self.access.on_device(shard, self._switch):
             if self.access.latent:

@@ -27,15 +27,28 @@ def to_device(values, device: torch.device) -> torch.Tensor:
 
 
 class DeviceBlockTable:
-    """Device mirror of `BlockTables`: block ids [R, cols] int32 and real lengths [R] int64."""
+    """Device mirror of `BlockTables` (or of `GroupedTables`' groups): block ids
+    [G * R, cols] int32, group g's rows at g * R .. (g + 1) * R, and the rows' real lengths
+    [R] int64 (the same in every group)."""
 
     # The table is written in place; it is made outside inference mode so that a cache
     # started under torch.inference_mode() can continue under no_grad, and back.
-    def __init__(self, num_rows: int, num_cols: int, device: torch.device):
+    def __init__(self, num_rows: int, num_cols: int, device: torch.device, num_groups: int = 1):
         self.device = device
+        self.num_groups = num_groups
         with torch.inference_mode(False):
-            self.table = torch.zeros(num_rows, max(num_cols, 1), dtype=torch.int32, device=device)
+            self.table = torch.zeros(num_groups * num_rows, max(num_cols, 1), dtype=torch.int32,
+                                     device=device)
         self.lengths = torch.zeros(num_rows, dtype=torch.int64, device=device)
+
+    @property
+    def num_rows(self) -> int:
+        return self.table.shape[0] // self.num_groups
+
+    def group(self, g: int) -> torch.Tensor:
+        """[R, cols] block ids of group g's rows (a view)."""
+        rows = self.num_rows
+        return self.table[g * rows:(g + 1) * rows]
 
     def ensure_cols(self, num_cols: int) -> None:
         if num_cols > self.table.shape[1]:
@@ -56,10 +69,15 @@ class DeviceBlockTable:
         self.table[rows, cols] = blocks.to(torch.int32)
 
     def fork(self, src_rows: torch.Tensor) -> None:
-        """Row i becomes old row src_rows[i] (device-side mirror of `BlockTables.fork_rows`)."""
+        """Row i becomes old row src_rows[i] in every group (device-side mirror of
+        `BlockTables.fork_rows`)."""
         src_rows = src_rows.to(self.device)
+        index = src_rows
+        if self.num_groups > 1:
+            offsets = torch.arange(self.num_groups, device=self.device) * self.num_rows
+            index = (offsets.unsqueeze(1) + src_rows).reshape(-1)
         with torch.inference_mode(False):
-            self.table = self.table.index_select(0, src_rows.clone())
+            self.table = self.table.index_select(0, index.clone())
         self.lengths = self.lengths.index_select(0, src_rows)
 
 

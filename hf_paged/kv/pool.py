@@ -113,13 +113,19 @@ class KVPool:
     @classmethod
     def for_config(cls, config: PagedCacheConfig, num_layers: int, num_kv_heads: int,
                    head_dim: int, dtype: torch.dtype, device,
-                   block_size: int | None = None, v_head_dim: int | None = None) -> "KVPool":
+                   block_size: int | None = None, v_head_dim: int | None = None,
+                   model_layers: int | None = None) -> "KVPool":
         """block_size: overrides the config's (an unsized cache may use shorter blocks).
-        device: a device or a `Placement`; `max_kv_bytes` bounds all devices together."""
+        device: a device or a `Placement`; `max_kv_bytes` bounds all devices together.
+        model_layers: the model's layers, when a block holds fewer (`num_layers`, a KV
+        group's): `num_blocks` still counts blocks of every layer, so the pool has the bytes
+        of `num_blocks` such blocks."""
         block_size = block_size or config.block_size
         per_block = block_bytes(num_layers, num_kv_heads, head_dim, block_size, dtype,
                                 v_head_dim)
         num_blocks = config.num_blocks
+        if num_blocks and model_layers:
+            num_blocks = num_blocks * model_layers // num_layers
         if config.max_kv_bytes is not None:
             num_blocks = config.max_kv_bytes // per_block
             if num_blocks == 0:
@@ -251,20 +257,20 @@ _kept_lock = threading.Lock()
 
 def kept_pool(model, config: PagedCacheConfig, num_layers: int, num_kv_heads: int,
               head_dim: int, dtype: torch.dtype, device,
-              v_head_dim: int | None = None) -> KVPool:
+              v_head_dim: int | None = None, model_layers: int | None = None) -> KVPool:
     """The sized pool of `model` for `config`, made on first use.
 
     Only the latest sizing is kept: a call asking for another one replaces it, and the old
     pool is freed once the caches still using it are gone.
     """
     key = (config.block_size, config.num_blocks, config.max_kv_bytes, num_layers, num_kv_heads,
-           head_dim, v_head_dim, dtype,
+           head_dim, v_head_dim, model_layers, dtype,
            device if isinstance(device, Placement) else str(device))
     with _kept_lock:
         kept = _kept.get(model)
         if kept is not None and kept[0] == key:
             return kept[1]
         pool = KVPool.for_config(config, num_layers, num_kv_heads, head_dim, dtype, device,
-                                 v_head_dim=v_head_dim)
+                                 v_head_dim=v_head_dim, model_layers=model_layers)
         _kept[model] = (key, pool)
         return pool

@@ -291,7 +291,7 @@ def test_metadata_copy_moves_every_tensor():
     from hf_paged.engine import LLMEngine
 
     engine = LLMEngine(model, block_size=4, num_blocks=64)
-    meta = engine.runner.metadata([0, 1], [0, 3], [5, 1])  # parts: the decode, the chunk
+    meta = engine.runner.metadata([0, 1], [0, 3], [5, 1])[0]  # parts: the decode, the chunk
     assert meta.parts is not None
     meta.key_hidden = torch.zeros(2, 8, dtype=torch.bool)
     moved = meta.to(torch.device("meta"))

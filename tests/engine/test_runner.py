@@ -13,7 +13,7 @@ from hf_paged.hf.switch import paged_attention
 def _decode_inputs(engine):
     seqs = list(engine.scheduler.running)
     rows, context = [s.row for s in seqs], [s.num_computed for s in seqs]
-    meta = engine.runner.metadata(rows, context, [1] * len(seqs))
+    meta = engine.runner.metadata(rows, context, [1] * len(seqs))[0]
     return meta, torch.tensor([[3] * len(seqs)]), torch.tensor([context])
 
 

@@ -144,7 +144,7 @@ def _refused():
 
 
 _WHY = {"bypasses": "does not go through Transformers' attention interface",
-        "recurrent": "recurrent state|attention interface",
+        "recurrent": "recurrent state|state-space",
         "linear": "linear_attention layers",
         "encoder-decoder": "encoder-decoder"}
 

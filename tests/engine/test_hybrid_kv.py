@@ -1,0 +1,127 @@
+"""KV groups of hybrid models (sliding-window layers next to full ones) in the engine and in
+generate(): sliding groups give their blocks back as the window passes while full groups
+keep theirs, with stock's tokens through chunked prefill, both preemption modes, prefix
+hits and copy-on-write forks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_paged
+from hf_paged import SamplingParams
+from hf_paged.core.kv_groups import KVGroups
+from conftest import VOCAB
+from zoo import WINDOW, make_arch
+
+GEMMA3_FULL = ["full_attention"] * 6
+
+
+@pytest.fixture(scope="module")
+def gemma3():
+    return make_arch("gemma3")  # 6 layers, 5 sliding : 1 full
+
+
+def stock_greedy(model, prompt, max_tokens):
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                         do_sample=False, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+def prompts(count, seed=0, shared=12):
+    g = torch.Generator().manual_seed(seed)
+    head = torch.randint(3, VOCAB, (shared,), generator=g).tolist()
+    return [(head if i % 2 else []) + torch.randint(3, VOCAB, (10 + 4 * i,), generator=g).tolist()
+            for i in range(count)]
+
+
+def test_groups_plan():
+    groups = KVGroups.plan([6, 6, 6, 6, 6, None])
+    assert groups.slots == 1 and groups.num_groups == 6
+    assert groups.windows == (None, 6, 6, 6, 6, 6) and groups.layers[0] == (5,)
+    alternate = KVGroups.plan([4, None] * 3)
+    assert alternate.slots == 3 and alternate.layers == ((1, 3, 5), (0, 2, 4))
+    uneven = KVGroups.plan([None, 8, 8, 8, 8])  # the last sliding group has room to spare
+    assert uneven.slots == 1 and uneven.num_groups == 5
+    assert KVGroups.plan([8, 8]).num_groups == 1 and KVGroups.plan([None] * 3).slots == 3
+    assert KVGroups.plan([4, None], hybrid=False).windows == (None,)
+    # a sequence of 100 tokens computed 8 at a time: 25 blocks of 4 for the full group,
+    # ceil((6 + 8) / 4) + 1 = 5 for each sliding one
+    assert groups.blocks_for(100, 4, chunk=8) == 25 + 5 * 5
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_engine_preempts_hybrid_sequences_and_keeps_stock_tokens(gemma3, mode):
+    batch = prompts(6)
+    llm = hf_paged.LLM(gemma3, block_size=4, num_blocks=12, max_num_seqs=6,
+                       max_num_batched_tokens=16, preemption_mode=mode)
+    assert llm.engine.runner.groups.num_groups == 6
+    outs = llm.generate(batch, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    assert llm.stats().num_preemptions > 0
+    for prompt, out in zip(batch, outs):
+        assert out.outputs[0].token_ids == stock_greedy(gemma3, prompt, 24)
+    assert llm.stats().blocks_used == 0  # every group's blocks came back
+
+
+def test_engine_prefix_hits_cover_every_group(gemma3):
+    llm = hf_paged.LLM(gemma3, block_size=4, num_blocks=64, max_num_seqs=4)
+    prompt = prompts(2, seed=3)[1]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    first = llm.generate([prompt], params)[0].outputs[0].token_ids
+    again = llm.generate([prompt], params)[0]
+    assert again.num_cached_tokens > 0
+    assert again.outputs[0].token_ids == first == stock_greedy(gemma3, prompt, 10)
+
+
+def test_engine_forks_share_every_group(gemma3):
+    """n > 1 forks the prompt's blocks copy-on-write in each group; greedy siblings agree."""
+    llm = hf_paged.LLM(gemma3, block_size=4, num_blocks=64, max_num_seqs=4)
+    prompt = prompts(1, seed=4)[0]
+    out = llm.generate([prompt], SamplingParams(n=3, max_tokens=12, temperature=0.0,
+                                                ignore_eos=True))[0]
+    ref = stock_greedy(gemma3, prompt, 12)
+    assert [c.token_ids for c in out.outputs] == [ref] * 3
+
+
+def _peak_bytes(model, prompt, max_tokens):
+    """Most KV bytes the engine held while generating, and its tokens."""
+    llm = hf_paged.LLM(model, block_size=4, num_blocks=512, max_num_seqs=1,
+                       max_num_batched_tokens=32)
+    engine = llm.engine
+    request = engine.add_request("r", prompt, SamplingParams(max_tokens=max_tokens,
+                                                             temperature=0.0, ignore_eos=True))
+    peak, tokens = 0, None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens = out.outputs[0].token_ids
+        peak = max(peak, engine.stats().blocks_used)
+    per_block = engine.pool.nbytes // engine.pool.blocks.num_blocks
+    del request
+    return peak * per_block, tokens
+
+
+def test_sliding_groups_hold_a_window_of_blocks(gemma3):
+    prompt = prompts(1, seed=5, shared=0)[0] * 6  # 60 tokens, then 40 generated
+    hybrid, tokens = _peak_bytes(gemma3, prompt, 40)
+    full_model = make_arch("gemma3", layer_types=GEMMA3_FULL)
+    full, _ = _peak_bytes(full_model, prompt, 40)
+    assert tokens == stock_greedy(gemma3, prompt, 40)
+    # 100 tokens: the full layer keeps 25 blocks, each sliding layer about its window
+    assert hybrid < 0.45 * full, (hybrid, full)
+
+
+def test_generate_memory_stats_count_what_the_groups_hold(gemma3):
+    ids = torch.tensor([prompts(1, seed=6, shared=0)[0] * 8])  # 80 tokens
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=30, do_sample=False)
+    ref = gemma3.generate(ids, **kwargs)
+    out = gemma3.generate(ids, **kwargs, cache_implementation="paged",
+                          return_dict_in_generate=True, cache_config={"block_size": 4})
+    assert torch.equal(ref, out.sequences)
+    stats = out.past_key_values.memory_stats()
+    full_group, *sliding = stats.groups
+    assert full_group.window is None and full_group.blocks_in_use == -(-109 // 4)
+    assert all(g.window == WINDOW and g.blocks_in_use <= 3 for g in sliding)
+    # in blocks of all six layers: the full layer's 28 blocks and 5 x <= 3 sliding ones
+    assert stats.blocks_in_use <= -(-(28 + 15) // 6) < -(-109 // 4)
+    assert stats.kv_bytes_in_use == stats.blocks_in_use * 4 * stats.bytes_per_token
