@@ -25,10 +25,9 @@ from ..hf.architectures import (
 from ..hf.attention import KWARG
 from ..hf.register import register
 from ..hf.switch import paged_attention
-from ..core.kv_groups import KVGroups
 from ..kernels.dispatch import PoolAccess
 from ..kv.metadata import DeviceBlockTable, ForwardMetadata, build_metadata, to_device
-from ..kv.placement import Placement
+from ..kv.placement import group_layers
 from ..kv.pool import KVPool, block_bytes
 from ..utils import cdiv
 
@@ -113,10 +112,7 @@ class ModelRunner:
         num_heads, kv_heads = tp_heads(text_config, attention_tp_size(base))  # this rank's
         # A model spread by device_map keeps each layer's KV on that layer's device; on one
         # device, sliding-window and full layers form KV groups sharing the pool's blocks.
-        placement = model_placement(base, num_layers)
-        self.groups = KVGroups.plan(spec.windows, hybrid=placement.is_single)
-        if self.groups.is_hybrid:
-            placement = Placement.single(self.groups.slots, placement.primary)
+        self.groups, placement = group_layers(spec.windows, model_placement(base, num_layers))
         self.kv_device = placement.primary  # where block tables and metadata are built
         self._index_device = logits_index_device(base)  # for logits_to_keep
         self.on_cuda = any(d.type == "cuda" for d in placement.devices)

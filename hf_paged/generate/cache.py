@@ -12,11 +12,12 @@ from ..config import PagedCacheConfig
 from ..errors import HFPagedError, KVCacheExhaustedError
 from ..kv.pool import KVPool
 from ..hf.architectures import kv_spec, tp_heads
-from ..kernels.dispatch import PagedForward, PagedLayers, PoolAccess
+from ..kernels.dispatch import PoolAccess
+from ..kernels.forward import PagedForward, PagedLayers
 from ..kv.metadata import DeviceBlockTable, build_metadata, to_device
-from ..kv.placement import Placement
+from ..kv.placement import Placement, group_layers, groups_for_pool
 from ..utils import cdiv
-from .plan import HiddenSlots, StepPlan, check_mask_shape, plan_from_mask, plan_unmasked
+from .plan import HiddenSlots, StepPlan, plan_forward
 from .prefix import load_prefix
 from .stats import MemoryStats, measure
 
@@ -26,32 +27,6 @@ _NOT_GIVEN = object()  # expect_forward was not called for the next forward
 
 def _ceil_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
-
-
-def kv_groups(spec, placement: Placement | None) -> KVGroups:
-    """The KV groups of a new pool: sliding-window and full layers apart (hybrid) when every
-    layer is on one device, since groups share block slots; one group otherwise."""
-    return KVGroups.plan(spec.windows, hybrid=placement is None or placement.is_single)
-
-
-def pool_placement(groups: KVGroups, placement: Placement | None, device):
-    """Where a pool for `groups` goes: the model's placement (one group), or its one device
-    for a pool of `groups.slots` layers per block."""
-    if not groups.is_hybrid:
-        return placement or device
-    return Placement.single(groups.slots, placement.primary if placement else device)
-
-
-def groups_for_pool(spec, pool: KVPool) -> KVGroups:
-    """The groups a given pool serves: hybrid when it holds a group's slots, one group when
-    it holds every layer."""
-    groups = KVGroups.plan(spec.windows, hybrid=pool.placement.is_single)
-    if pool.num_layers == groups.slots:
-        return groups
-    if pool.num_layers == spec.num_layers:
-        return KVGroups.plan(spec.windows, hybrid=False)
-    raise ValueError(f"PagedCache: the pool holds {pool.num_layers} layers per block; this "
-                     f"model needs {spec.num_layers} (or {groups.slots}, grouped).")
 
 
 class PagedCache(PagedLayers, Cache):
@@ -154,15 +129,14 @@ class PagedCache(PagedLayers, Cache):
 
     def _bind_pool(self, pool: KVPool | None, dtype: torch.dtype, device) -> None:
         if pool is None:
-            self.groups = kv_groups(self.spec, self.placement)
+            self.groups, where = group_layers(self.spec.windows, self.placement, device)
             pool = KVPool.for_config(self.cache_config, self.groups.slots, self.num_kv_heads,
-                                     self.head_dim, dtype,
-                                     pool_placement(self.groups, self.placement, device),
+                                     self.head_dim, dtype, where,
                                      block_size=self.block_size,
                                      v_head_dim=self.spec.v_head_dim,
                                      model_layers=self.num_layers)
         else:
-            self.groups = groups_for_pool(self.spec, pool)
+            self.groups = groups_for_pool(self.spec.windows, pool)
         if pool.block_size != self.block_size:
             raise ValueError(
                 f"PagedCache: pool block_size {pool.block_size} != cache_config block_size "
@@ -338,7 +312,12 @@ class PagedCache(PagedLayers, Cache):
 
     def _checked_plan(self, rows, q_len, mask, packed, by_hand=False) -> StepPlan:
         try:
-            return self._plan_step(rows, q_len, mask, packed, self._expected_mask, by_hand)
+            expected = None if self._expected_mask is _NOT_GIVEN else (self._expected_mask,)
+            started = self.device_table is not None
+            return plan_forward(
+                rows, q_len, mask, packed, seen=self._seen, hidden=self.hidden,
+                lengths=self.tables.lengths if started else None, expected=expected,
+                by_hand=by_hand, generate_columns=self._generate_columns)
         except (ValueError, HFPagedError):
             self._expected_mask = _NOT_GIVEN  # not for a later forward
             raise
@@ -349,36 +328,6 @@ class PagedCache(PagedLayers, Cache):
 
     def _new_forward(self) -> PagedForward:
         return PagedForward(layer_windows=self.layer_windows)
-
-    def _plan_step(self, rows: int, q_len: int, mask, packed: StepPlan | None,
-                   expected, by_hand: bool = False) -> StepPlan:
-        """What a forward adds, from its mask or packing; changes no state. by_hand: no
-        model forward (no mask): every new column is stored."""
-        if packed is not None:
-            if sum(packed.counts) != q_len or rows != 1 or self._seen:
-                raise ValueError(
-                    f"PagedCache: a packed forward of {sum(packed.counts)} tokens was planned "
-                    f"for an empty cache, but the model ran on input of shape [{rows}, {q_len}] "
-                    f"after {self._seen} cached columns."
-                )
-            return packed
-        if self.device_table is not None and rows != self.tables.num_rows:
-            raise ValueError(
-                f"PagedCache holds {self.tables.num_rows} sequence(s) but the forward has {rows} "
-                "rows; call reset() before reusing the cache for another batch."
-            )
-        if expected is not _NOT_GIVEN:
-            mask = expected
-        elif by_hand or (mask is not None and mask.dim() == 4):
-            return StepPlan([q_len] * rows, q_len)  # a caller's mask: every column stored
-        lengths = self.tables.lengths if self.device_table is not None else [0] * rows
-        if mask is None:
-            return plan_unmasked(lengths, self._seen, q_len, self.hidden)
-        check_mask_shape(mask, rows, self._seen, q_len)
-        if (q_len == 1 and self._generate_columns is not None
-                and self._seen >= self._generate_columns):
-            return StepPlan([1] * rows, 1)  # a column generate appended: real in every row
-        return plan_from_mask(mask, lengths, self._seen, self.hidden)
 
     def _prepare(self, step: StepPlan, forward: PagedForward) -> None:
         """Allocates the slots of `step`, builds its metadata and binds `forward` to them

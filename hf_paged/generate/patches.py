@@ -35,8 +35,6 @@ import threading
 import warnings
 from dataclasses import dataclass, field
 
-import torch
-from torch.nn.modules import module as torch_module
 from transformers import GenerationMixin
 from transformers.cache_utils import Cache
 
@@ -51,9 +49,11 @@ from ..hf.attention import ATTENTION_NAME, KWARG
 from ..hf.register import register, unregister
 from ..hf.switch import paged_attention
 from ..hf.switch import release_paged_attention, use_paged_attention
+from ..kv.placement import group_layers
 from ..kv.pool import kept_pool
 from . import prefill as paged_prefill
-from .cache import PagedCache, kv_groups, pool_placement
+from .cache import PagedCache
+from .eligibility import runs_plain_forward, training_reason
 from .plan import PLAN_KWARG
 
 CACHE_IMPLEMENTATION = "paged"
@@ -93,42 +93,6 @@ def _warn_unsupported(model, reason: str) -> None:
     _warn_stock(model, f"cache_implementation='paged' cannot serve this model: {reason}")
 
 
-def runs_plain_forward(model) -> bool:
-    """Whether generate's forwards reach `model` exactly as Transformers makes them.
-
-    Only then may the prefill be replaced by a packed one on distinct prompts and decode
-    steps skip reading the mask. Not so with an overridden `prepare_inputs_for_generation`
-    (PEFT prompt learning, subclasses), forward hooks or replaced forwards (PEFT adapter
-    batches, accelerate), or modules in training mode (dropout draws random numbers per
-    input shape).
-    """
-    if ("prepare_inputs_for_generation" in model.__dict__
-            or type(model).prepare_inputs_for_generation
-            is not GenerationMixin.prepare_inputs_for_generation):
-        return False
-    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
-        return False
-    return not any(m.training or m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__
-                   for m in model.modules())
-
-
-def _training_reason(model) -> str | None:
-    """Why a model in training mode cannot generate on the paged cache, or None."""
-    if not model.training:
-        return None
-    if getattr(model, "is_activation_checkpointing", False):  # gradient checkpointing
-        return ("gradient checkpointing is on in training mode, where Transformers runs the "
-                "layers without a cache")
-    for module in model.modules():
-        dropout = getattr(module, "attention_dropout", 0.0)  # Llama, Mistral: a float
-        if isinstance(dropout, torch.nn.Dropout):  # Falcon: a module
-            dropout = dropout.p
-        if module.training and isinstance(dropout, float) and dropout > 0:
-            return (f"attention dropout ({dropout}) is active in training mode, and it draws "
-                    "its random numbers inside Transformers' attention kernel")
-    return None
-
-
 def _use_paged_attention(model) -> None:
     """Switches the model's attention to "paged" until the running generate call ends."""
     call = _call.get()
@@ -150,9 +114,9 @@ def build_cache(model, generation_config, max_cache_length: int | None) -> Paged
     tp_size = attention_tp_size(model)
     pool = None
     if cache_config.is_sized:
-        groups = kv_groups(spec, placement)
+        groups, where = group_layers(spec.windows, placement)
         pool = kept_pool(model, cache_config, groups.slots, tp_heads(text_config, tp_size)[1],
-                         spec.head_dim, model.dtype, pool_placement(groups, placement, None),
+                         spec.head_dim, model.dtype, where,
                          v_head_dim=spec.v_head_dim, model_layers=spec.num_layers)
     return PagedCache(text_config, cache_config, dtype=model.dtype, device=placement.primary,
                       pool=pool, max_cache_len=max_cache_length, tp_size=tp_size,
@@ -231,7 +195,7 @@ def _prepare_cache_for_generation(original):
                               "attention does not materialize")
             generation_config.cache_implementation = None
             return stock()
-        reason = _training_reason(self)
+        reason = training_reason(self)
         if reason is not None:
             if paged:
                 raise HFPagedError(f"This PagedCache cannot serve the call: {reason}. Call "

@@ -171,3 +171,40 @@ def plan_from_mask(mask: torch.Tensor, lengths: list[int], seen: int,
                 )
             (plan.show if slot in hidden.rows[r] else plan.hide).append((r, slot))
     return plan
+
+
+def plan_forward(rows: int, q_len: int, mask, packed: StepPlan | None, *, seen: int,
+                 hidden: HiddenSlots, lengths: list[int] | None, expected: tuple | None,
+                 by_hand: bool, generate_columns: int | None) -> StepPlan:
+    """What a forward of input [rows, q_len] adds to a PagedCache, from its mask or packing;
+    changes nothing.
+
+    mask: the forward's own (2D, 4D or None); packed: a packed forward's plan; seen: columns
+    cached; lengths: real tokens per row (None before the first forward); expected: (mask,)
+    given to `expect_forward` (it replaces the forward's own); by_hand: no model forward,
+    every new column is stored; generate_columns: see `PagedCache.begin_generate`.
+    """
+    if packed is not None:
+        if sum(packed.counts) != q_len or rows != 1 or seen:
+            raise ValueError(
+                f"PagedCache: a packed forward of {sum(packed.counts)} tokens was planned "
+                f"for an empty cache, but the model ran on input of shape [{rows}, {q_len}] "
+                f"after {seen} cached columns."
+            )
+        return packed
+    if lengths is not None and rows != len(lengths):
+        raise ValueError(
+            f"PagedCache holds {len(lengths)} sequence(s) but the forward has {rows} "
+            "rows; call reset() before reusing the cache for another batch."
+        )
+    if expected is not None:
+        mask = expected[0]
+    elif by_hand or (mask is not None and mask.dim() == 4):
+        return StepPlan([q_len] * rows, q_len)  # a caller's mask: every column stored
+    lengths = lengths if lengths is not None else [0] * rows
+    if mask is None:
+        return plan_unmasked(lengths, seen, q_len, hidden)
+    check_mask_shape(mask, rows, seen, q_len)
+    if q_len == 1 and generate_columns is not None and seen >= generate_columns:
+        return StepPlan([1] * rows, 1)  # a column generate appended: real in every row
+    return plan_from_mask(mask, lengths, seen, hidden)

@@ -204,3 +204,46 @@ def attention_features(model) -> frozenset[str]:
         if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
             found.add("sinks")
     return frozenset(found)
+
+
+def model_features(model) -> list[str]:
+    """What sets `model`'s layers apart from plain causal attention, in words (the README's
+    supported-models table is made from this): the layer windows, what its attention
+    passes, its KV layout, and what the cache needs nothing for (MoE, RoPE variants)."""
+    config = model.config.get_text_config(decoder=True)
+    spec = kv_spec(config)
+    features = []
+    sliding = sum(w is not None for w in spec.windows)
+    if sliding == len(spec.windows) and sliding:
+        features.append("sliding window")
+    elif sliding:
+        features.append(f"sliding-window and full layers ({sliding}:{len(spec.windows) - sliding})")
+    found = attention_features(model)
+    if "softcap" in found:
+        features.append("logit soft-capping")
+    if "sinks" in found:
+        features.append("attention sinks")
+    if spec.latent:
+        features.append("latent KV (MLA)")
+    elif spec.num_kv_heads < config.num_attention_heads:
+        features.append("grouped KV heads")
+    names = {type(m).__name__.lower() for m in model.modules()}
+    attrs = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    if any(getattr(m, "scaling", None) not in (None, getattr(m, "head_dim", 0) ** -0.5)
+           for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "head_dim")
+           and getattr(m, "head_dim", 0)):
+        features.append("custom attention scaling")
+    if {"q_norm", "k_norm"} <= attrs or {"q_layernorm", "k_layernorm"} <= attrs:
+        features.append("QK norm")
+    if any("expert" in n or "moe" in n for n in names):
+        features.append("MoE")
+    rope = getattr(config, "rope_parameters", None) or {}
+    rotary = (getattr(config, "partial_rotary_factor", None)
+              or (rope.get("partial_rotary_factor") if isinstance(rope, dict) else None))
+    if rotary and rotary < 1:
+        features.append("partial RoPE")
+    if 0 in (getattr(config, "no_rope_layers", None) or ()):
+        features.append("layers without RoPE")
+    if getattr(config, "alibi", False):
+        features.append("ALiBi")
+    return features

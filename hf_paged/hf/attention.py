@@ -20,7 +20,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from ..errors import HFPagedError
-from ..kernels.dispatch import PagedForward
+from ..kernels.forward import PagedForward
 from ..kv.pool import is_pool_view
 
 ATTENTION_NAME = "paged"

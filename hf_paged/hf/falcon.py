@@ -16,7 +16,7 @@ import math
 import torch
 from transformers.models.falcon.modeling_falcon import apply_rotary_pos_emb, build_alibi_tensor
 
-from ..kernels.dispatch import PagedLayers
+from ..kernels.forward import PagedLayers
 from .attention import ATTENTION_NAME
 
 

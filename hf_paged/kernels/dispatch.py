@@ -1,55 +1,26 @@
-"""The dispatcher: a pool's layer views and backends, and the paged KV of one forward.
+"""The dispatcher: a pool's layer views and one attention backend per shard.
 
 `PoolAccess` binds one backend per pool shard (`device_map` splits a pool over devices) and
 decides, from each backend's declared `Capabilities`, which forwards go to the PyTorch
 reference instead. `PoolAccess.forward(meta)` makes the `PagedForward` of one model
-forward: the object the "paged" attention function receives as its `paged_kv` keyword
-(and an engine forward's `past_key_values`). It writes each layer's new keys and values
-through the forward's slot mapping and attends over the pool. Its metadata, built on the
-pool's first device, is copied to every other device once, never per layer.
+forward (forward.py): the object the "paged" attention function receives as its `paged_kv`
+keyword (and an engine forward's `past_key_values`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from abc import ABC, abstractmethod
 
 import torch
-from transformers.cache_utils import Cache
 
 from ..core.kv_groups import KVGroups
-from ..errors import BackwardNotSupportedError, HFPagedError
 from ..kv.metadata import ForwardMetadata, to_device
-from . import reference
 from .backends import select_backend
 from .base import Backend
-from .torch_backend import TorchBackend, attention_mask, caller_mask_on_slots
+from .forward import NO_MASK, PagedForward, PagedLayers, cannot_apply
+from .torch_backend import TorchBackend
 
-# What a paged cache answers to `get_mask_sizes`: Transformers then asks the "paged" mask
-# function for a mask of 0 keys, and that function returns None (the attention reads the
-# lengths from the forward's metadata). No other cache has 0 keys to mask.
-NO_MASK = (0, 0)
-
-
-class _NoBackward(torch.autograd.Function):
-    """Identity on a paged attention output that fails loudly in backward.
-
-    The pool holds detached keys and values (and the GPU kernels have no backward), so
-    gradients through a paged forward would silently miss the key/value paths.
-    """
-
-    @staticmethod
-    def forward(ctx, out: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
-        return out.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise BackwardNotSupportedError(
-            "Gradients cannot flow through a forward on a PagedCache: it stores keys and values "
-            "without autograd history. Run such forwards under torch.no_grad() / "
-            "torch.inference_mode() (generate() does), or use a DynamicCache (or no cache) for "
-            "forwards you differentiate."
-        )
+__all__ = ["NO_MASK", "PagedForward", "PagedLayers", "PoolAccess"]
 
 
 class PoolAccess:
@@ -100,7 +71,7 @@ class PoolAccess:
             for b in self.backends:
                 missing = b.capabilities.missing("softcap" in features, "sinks" in features)
                 if missing is not None:
-                    raise ValueError(_cannot_apply(backend, missing))
+                    raise ValueError(cannot_apply(backend, missing))
         self._references: list[Backend | None] = [
             b if isinstance(b, TorchBackend) else None for b in self.backends]
         self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -140,7 +111,7 @@ class PoolAccess:
         if missing is None:
             return backend
         if self.backend_name != "auto":
-            raise ValueError(_cannot_apply(self.backend_name, missing))
+            raise ValueError(cannot_apply(self.backend_name, missing))
         return self.reference(shard)
 
     def switches(self) -> list[bool]:
@@ -181,265 +152,3 @@ class PoolAccess:
         return sum(b.workspace_bytes for b in seen.values())
 
 
-def _cannot_apply(name: str, missing: str) -> str:
-    return (f"cache_config['backend']={name!r} cannot run here: it does not implement "
-            f"{missing}, which this model's attention uses; use 'auto' or 'torch'.")
-
-
-class PagedLayers(ABC):
-    """What Transformers asks of a cache's layers: each is a full or a sliding-window
-    attention layer (`layer_windows`) of one pool, and none is compileable (block tables
-    change shape)."""
-
-    num_layers: int = 0
-    layer_windows: tuple[int | None, ...] = ()
-
-    @property
-    def is_compileable(self) -> bool:
-        return False
-
-    @property
-    def is_sliding(self) -> list[bool]:
-        return [w is not None for w in self.layer_windows]
-
-    @property
-    def is_linear(self) -> list[bool]:
-        return [False] * self.num_layers
-
-    @property
-    def is_dummy(self) -> list[bool]:
-        return [False] * self.num_layers
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return NO_MASK  # the "paged" attention needs no mask: the metadata has the lengths
-
-    @abstractmethod
-    def current_forward(self) -> "PagedForward":
-        """The paged KV of the forward now running on this cache."""
-
-
-class PagedForward(PagedLayers, Cache):
-    """The paged KV of one model forward: writes go to the slots of its metadata, attention
-    reads each row's own blocks. Passed explicitly: as the attention function's `paged_kv`
-    keyword, and (in the engine) as the forward's `past_key_values`."""
-
-    def __init__(self, access: PoolAccess | None = None, meta: ForwardMetadata | None = None,
-                 released_blocks: bool = False,
-                 layer_windows: tuple[int | None, ...] = (),
-                 group_metas: list[ForwardMetadata] | None = None):
-        """Made with its metadata (the engine), or before it (generate: the cache binds it
-        at the forward's first write, once the pool exists and the slots are taken)."""
-        Cache.__init__(self, layers=[])
-        self.layer_windows = tuple(layer_windows)
-        self.num_layers = len(self.layer_windows)
-        self.meta = None
-        if access is not None:
-            self.bind(access, meta, released_blocks, group_metas)
-
-    def bind(self, access: PoolAccess, meta: ForwardMetadata, released_blocks: bool,
-             group_metas: list[ForwardMetadata] | None = None) -> None:
-        """meta: the forward's metadata (group 0's); group_metas: every group's, when the
-        layers form several groups (then on one device)."""
-        pool = access.pool
-        self.access, self.meta = access, meta
-        self.layer_windows = access.windows
-        self.num_layers = len(self.layer_windows)
-        # Per layer, its group's metadata, when there are several groups.
-        self._layer_metas = (None if group_metas is None or len(group_metas) == 1
-                             else [group_metas[g] for g, _ in access.where])
-        self.released_blocks = released_blocks
-        self._switch = access.switches()
-        # Per layer, the pool shard holding its slot.
-        self._shard = [pool.placement.where[slot][0] for _, slot in access.where]
-        if pool.placement.is_single:
-            self._metas = [meta]
-        else:
-            self._metas = [meta.to(device) for device in pool.placement.devices]
-        # Chosen once per forward for every layer (a caller's 4D mask is decided per call).
-        self._backends = [access.backend_for(shard, m, False)
-                          for shard, m in enumerate(self._metas)]
-
-    def current_forward(self) -> "PagedForward":
-        return self
-
-    # -- Transformers' Cache interface (an engine forward's past_key_values) ------------------
-    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        return self.write(key_states, value_states, layer_idx)
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0  # positions come with each forward; nothing is sliced by length
-
-    def get_max_length(self, layer_idx: int | None = None) -> int:
-        return -1
-
-    # -- per layer ----------------------------------------------------------------------------
-    def meta_for(self, layer_idx: int) -> ForwardMetadata:
-        """This forward's metadata for layer `layer_idx`: its group's, on its device."""
-        if self._layer_metas is not None:
-            return self._layer_metas[layer_idx]
-        if len(self._metas) == 1:
-            return self.meta
-        return self._metas[self._shard[layer_idx]]
-
-    def write(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
-        """Stores one layer's new tokens through `meta.slot_mapping`; returns the layer's
-        pool views.
-
-        key_states, value_states: [R, Hkv, q, D] (padded layout; `meta.token_index` picks
-        the stored columns) or [1, Hkv, N, D] for a packed forward
-        -> (k_cache, v_cache) [NB, bs, Hkv, D]; a latent layout instead returns each row's
-        stored tokens in full, [R, Hkv, T, D] and [R, Hkv, T, Dv] (slot t of row r holds its
-        token t; T = meta.num_keys), which the layer expands before its attention.
-        """
-        meta = self.meta_for(layer_idx)
-        k_cache, v_cache = self.access.views(layer_idx)
-        if meta.num_new:
-            self._store(key_states, value_states, layer_idx, meta, k_cache, v_cache)
-        if self.access.latent:
-            return (reference.gather_kv(k_cache, meta.block_tables),
-                    reference.gather_kv(v_cache, meta.block_tables))
-        return k_cache, v_cache
-
-    def _store(self, key_states, value_states, layer_idx, meta, k_cache, v_cache) -> None:
-        if key_states.device != k_cache.device:
-            raise HFPagedError(
-                f"Layer {layer_idx} computed its keys on {key_states.device}, but its KV pool "
-                f"is on {k_cache.device}. The model moved after the cache was made (make a "
-                "new one), or its layers are spread over devices and the cache was made "
-                "without placement=hf_paged.model_placement(model)."
-            )
-        heads, dim, v_dim = k_cache.shape[2], k_cache.shape[3], v_cache.shape[3]
-        if (key_states.shape[1] != heads or key_states.shape[-1] != dim
-                or value_states.shape[1] != heads or value_states.shape[-1] != v_dim):
-            raise HFPagedError(
-                f"Layer {layer_idx} stores keys {tuple(key_states.shape)} and values "
-                f"{tuple(value_states.shape)} ([batch, heads, tokens, dim]), but its KV pool "
-                f"holds {heads} heads of {dim} (keys) and {v_dim} (values) per token: the "
-                "cache was made for another model config.")
-        key = key_states.transpose(1, 2).reshape(-1, heads, dim)
-        value = value_states.transpose(1, 2).reshape(-1, heads, v_dim)
-        if meta.token_index is not None and not meta.packed:
-            key = key.index_select(0, meta.token_index)
-            value = value.index_select(0, meta.token_index)
-        shard = self._shard[layer_idx]
-        with torch.no_grad(), self.access.on_device(shard, self._switch):  # plain values
-            self.access.backends[shard].write_kv(k_cache, v_cache, key.to(k_cache.dtype),
-                                                 value.to(v_cache.dtype), meta.slot_mapping)
-
-    def attend(self, query: torch.Tensor, layer_idx: int, scale: float,
-               sliding_window: int | None = None,
-               alibi_slopes: torch.Tensor | None = None,
-               caller_mask: torch.Tensor | None = None,
-               softcap: float | None = None, sinks: torch.Tensor | None = None,
-               key: torch.Tensor | None = None, value: torch.Tensor | None = None,
-               ) -> torch.Tensor:
-        """Attention of this forward's queries over layer `layer_idx`.
-
-        query [R, Hq, q, D] -> [R, q, Hq, Dv]; packed: [1, Hq, N, D] -> [1, N, Hq, Dv].
-        alibi_slopes [Hq]: adds slope * key position to the scores (Falcon-RW).
-        caller_mask: a 4D mask the caller passed to the model's forward, over columns
-        ([R or 1, 1 or Hq, q, columns], bool or additive float); it replaces the causal and
-        sliding-window masks, as in SDPA.
-        softcap: tanh soft-capping of the scores; sinks [Hq]: per-head sink logits.
-        key, value: a latent layout's expanded keys and values over each row's tokens
-        ([R, Hq, T, D], [R, Hq, T, Dv], from the rows `write` returned); else unused (the
-        layer's pool views are read through the metadata).
-        """
-        shard = self._shard[layer_idx]
-        pool_dtype = self.access.pool.dtype
-        with self.access.on_device(shard, self._switch):
-            if self.access.latent:
-                out = self._attend_expanded(query, key, value, layer_idx, scale,
-                                            sliding_window, caller_mask, softcap, sinks)
-            else:
-                out = self._attend(query.to(pool_dtype), layer_idx, shard, scale,
-                                   sliding_window, alibi_slopes, caller_mask, softcap,
-                                   None if sinks is None else sinks.to(pool_dtype))
-            out = out.to(query.dtype)
-        if torch.is_grad_enabled() and query.requires_grad:
-            out = _NoBackward.apply(out, query)
-        return out
-
-    def _attend_expanded(self, query, key, value, layer_idx, scale, sliding_window,
-                         caller_mask, softcap, sinks):
-        """A latent layout's attention: the reference over the keys and values the layer
-        expanded from its rows' stored tokens (slot t = token t of the row)."""
-        meta = self.meta_for(layer_idx)
-        if key is None or key.shape[0] != meta.block_tables.shape[0] or key.shape[2] != meta.num_keys:
-            raise HFPagedError(
-                f"Layer {layer_idx} stores a latent KV: its attention must get keys expanded "
-                f"from the rows its cache update returned ([{meta.block_tables.shape[0]}, "
-                f"heads, {meta.num_keys}, dim]); got "
-                f"{None if key is None else tuple(key.shape)}.")
-        if caller_mask is not None:
-            mask = caller_mask_on_slots(meta, caller_mask)
-        else:
-            mask = attention_mask(meta, sliding_window)
-        padded = _spread_packed(query, meta) if meta.packed else query
-        out = reference.attend(padded, key.to(padded.dtype), value.to(padded.dtype), mask,
-                               scale, softcap, sinks)
-        if meta.is_query is not None:
-            out = out.masked_fill(~meta.is_query[:, :, None, None], 0.0)
-        return _gather_packed(out, meta) if meta.packed else out
-
-    def _attend(self, query, layer_idx, shard, scale, sliding_window, alibi_slopes,
-                caller_mask, softcap=None, sinks=None):
-        meta = self.meta_for(layer_idx)
-        k_cache, v_cache = self.access.views(layer_idx)
-        if meta.max_seq_len == 0:  # every row is still all padding: no key to attend to
-            return query.new_zeros(query.shape[0], query.shape[2], query.shape[1],
-                                   v_cache.shape[-1])
-        if caller_mask is not None:
-            if alibi_slopes is not None:
-                raise ValueError("A 4D attention mask cannot be combined with ALiBi here "
-                                 "(Transformers' Falcon does not accept one either).")
-            if self.released_blocks:
-                raise HFPagedError(
-                    "A 4D attention mask cannot be honoured after blocks left the sliding "
-                    "window; call activate_past_recording() before the first forward."
-                )
-        backend = (self._backends[shard] if caller_mask is None
-                   else self.access.backend_for(shard, meta, True))
-        if softcap is not None or sinks is not None:
-            backend = self.access.with_features(backend, shard, softcap is not None,
-                                                sinks is not None)
-        args = (scale, sliding_window, alibi_slopes)
-        extra = {} if softcap is None and sinks is None else dict(softcap=softcap, sinks=sinks)
-        if not meta.packed:
-            return backend.attention(query, k_cache, v_cache, meta, *args, caller_mask, **extra)
-        if meta.parts is None:
-            return _attend_packed(query, k_cache, v_cache, meta, backend, args, extra)
-        out = query.new_empty(1, query.shape[2], query.shape[1], v_cache.shape[-1])
-        for part, positions in meta.parts:
-            piece = query.index_select(2, positions)
-            out[:, positions] = _attend_packed(piece, k_cache, v_cache, part, backend, args,
-                                               extra)
-        return out
-
-
-def _spread_packed(query: torch.Tensor, meta: ForwardMetadata) -> torch.Tensor:
-    """A packed query [1, Hq, N, D] (rows' tokens back to back) in the padded layout
-    [R, Hq, q, D] of `meta` (right-aligned rows, zeros on padding)."""
-    rows, q_cols = meta.query_pos.shape
-    heads, dim = query.shape[1], query.shape[3]
-    tokens = query.transpose(1, 2).reshape(-1, heads, dim)  # [N, Hq, D]
-    if meta.token_index is not None:  # spread into the right-aligned [R * q] layout
-        padded = tokens.new_zeros(rows * q_cols, heads, dim)
-        tokens = padded.index_copy_(0, meta.token_index, tokens)
-    return tokens.view(rows, q_cols, heads, dim).transpose(1, 2)
-
-
-def _gather_packed(out: torch.Tensor, meta: ForwardMetadata) -> torch.Tensor:
-    """[R, q, Hq, Dv] in the padded layout -> [1, N, Hq, Dv], the real tokens only."""
-    rows, q_cols, heads, dim = out.shape
-    out = out.reshape(rows * q_cols, heads, dim)
-    if meta.token_index is not None:
-        out = out.index_select(0, meta.token_index)
-    return out.unsqueeze(0)
-
-
-def _attend_packed(query, k_cache, v_cache, meta, backend, args, extra):
-    """query [1, Hq, N, D], the rows' tokens back to back -> [1, N, Hq, Dv]."""
-    out = backend.attention(_spread_packed(query, meta), k_cache, v_cache, meta, *args,
-                            **extra)
-    return _gather_packed(out, meta)

@@ -14,6 +14,8 @@ from typing import Sequence
 
 import torch
 
+from ..core.kv_groups import KVGroups
+
 
 def normalize_device(device) -> torch.device:
     """A comparable device: an accelerate-style int is an accelerator index, a bare "cuda"
@@ -79,3 +81,28 @@ class Placement:
     def on(self, device) -> "Placement":
         """The same layer grouping with every shard on `device` (a swap pool's)."""
         return Placement((torch.device(device),) * len(self.layers), self.layers)
+
+
+def group_layers(windows, placement: Placement | None, device=None):
+    """(KVGroups, where their pool goes) for layers with these sliding `windows`.
+
+    Sliding-window and full layers form separate groups (core/kv_groups.py) when every layer
+    is on one device, since a block's slots then hold layers of several groups; a model
+    spread over devices keeps one group (and its placement). placement None: one device,
+    `device`."""
+    groups = KVGroups.plan(windows, hybrid=placement is None or placement.is_single)
+    if not groups.is_hybrid:
+        return groups, placement or device
+    return groups, Placement.single(groups.slots, placement.primary if placement else device)
+
+
+def groups_for_pool(windows, pool) -> KVGroups:
+    """The groups a given pool serves: grouped when its blocks hold a group's slots, one
+    group when they hold every layer."""
+    groups = KVGroups.plan(windows, hybrid=pool.placement.is_single)
+    if pool.num_layers == groups.slots:
+        return groups
+    if pool.num_layers == len(windows):
+        return KVGroups.plan(windows, hybrid=False)
+    raise ValueError(f"PagedCache: the pool holds {pool.num_layers} layers per block; this "
+                     f"model needs {len(windows)} (or {groups.slots}, grouped).")

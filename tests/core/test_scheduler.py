@@ -20,18 +20,21 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from hf_paged.block_pool import BlockPool
 from hf_paged.block_table import FREED
+from hf_paged.core.kv_groups import KVGroups
 from hf_paged.scheduler import RequestRejectedError, Scheduler
 from hf_paged.sequence import Sequence, SeqStatus
 
 
 class Simulation:
     def __init__(self, seed, num_blocks, block_size, max_num_seqs, budget, mode, prefix,
-                 window, cpu_blocks, max_model_len=10_000):
+                 window, cpu_blocks, max_model_len=10_000, hybrid=False):
+        """hybrid: KV groups of a model with one full and two sliding-window layers."""
         self.rng = random.Random(seed)
         self.pool = BlockPool(num_blocks, block_size)
         self.cpu = BlockPool(cpu_blocks, block_size) if mode == "swap" else None
+        groups = KVGroups.plan([window, None, window]) if hybrid and window else None
         self.sched = Scheduler(self.pool, max_num_seqs, budget, max_model_len, window,
-                               prefix, mode, self.cpu)
+                               prefix, mode, self.cpu, groups)
         self.bs = block_size
         self.gpu: dict[int, dict[int, tuple]] = {}  # block -> slot -> (position, token)
         self.host: dict[int, dict[int, tuple]] = {}
@@ -79,11 +82,11 @@ class Simulation:
         for item in step.scheduled:
             seq = item.seq
             assert item.start == seq.num_computed and item.start + item.count <= seq.num_tokens
-            table = sched.tables.tables[seq.row]
-            for p in range(item.start, item.start + item.count):
-                block = table[p // self.bs]
-                assert block != FREED
-                self.gpu.setdefault(block, {})[p % self.bs] = (p, seq.tokens(p, p + 1)[0])
+            for table in sched.tables.row_tables(seq.row):  # every KV group stores it
+                for p in range(item.start, item.start + item.count):
+                    block = table[p // self.bs]
+                    assert block != FREED
+                    self.gpu.setdefault(block, {})[p % self.bs] = (p, seq.tokens(p, p + 1)[0])
         sched.after_step(step)
         for item in step.scheduled:
             seq = item.seq
@@ -114,10 +117,11 @@ class Simulation:
             r for s in sched.running for r in s.reserved_rows]
         assert sorted(rows) == list(range(sched.max_num_seqs)), rows  # no row lost or shared
         holders: dict[int, int] = {}
-        for table in sched.tables.tables:
-            for b in table:
-                if b != FREED:
-                    holders[b] = holders.get(b, 0) + 1
+        for tables in sched.tables.by_group:
+            for table in tables.tables:
+                for b in table:
+                    if b != FREED:
+                        holders[b] = holders.get(b, 0) + 1
         for b in range(pool.num_blocks):
             expected = holders.get(b, 0) + sched.prefix.holds(b)
             assert pool.refcount(b) == expected, (b, pool.refcount(b), expected)
@@ -127,18 +131,19 @@ class Simulation:
         if self.cpu is not None:
             cpu_holders: dict[int, int] = {}
             for seq in sched.swapped:
-                for b in seq.swapped:
+                for b in (b for table in seq.swapped for b in table):
                     if b != FREED:
                         cpu_holders[b] = cpu_holders.get(b, 0) + 1
             for b in range(self.cpu.num_blocks):
                 assert self.cpu.refcount(b) == cpu_holders.get(b, 0)
         for seq in sched.running:
-            table = sched.tables.tables[seq.row]
-            assert sched.tables.lengths[seq.row] == seq.num_computed
-            lo = sched.tables.freed[seq.row] * self.bs
-            for p in range(lo, seq.num_computed):
-                got = self.gpu.get(table[p // self.bs], {}).get(p % self.bs)
-                assert got == (p, seq.tokens(p, p + 1)[0]), (seq.seq_id, p, got)
+            for tables in sched.tables.by_group:  # each group's table reads back its tokens
+                table = tables.tables[seq.row]
+                assert tables.lengths[seq.row] == seq.num_computed
+                lo = tables.freed[seq.row] * self.bs
+                for p in range(lo, seq.num_computed):
+                    got = self.gpu.get(table[p // self.bs], {}).get(p % self.bs)
+                    assert got == (p, seq.tokens(p, p + 1)[0]), (seq.seq_id, p, got)
 
     def run(self, limit=5000):
         while self.sched.has_work:
@@ -152,6 +157,7 @@ def workloads(draw):
     max_num_seqs = draw(st.integers(1, 6))
     budget = draw(st.integers(max_num_seqs, 40))
     window = draw(st.sampled_from([None, None, 5, 12]))
+    hybrid = window is not None and draw(st.booleans())  # full and sliding KV groups
     prefix = draw(st.booleans())
     mode = draw(st.sampled_from(["recompute", "swap"]))
     shared = [draw(st.integers(3, 39)) for _ in range(draw(st.integers(0, 20)))]
@@ -165,11 +171,11 @@ def workloads(draw):
                              arrive=draw(st.integers(0, 15)),
                              abort=draw(st.one_of(st.none(), st.integers(0, 30)))))
     longest = max(len(r["prompt"]) + r["max_tokens"] for r in requests)
-    per_seq = -(-longest // block_size) + 2
+    per_seq = (-(-longest // block_size) + 2) * (3 if hybrid else 1)
     num_blocks = draw(st.integers(per_seq, per_seq * 4))
     return dict(block_size=block_size, max_num_seqs=max_num_seqs, budget=budget, window=window,
                 prefix=prefix, mode=mode, num_blocks=num_blocks, cpu_blocks=num_blocks,
-                requests=requests, seed=draw(st.integers(0, 10**6)))
+                requests=requests, seed=draw(st.integers(0, 10**6)), hybrid=hybrid)
 
 
 EXAMPLES = int(os.environ.get("HF_PAGED_SCHEDULER_EXAMPLES", "300"))
@@ -179,7 +185,8 @@ EXAMPLES = int(os.environ.get("HF_PAGED_SCHEDULER_EXAMPLES", "300"))
 @given(workloads())
 def test_scheduler_invariants(w):
     sim = Simulation(w["seed"], w["num_blocks"], w["block_size"], w["max_num_seqs"],
-                     w["budget"], w["mode"], w["prefix"], w["window"], w["cpu_blocks"])
+                     w["budget"], w["mode"], w["prefix"], w["window"], w["cpu_blocks"],
+                     hybrid=w["hybrid"])
     pending = sorted(enumerate(w["requests"]), key=lambda r: r[1]["arrive"])
     made = {}
     tick = 0
@@ -210,10 +217,13 @@ def test_scheduler_invariants(w):
     assert sim.pool.num_free == sim.pool.num_blocks
 
 
-def test_preemption_happens_and_both_modes_finish():
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_preemption_happens_and_both_modes_finish(hybrid):
     for mode in ("recompute", "swap"):
-        sim = Simulation(1, num_blocks=12, block_size=4, max_num_seqs=4, budget=16, mode=mode,
-                         prefix=False, window=None, cpu_blocks=12)
+        blocks = 36 if hybrid else 12
+        sim = Simulation(1, num_blocks=blocks, block_size=4, max_num_seqs=4, budget=16,
+                         mode=mode, prefix=False, window=6 if hybrid else None,
+                         cpu_blocks=blocks, hybrid=hybrid)
         for i in range(6):
             sim.add([3 + i] * 10, max_tokens=20)
         sim.run()

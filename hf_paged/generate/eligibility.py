@@ -1,0 +1,44 @@
+"""Whether a model's generate call can take the paged cache's shortcuts, or the paged cache
+at all: what reaches its forward, and what training mode would change."""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.modules import module as torch_module
+from transformers import GenerationMixin
+
+
+def runs_plain_forward(model) -> bool:
+    """Whether generate's forwards reach `model` exactly as Transformers makes them.
+
+    Only then may the prefill be replaced by a packed one on distinct prompts and decode
+    steps skip reading the mask. Not so with an overridden `prepare_inputs_for_generation`
+    (PEFT prompt learning, subclasses), forward hooks or replaced forwards (PEFT adapter
+    batches, accelerate), or modules in training mode (dropout draws random numbers per
+    input shape).
+    """
+    if ("prepare_inputs_for_generation" in model.__dict__
+            or type(model).prepare_inputs_for_generation
+            is not GenerationMixin.prepare_inputs_for_generation):
+        return False
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        return False
+    return not any(m.training or m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__
+                   for m in model.modules())
+
+
+def training_reason(model) -> str | None:
+    """Why a model in training mode cannot generate on the paged cache, or None."""
+    if not model.training:
+        return None
+    if getattr(model, "is_activation_checkpointing", False):  # gradient checkpointing
+        return ("gradient checkpointing is on in training mode, where Transformers runs the "
+                "layers without a cache")
+    for module in model.modules():
+        dropout = getattr(module, "attention_dropout", 0.0)  # Llama, Mistral: a float
+        if isinstance(dropout, torch.nn.Dropout):  # Falcon: a module
+            dropout = dropout.p
+        if module.training and isinstance(dropout, float) and dropout > 0:
+            return (f"attention dropout ({dropout}) is active in training mode, and it draws "
+                    "its random numbers inside Transformers' attention kernel")
+    return None
