@@ -39,6 +39,11 @@ class UnsupportedModelError(HFPagedError, ValueError):
     """A paged cache was asked of a model architecture hf-paged does not patch."""
 
 
+class PagedRouteError(HFPagedError):
+    """A model's layers do not hand the paged KV to the attention as Transformers' attention
+    interface does (keywords dropped on the way, keys changed after the cache update)."""
+
+
 class KVPoolAllocationError(HFPagedError, MemoryError):
     """The device could not hold a KV pool of the size asked for (or grown to)."""
 

@@ -23,6 +23,7 @@ from ..hf.architectures import (
     attention_features, attention_tp_size, kv_spec, tp_heads, unsupported_reason,
 )
 from ..hf.attention import KWARG
+from ..hf.probe import route_reason
 from ..hf.register import register
 from ..hf.switch import paged_attention
 from ..kernels.dispatch import PoolAccess
@@ -112,7 +113,11 @@ class ModelRunner:
         num_heads, kv_heads = tp_heads(text_config, attention_tp_size(base))  # this rank's
         # A model spread by device_map keeps each layer's KV on that layer's device; on one
         # device, sliding-window and full layers form KV groups sharing the pool's blocks.
-        self.groups, placement = group_layers(spec.windows, model_placement(base, num_layers))
+        placement = model_placement(base, num_layers)
+        reason = route_reason(base, placement)
+        if reason is not None:
+            raise UnsupportedModelError(f"The engine cannot serve this model: {reason}.")
+        self.groups, placement = group_layers(spec.windows, placement)
         self.kv_device = placement.primary  # where block tables and metadata are built
         self._index_device = logits_index_device(base)  # for logits_to_keep
         self.on_cuda = any(d.type == "cuda" for d in placement.devices)

@@ -46,6 +46,7 @@ from ..hf.architectures import (
     check_supported, kv_spec, tp_heads, unsupported_reason,
 )
 from ..hf.attention import ATTENTION_NAME, KWARG
+from ..hf.probe import route_reason
 from ..hf.register import register, unregister
 from ..hf.switch import paged_attention
 from ..hf.switch import release_paged_attention, use_paged_attention
@@ -176,6 +177,9 @@ def _prepare_cache_for_generation(original):
                     UserWarning, stacklevel=_user_stacklevel())
             return stock()
         reason = unsupported_reason(self)
+        if reason is None:
+            reason = route_reason(self, lambda: model_placement(
+                self, kv_spec(self.config.get_text_config(decoder=True)).num_layers))
         if reason is not None:
             if paged:
                 raise UnsupportedModelError(

@@ -147,6 +147,8 @@ def kv_spec(config) -> KVSpec:
     declared = ("num_key_value_heads" in getattr(type(config), "__dataclass_fields__", {})
                 or "num_key_value_heads" in getattr(config, "attribute_map", {}))
     kv_heads = (getattr(config, "num_key_value_heads", None) if declared else None) or heads
+    if getattr(config, "multi_query", False):  # GPT-BigCode: one KV head for every query head
+        kv_heads = 1
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return KVSpec(config.num_hidden_layers, kv_heads, head_dim, head_dim, False, windows)
 

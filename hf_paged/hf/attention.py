@@ -19,7 +19,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from ..errors import HFPagedError
+from ..errors import HFPagedError, PagedRouteError
 from ..kernels.forward import PagedForward
 from ..kv.pool import is_pool_view
 
@@ -54,7 +54,7 @@ def paged_attention_forward(
                                caller_mask=attention_mask, softcap=softcap, sinks=s_aux,
                                key=key, value=value), None
     if is_pool_view(key):
-        raise HFPagedError(
+        raise PagedRouteError(
             f"Layer {module.layer_idx} got a paged KV pool's keys without the forward's "
             f"metadata (the `{KWARG}` keyword did not reach the attention). This model's "
             "attention layers do not pass the forward's keywords on to the attention "

@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 import torch
 from transformers.cache_utils import Cache
 
-from ..errors import BackwardNotSupportedError, HFPagedError
+from ..errors import BackwardNotSupportedError, HFPagedError, PagedRouteError
 from ..kv.metadata import ForwardMetadata
 from . import reference
 from .torch_backend import attention_mask, caller_mask_on_slots
@@ -216,6 +216,11 @@ class PagedForward(PagedLayers, Cache):
                 out = self._attend_expanded(query, key, value, layer_idx, scale,
                                             sliding_window, caller_mask, softcap, sinks)
             else:
+                if key is not None and key is not self.access.views(layer_idx)[0]:
+                    raise PagedRouteError(
+                        f"Layer {layer_idx} changed its keys between the cache update and "
+                        "the attention (repeated or re-laid them out), so the attention "
+                        "cannot read them from the pool's blocks.")
                 out = self._attend(query.to(pool_dtype), layer_idx, shard, scale,
                                    sliding_window, alibi_slopes, caller_mask, softcap,
                                    None if sinks is None else sinks.to(pool_dtype))

@@ -34,6 +34,9 @@ _models: dict = {}
 def four_layer_model(kind: str):
     if kind not in _models:
         _models[kind] = make_model(kind, num_hidden_layers=4)
+        # The class's one-token route probe, here rather than inside a test counting copies.
+        from hf_paged.hf.probe import route_reason
+        assert route_reason(_models[kind]) is None
     return _models[kind]
 
 

@@ -13,6 +13,7 @@ from transformers.generation.streamers import BaseStreamer
 import hf_paged
 from hf_paged import PagedCache
 from hf_paged.hf.architectures import SUPPORTED_ARCHITECTURES, kv_spec, unsupported_reason
+from hf_paged.hf.probe import route_reason
 from conftest import assert_same, both, left_padded_batch
 from zoo import NAMES, make_arch
 
@@ -141,22 +142,41 @@ def _refused():
         shared_expert_intermediate_size=16, layer_types=["linear_attention", "full_attention"]))
     yield "encoder-decoder", t.T5ForConditionalGeneration(t.T5Config(
         vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2))
+    # Found by the one-token probe: the decoder layer drops the forward's keywords...
+    yield "keywords dropped", t.NemotronForCausalLM(t.NemotronConfig(**small,
+                                                                     num_key_value_heads=1))
+    # ... or the attention repeats its keys after the cache update.
+    yield "keys changed", t.JetMoeForCausalLM(t.JetMoeConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_key_value_heads=2,
+        kv_channels=8, intermediate_size=64, num_local_experts=2, num_experts_per_tok=1))
 
 
 _WHY = {"bypasses": "does not go through Transformers' attention interface",
         "recurrent": "recurrent state|state-space",
         "linear": "linear_attention layers",
-        "encoder-decoder": "encoder-decoder"}
+        "encoder-decoder": "encoder-decoder",
+        "keywords dropped": "did not reach the attention",
+        "keys changed": "changed its keys"}
 
 
 @pytest.mark.parametrize("kind", list(_WHY))
 def test_unservable_models_are_refused_by_name(kind):
-    model = dict(_refused())[kind].eval()
-    reason = unsupported_reason(model)
-    assert reason is not None and type(model).__name__ in reason
     import re
+
+    model = dict(_refused())[kind].eval()
+    reason = unsupported_reason(model) or route_reason(model)
+    assert reason is not None and type(model).__name__ in reason
     assert re.search(_WHY[kind], reason), reason
     with pytest.raises(hf_paged.UnsupportedModelError, match=type(model).__name__):
         hf_paged.LLM(model)
-    with pytest.raises(hf_paged.UnsupportedModelError):
-        hf_paged.prepare_model(model)
+    if unsupported_reason(model) is not None:
+        with pytest.raises(hf_paged.UnsupportedModelError):
+            hf_paged.prepare_model(model)
+    if not model.config.is_encoder_decoder:  # generate falls back, saying why, same tokens
+        ids = torch.randint(3, 60, (2, 6), generator=torch.Generator().manual_seed(0))
+        ref = model.generate(ids, max_new_tokens=5, do_sample=False)
+        with pytest.warns(UserWarning, match=re.escape(type(model).__name__)):
+            out = model.generate(ids, max_new_tokens=5, do_sample=False,
+                                 cache_implementation="paged", return_dict_in_generate=True)
+        assert torch.equal(ref, out.sequences)
+        assert not isinstance(out.past_key_values, PagedCache)

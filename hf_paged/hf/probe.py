@@ -1,0 +1,77 @@
+"""Whether a model's layers really hand the paged KV to the attention: one forward of one
+token on a scratch pool, once per model class.
+
+A class can say it uses the attention interface and still not let the paged KV through:
+a decoder layer that drops the forward's keywords before its attention (Nemotron), or an
+attention that re-lays its keys out after the cache update (JetMoE repeats them). Those
+raise `PagedRouteError` on the way; the probe turns that into a reason, so that generate
+falls back to Transformers' cache with a warning and the engine refuses the model by
+name, before any real request runs.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from ..errors import PagedRouteError
+from ..kernels.dispatch import PoolAccess
+from ..kv.metadata import build_metadata, to_device
+from ..kv.placement import Placement, group_layers
+from ..kv.pool import KVPool
+from .architectures import attention_tp_size, kv_spec, tp_heads
+from .attention import KWARG
+from .switch import paged_attention
+
+_checked: dict[type, str | None] = {}
+_lock = threading.Lock()
+
+
+def route_reason(model, placement=None) -> str | None:
+    """Why the paged KV does not reach `model`'s attention (a sentence), or None.
+
+    placement: where its layers are (a model spread by `device_map`), or a function giving
+    it (called only when the class is probed); default: the device of its input
+    embeddings. A model in training mode is not probed (its forward would draw random
+    numbers for dropout); its class is probed at its first call in eval mode. A probe that
+    fails for another reason gives that as the reason: such a model cannot run paged.
+    """
+    cls = type(model)
+    if cls in _checked:
+        return _checked[cls]
+    if model.training:
+        return None
+    with _lock:
+        if cls not in _checked:
+            _checked[cls] = _probe(model, placement() if callable(placement) else placement)
+    return _checked[cls]
+
+
+def _probe(model, placement: Placement | None) -> str | None:
+    text = model.config.get_text_config(decoder=True)
+    spec = kv_spec(text)
+    heads, kv_heads = tp_heads(text, attention_tp_size(model))
+    device = model.get_input_embeddings().weight.device
+    groups, where = group_layers(spec.windows, placement, device)
+    block_size = 16
+    pool = KVPool(groups.slots, kv_heads, spec.head_dim, block_size, 1, model.dtype, where,
+                  growable=False, v_head_dim=spec.v_head_dim)
+    access = PoolAccess(pool, "torch", heads, spec.windows, spec.latent, groups=groups)
+    table = torch.zeros(1, 1, dtype=torch.int32, device=pool.device)
+    context = to_device([0], pool.device)
+    metas = [build_metadata(table, context, [1], 1, 1, block_size, packed=True)
+             for _ in range(groups.num_groups)]
+    paged_kv = access.forward(metas[0], group_metas=metas)
+    ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+    try:
+        with torch.no_grad(), paged_attention(model):
+            model(input_ids=ids, position_ids=torch.zeros_like(ids), past_key_values=paged_kv,
+                  use_cache=True, **{KWARG: paged_kv})
+    except PagedRouteError as err:
+        return (f"{type(model).__name__}'s layers do not hand the paged KV to the attention "
+                f"as Transformers' attention interface does ({err})")
+    except Exception as err:  # noqa: BLE001 - whatever stops one token stops generation
+        return (f"a one-token forward of {type(model).__name__} on the paged cache failed "
+                f"({type(err).__name__}: {err})")
+    return None
