@@ -44,6 +44,11 @@ def main():
                 out = out.sequences
             row["paged" if paged else "stock"] = out.tolist()
         results[name] = row
+    write_from_rank0(results, out_path)
+
+
+def write_from_rank0(results, out_path):
+    """Checks every rank got the same results; rank 0 writes them; the group ends."""
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, results)
     assert all(g == gathered[0] for g in gathered), "ranks disagree"

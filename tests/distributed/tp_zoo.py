@@ -7,17 +7,19 @@ generate (greedy on a left-padded batch, seeded sampling).
 Rank 0 writes {folder: {"stock": ..., "paged": ..., "kv_heads": ...} or {"stock_error": why}}.
 """
 
-import json
 import sys
 import warnings
+from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 warnings.simplefilter("ignore")
 
 import hf_paged  # noqa: E402,F401
 from transformers import AutoModelForCausalLM  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tp_generate import write_from_rank0  # noqa: E402
 
 
 def run(folder):
@@ -44,15 +46,7 @@ def run(folder):
 
 def main():
     out_path, folders = sys.argv[1], sys.argv[2:]
-    results = {folder: run(folder) for folder in folders}
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, results)
-    assert all(g == gathered[0] for g in gathered), "ranks disagree"
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    write_from_rank0({folder: run(folder) for folder in folders}, out_path)
 
 
 if __name__ == "__main__":

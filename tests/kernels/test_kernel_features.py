@@ -9,7 +9,8 @@ import torch
 
 from hf_paged.kernels import reference
 from test_kernels import (  # noqa: F401  (fixtures)
-    DEVICE, DTYPES, TOLERANCE, cuda_kernels, emulated_cuda_ops, needs_triton, paged_inputs,
+    DEVICE, DTYPES, TOLERANCE, cuda_kernels, emulated_cuda_ops, extend_layout, needs_triton,
+    paged_inputs,
 )
 
 FEATURES = [(5.0, False), (None, True), (3.0, True)]  # (softcap, sinks)
@@ -68,12 +69,7 @@ def test_triton_extend_features(softcap, with_sinks, dtype, window):
     ctx, new, heads = [0, 12], [17, 9], 4
     lengths = [c + n for c, n in zip(ctx, new)]
     k, v, table, seq = paged_inputs(lengths, 8, 2, 32, dtype, seed=3)
-    q_len = max(new)
-    ctx_t = torch.tensor(ctx, device=DEVICE)
-    col = torch.arange(q_len, device=DEVICE)
-    pad = (q_len - torch.tensor(new, device=DEVICE)).unsqueeze(1)
-    query_pos = ctx_t.unsqueeze(1) + col - pad
-    is_query = col >= pad
+    q_len, ctx_t, query_pos, is_query = extend_layout(ctx, new)
     q = torch.randn(2, q_len, heads, 32, device=DEVICE).to(dtype)
     sinks = _sinks(heads, with_sinks)
     ref = expected(q.transpose(1, 2), k, v, table, query_pos, is_query, 0.2, window, softcap,

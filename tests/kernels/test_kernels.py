@@ -105,6 +105,16 @@ def test_triton_decode_window_and_alibi(window, alibi):
     torch.testing.assert_close(out, ref, **TOLERANCE[torch.float32])
 
 
+def extend_layout(ctx, new):
+    """(q_len, context lengths [R], query positions [R, q], real columns [R, q]) of rows
+    with `ctx` cached tokens and `new` ones, right-aligned in the longest."""
+    q_len = max(new)
+    ctx_t = torch.tensor(ctx, device=DEVICE)
+    col = torch.arange(q_len, device=DEVICE)
+    pad = (q_len - torch.tensor(new, device=DEVICE)).unsqueeze(1)
+    return q_len, ctx_t, ctx_t.unsqueeze(1) + col - pad, col >= pad
+
+
 EXTEND_CASES = [
     # context lengths, new tokens per row (left-padded to the longest), block_size
     ([0, 0, 0], [1, 17, 40], 16),   # prefill, ragged
@@ -125,12 +135,7 @@ def test_triton_extend(ctx, new, block_size, dtype, window, alibi):
     heads, kv_heads, head_dim = 4, 2, 64
     lengths = [c + n for c, n in zip(ctx, new)]
     k, v, table, seq = paged_inputs(lengths, block_size, kv_heads, head_dim, dtype)
-    q_len = max(new)
-    ctx_t = torch.tensor(ctx, device=DEVICE)
-    col = torch.arange(q_len, device=DEVICE)
-    pad = (q_len - torch.tensor(new, device=DEVICE)).unsqueeze(1)
-    query_pos = ctx_t.unsqueeze(1) + col - pad
-    is_query = col >= pad
+    q_len, ctx_t, query_pos, is_query = extend_layout(ctx, new)
     q = torch.randn(len(ctx), q_len, heads, head_dim, device=DEVICE).to(dtype)
     slopes = torch.rand(heads, device=DEVICE) if alibi else None
     ref = reference_attention(q.transpose(1, 2), k, v, table, query_pos, is_query, 0.125,
