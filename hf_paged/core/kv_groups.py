@@ -8,7 +8,8 @@ ones) is split, as vLLM's hybrid allocator does, into groups of equally many lay
 window each: a block then holds a token span of one group's layers (`slots` of them), and
 each group keeps its own block table per sequence. A sliding group's blocks go back to the
 pool as the window passes them while the full groups keep theirs, so a 5:1 model holding
-8K tokens with a 1K window stores about a third of what one table for all layers would.
+8K tokens with a 1K window stores about 27% of what one table for all layers would
+(benchmarks/bench_hybrid_kv.py).
 
 `GroupedTables` keeps the block tables of every group for a batch of rows, drawing on one
 `BlockPool`; a one-group model's is exactly a `BlockTables`. Its device mirror has a row per

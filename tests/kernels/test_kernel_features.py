@@ -96,3 +96,22 @@ def test_cuda_decode_features(cuda_kernels, softcap, with_sinks, dtype):
         out = ops.decode(q, k, v, table, seq, None, 0.125, 0, max(lengths), partition,
                          softcap or 0.0, sinks)
         torch.testing.assert_close(out.float(), ref, **TOLERANCE[dtype])
+
+
+@needs_triton
+@pytest.mark.parametrize("name", ["gemma2", "gpt_oss"])
+def test_generate_with_triton_on_softcap_and_sink_models(name):
+    """Hybrid KV groups with soft-capping (Gemma 2) or sinks (gpt-oss) through the Triton
+    kernels end to end (decode and extend), token for token with stock."""
+    from conftest import assert_same, left_padded_batch
+    from zoo import make_arch
+
+    model = make_arch(name)
+    ids, mask = left_padded_batch([5, 11, 8], seed=1)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
+                  eos_token_id=None)
+    out = model.generate(**kwargs, cache_implementation="paged", return_dict_in_generate=True,
+                         cache_config={"backend": "triton", "block_size": 4})
+    assert out.past_key_values.backend.name == "triton"
+    assert out.past_key_values.groups.is_hybrid
+    assert_same(model.generate(**kwargs), out)
