@@ -85,20 +85,18 @@ def test_engine_forks_share_every_group(gemma3):
 
 
 def _peak_bytes(model, prompt, max_tokens):
-    """Most KV bytes the engine held while generating, and its tokens."""
-    llm = hf_paged.LLM(model, block_size=4, num_blocks=512, max_num_seqs=1,
-                       max_num_batched_tokens=32)
-    engine = llm.engine
-    request = engine.add_request("r", prompt, SamplingParams(max_tokens=max_tokens,
-                                                             temperature=0.0, ignore_eos=True))
-    peak, tokens = 0, None
+    """Most KV bytes the engine held while generating (sampled after every step), and its
+    tokens."""
+    engine = hf_paged.LLMEngine(model, block_size=4, num_blocks=512, max_num_seqs=1,
+                                max_num_batched_tokens=32)
+    engine.add_request("r", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                   ignore_eos=True))
+    outputs, held = [], []
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens = out.outputs[0].token_ids
-        peak = max(peak, engine.stats().blocks_used)
-    per_block = engine.pool.nbytes // engine.pool.blocks.num_blocks
-    del request
-    return peak * per_block, tokens
+        outputs += engine.step()
+        held.append(engine.stats().blocks_used)
+    bytes_per_block = engine.pool.nbytes // engine.pool.blocks.num_blocks
+    return max(held) * bytes_per_block, outputs[-1].outputs[0].token_ids
 
 
 def test_sliding_groups_hold_a_window_of_blocks(gemma3):
