@@ -53,8 +53,9 @@ def unsupported_reason(model) -> str | None:
         return None
     other = sorted(set(getattr(text, "layer_types", None) or ()) - set(ATTENTION_LAYER_TYPES))
     if other:
-        return (f"{name} has {', '.join(other)} layers (linear attention or state-space "
-                "layers), which a KV cache of blocks cannot hold")
+        return (f"{name} has {', '.join(other)} layers (not softmax attention: linear "
+                "attention, convolution, state-space or chunked layers), which a KV cache of "
+                "blocks cannot hold")
     if getattr(model, "_is_stateful", False):
         return f"{name} carries recurrent state, which a KV cache of blocks cannot hold"
     if not getattr(model, "_supports_attention_backend", False):
