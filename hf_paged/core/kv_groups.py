@@ -73,6 +73,11 @@ class KVGroups:
     def is_hybrid(self) -> bool:
         return self.num_groups > 1
 
+    @property
+    def slides(self) -> bool:
+        """Some group has a sliding window (blocks can leave it)."""
+        return any(w is not None for w in self.windows)
+
     def where(self) -> list[tuple[int, int]]:
         """Per layer, (its group, its slot)."""
         out = [(0, 0)] * self.num_layers

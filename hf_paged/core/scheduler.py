@@ -164,8 +164,8 @@ class Scheduler:
         step = Step()
         budget = self.max_num_batched_tokens
         counts = [0] * self.max_num_seqs
-        # Blocks no query of a row can see again, in the sliding groups.
-        self.prefix.released(self.tables.release_outside_window(self._computed_per_row()))
+        if self.groups.slides:  # blocks no query of a row can see again, in sliding groups
+            self.prefix.released(self.tables.release_outside_window(self._computed_per_row()))
         reserved = 0  # blocks the counts planned so far will take
         served: set[int] = set()
         for seq in list(self.running):

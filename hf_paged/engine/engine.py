@@ -109,11 +109,11 @@ class LLMEngine:
         self.pool, self.cpu_pool = runner.pool, runner.cpu_pool
         self.device, self.dtype, self.tp_size = runner.device, runner.dtype, runner.tp_size
         self.block_size, self.max_model_len = runner.block_size, runner.max_model_len
-        self.max_num_seqs, self.sliding_window = runner.max_num_seqs, runner.sliding_window
+        self.max_num_seqs = runner.max_num_seqs
         self.max_num_batched_tokens = step_budget(runner, max_num_batched_tokens, preemption_mode)
         self.scheduler = Scheduler(self.pool.blocks, self.max_num_seqs,
                                    self.max_num_batched_tokens, self.max_model_len,
-                                   self.sliding_window, enable_prefix_caching, preemption_mode,
+                                   None, enable_prefix_caching, preemption_mode,
                                    None if self.cpu_pool is None else self.cpu_pool.blocks,
                                    runner.groups)
         self.sampler = Sampler()

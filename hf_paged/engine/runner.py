@@ -125,8 +125,6 @@ class ModelRunner:
         self.max_model_len = positive("max_model_len", max_model_len
                                       or getattr(text_config, "max_position_embeddings", 2048))
         self.max_num_seqs = positive("max_num_seqs", max_num_seqs or (256 if self.on_cuda else 64))
-        # Blocks leave a sequence as the window passes only when every layer slides by it.
-        self.sliding_window = spec.common_window
         per_layer = block_bytes(1, kv_heads, head_dim, self.block_size, self.dtype, v_head_dim)
         slots = self.groups.slots  # layers a block holds
         per_block = slots * per_layer

@@ -95,9 +95,6 @@ class PagedCache(PagedLayers, Cache):
         self.features = frozenset(features)
         # Under tensor parallelism each rank holds (and caches) its own share of the heads.
         self.num_heads, self.num_kv_heads = tp_heads(text_config, tp_size)
-        # Blocks leave the cache as a sliding window passes them only when every layer
-        # slides by the same window (a full-attention layer still reads them).
-        self.sliding_window = self.spec.common_window
         self.block_size = self.cache_config.block_size
         if pool is None and not self.cache_config.is_sized and max_cache_len:
             self.block_size = min(self.block_size, max(_ceil_pow2(max_cache_len + 1), 16))

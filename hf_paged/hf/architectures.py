@@ -98,13 +98,6 @@ class KVSpec:
     latent: bool
     windows: tuple[int | None, ...]
 
-    @property
-    def common_window(self) -> int | None:
-        """The window every layer shares, or None when some layer attends to everything
-        (then no block may be released for all layers at once)."""
-        first = self.windows[0] if self.windows else None
-        return first if all(w == first for w in self.windows) else None
-
 
 def layer_windows(config) -> tuple[int | None, ...]:
     """Each layer's sliding window: from `layer_types` where the config has them, else the
