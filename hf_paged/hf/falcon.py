@@ -79,8 +79,10 @@ def paged_falcon_attention(original):
     def forward(self, hidden_states, alibi, attention_mask, position_ids=None, layer_past=None,
                 use_cache=False, output_attentions=False, position_embeddings=None, **kwargs):
         if not isinstance(layer_past, PagedLayers):  # a PagedCache or a PagedForward
-            if self.config._attn_implementation == ATTENTION_NAME and \
-                    not isinstance(self.config, SdpaView):
+            # Installed before any stock call, not only once switched: a paged call on another
+            # thread may switch the shared config between this check and the original's read
+            # of the name, which would then take the eager branch with an SDPA mask.
+            if not isinstance(self.config, SdpaView):
                 self.config = SdpaView(self.config)
             return original(self, hidden_states, alibi, attention_mask, position_ids=position_ids,
                             layer_past=layer_past, use_cache=use_cache,

@@ -195,6 +195,35 @@ def test_concurrent_generate_calls_on_one_model(kind):
     assert model.config._attn_implementation == before
 
 
+@pytest.mark.parametrize("kind", ["falcon_mq", "falcon_alibi", "falcon_new"])
+def test_stock_falcon_forward_when_switched_mid_layer(kind):
+    """A paged call on another thread may switch the shared config after a stock Falcon
+    attention has chosen its path and before Transformers reads the name again: the stock
+    forward must still give stock logits (it took the eager branch with an SDPA mask)."""
+    from hf_paged.hf.switch import release_paged_attention, use_paged_attention
+
+    model = make_model(kind)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = model(ids).logits
+    entries: list = []
+
+    def switch_once(module, args):
+        if not entries:
+            use_paged_attention(model, entries)
+
+    attention = model.transformer.h[0].self_attention
+    hook = attention.query_key_value.register_forward_pre_hook(switch_once)
+    try:
+        with torch.no_grad():
+            out = model(ids).logits
+    finally:
+        hook.remove()
+        release_paged_attention(entries)
+    assert entries, "the switch did not happen inside the forward"
+    torch.testing.assert_close(out, ref)
+
+
 def test_sized_pool_with_the_model_assisting_itself(llama):
     ids, mask = left_padded_batch([9], seed=5)
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
