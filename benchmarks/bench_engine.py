@@ -130,10 +130,80 @@ def run_static(model, requests, budget_bytes, block_size, paged: bool, batch: in
 
 
 def _bytes_per_token(model) -> int:
-    from hf_paged.models import kv_layout
+    from hf_paged.hf.architectures import kv_layout
 
     layers, heads, dim = kv_layout(model.config)
     return layers * 2 * heads * dim * torch.tensor([], dtype=model.dtype).element_size()
+
+
+class _TimedModel:
+    """Stands in for the engine's model: accumulates the seconds spent inside its calls
+    (synchronizing a CUDA device so that the time is the forward's own)."""
+
+    def __init__(self, model):
+        self.__dict__["_model"], self.__dict__["seconds"] = model, 0.0
+
+    def __call__(self, *args, **kwargs):
+        cuda = self._model.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = self._model(*args, **kwargs)
+        if cuda:
+            torch.cuda.synchronize()
+        self.__dict__["seconds"] += time.perf_counter() - start
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+def host_overhead(model, counts=(64, 128, 256), prompt_len=16, new_tokens=64, **options):
+    """Per engine step, the time outside the model's forward per scheduled sequence: every
+    request (a random prompt of `prompt_len` tokens, `new_tokens` greedy tokens) arrives at
+    once and all run together; steps whose sequences all decode are measured."""
+    rows = []
+    vocab = model.config.vocab_size
+    for count in counts:
+        rng = random.Random(count)
+        llm = LLM(model, max_num_seqs=count, max_num_batched_tokens=count * prompt_len,
+                  kv_cache_bytes=_bytes_per_token(model) * count * (prompt_len + new_tokens + 32),
+                  **options)
+        engine = llm.engine
+        engine.finished_only = True  # as LLM.generate runs it
+        timed = _TimedModel(engine.runner.model)
+        engine.runner.model = timed
+        params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+        for i in range(count):
+            engine.add_request(f"h{i}", [rng.randrange(3, vocab) for _ in range(prompt_len)],
+                               params)
+        host = forward = 0.0
+        steps = scheduled = 0
+        while engine.has_unfinished_requests():
+            decoding = len(engine.scheduler.running)
+            timed.seconds = 0.0
+            start = time.perf_counter()
+            engine.step()
+            total = time.perf_counter() - start
+            if decoding == count and engine.scheduler.running:  # a decode step, none ended
+                host += total - timed.seconds
+                forward += timed.seconds
+                steps += 1
+                scheduled += count
+        rows.append(dict(seqs=count, steps=steps, step_ms=round((host + forward) / steps * 1e3, 2),
+                         forward_ms=round(forward / steps * 1e3, 2),
+                         host_ms=round(host / steps * 1e3, 2),
+                         host_us_per_seq=round(host / scheduled * 1e6, 2)))
+        print(f"  {count:4d} sequences: step {rows[-1]['step_ms']:8.2f} ms, forward "
+              f"{rows[-1]['forward_ms']:8.2f} ms, host {rows[-1]['host_ms']:7.2f} ms = "
+              f"{rows[-1]['host_us_per_seq']:6.2f} us per sequence", flush=True)
+    return rows
+
+
+def tiny_llama(device="cpu", dtype=torch.float32):
+    """The host-overhead model: hidden 64, 2 layers (its forward is cheap)."""
+    return random_llama(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=1000,
+                        dtype=dtype, device=device)
 
 
 def report(name, row, requests, reference):
@@ -177,8 +247,24 @@ def main():
     parser.add_argument("--model-size", default="168m", choices=["168m", "7b"],
                         help="random Llama shape: ~168M (hidden 1024, 8 layers) or Llama-7B-like")
     parser.add_argument("--out", help="also write the rows as JSON here")
+    parser.add_argument("--host-overhead", action="store_true",
+                        help="only the host-overhead report: time per step outside the forward, "
+                             "per sequence, at 64/128/256 sequences, tiny and 168M models")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
+    if args.host_overhead:
+        rows = {}
+        for name, build in (("tiny (hidden 64, 2 layers)", tiny_llama),
+                            ("168M (hidden 1024, 8 layers)", random_llama)):
+            if args.quick and name.startswith("168M"):
+                continue
+            print(f"host overhead, {name}, {args.dtype}, {args.device}, threads "
+                  f"{torch.get_num_threads()}:", flush=True)
+            rows[name] = host_overhead(build(dtype=dtype, device=args.device),
+                                       counts=(16, 32) if args.quick else (64, 128, 256))
+        if args.out:
+            Path(args.out).write_text(json.dumps(rows, indent=2))
+        return
     if args.quick:
         model = random_llama(hidden=128, layers=2, heads=4, kv_heads=4, intermediate=256,
                              vocab=1000, dtype=dtype, device=args.device)

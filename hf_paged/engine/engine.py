@@ -120,6 +120,8 @@ class LLMEngine:
         self.vocab_size = base.get_output_embeddings().weight.shape[0]
         # Decode every step (servers stream text); otherwise only finished completions.
         self.incremental_text = False
+        # Outputs of finished requests only (LLM.generate): no snapshot per token.
+        self.finished_only = False
         generation_config = getattr(base, "generation_config", None)
         self.defaults = generation_defaults(generation_config)
         eos = getattr(generation_config, "eos_token_id", None)
@@ -276,7 +278,8 @@ class LLMEngine:
 
     # -- one step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Runs one step; returns the outputs of the requests it changed."""
+        """Runs one step; returns the outputs of the requests it changed (only those it
+        finished while `finished_only` is set)."""
         touched: dict[str, EngineRequest] = {}
         for request_id, error in self._aborts.items():
             request = self.requests[request_id]
@@ -294,7 +297,7 @@ class LLMEngine:
             # Cannot happen (a lone request always fits; check_fits saw to it): never spin.
             raise HFPagedError("the scheduler could not run any waiting request; "
                                f"{self.stats()}")
-        return self.output.outputs(touched, self.tokenizer)
+        return self.output.outputs(touched, self.tokenizer, self.finished_only)
 
     def _expire(self, touched: dict) -> None:
         now = time.monotonic()

@@ -102,6 +102,7 @@ class LLM:
                 results[rid] = _rejected(rid, prompt, p, str(err))
         bar = _progress(len(prompts), use_tqdm)
         bar.update(len(results))
+        before, engine.finished_only = engine.finished_only, True
         try:
             for request in prepared:
                 engine.add_prepared(request)
@@ -119,6 +120,7 @@ class LLM:
                 engine.remove_request(rid)
             raise
         finally:
+            engine.finished_only = before
             bar.close()
         return [results[rid] for rid in ids]
 

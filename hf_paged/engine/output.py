@@ -65,14 +65,22 @@ class OutputProcessor:
         row as (request, seq, target, completion), the logits row each reads). A target of
         None is a sibling forked from `seq` by this token."""
         rows, owners, index = [], [], []
+        requests = self.requests
         for row_of_logits, item in enumerate(items):
             seq = item.seq
-            request = self.requests[seq.request_id]
-            targets = [seq] + [None] * item.forks
-            for k, target in enumerate(targets):
-                completion = k if target is None else request.seqs.index(seq)
-                rows.append(self._sample_row(request, seq, completion))
-                owners.append((request, seq, target, completion))
+            request = requests[seq.request_id]
+            completion = 0 if len(request.seqs) == 1 else request.seqs.index(seq)
+            row = request.rows.get(seq.seq_id)  # made once per sequence, not per step
+            if row is None:
+                row = request.rows[seq.seq_id] = self._sample_row(request, seq, completion)
+            elif row.suppress is not None and len(seq.output) >= request.params.min_tokens:
+                row.suppress = None
+            rows.append(row)
+            owners.append((request, seq, seq, completion))
+            index.append(row_of_logits)
+            for k in range(1, item.forks + 1):  # siblings' first tokens, from the same logits
+                rows.append(self._sample_row(request, seq, k))
+                owners.append((request, seq, None, k))
                 index.append(row_of_logits)
         return rows, owners, index
 
@@ -88,15 +96,17 @@ class OutputProcessor:
     def record(self, items: list, owners: list[tuple], result: SampleResult,
                errors: dict[int, str], touched: dict) -> None:
         """Appends each row's token to its completion (forking siblings off their parent),
-        fails the requests of rows in `errors`, then checks every touched request's stops."""
+        fails the requests of rows in `errors`, then checks the stops of the completions
+        that grew."""
         failed: dict[str, str] = {}
         for j, message in errors.items():
             failed.setdefault(owners[j][0].request_id, message)
         children: dict[int, list[Sequence]] = {}
+        grew = []
         now = time.monotonic()
         for (request, seq, target, completion), token, lp, tlp in zip(
                 owners, result.tokens, result.logprobs, result.token_logprobs):
-            if request.request_id in failed:
+            if failed and request.request_id in failed:
                 continue
             if target is None:
                 child = Sequence(self.new_seq_id(), seq.request_id, seq.prompt,
@@ -106,38 +116,44 @@ class OutputProcessor:
                 children.setdefault(id(seq), []).append(child)
                 target = child
             request.append(target, completion, token, lp, tlp, now)
-            self.generation_tokens += 1
             touched[request.request_id] = request
+            grew.append((request, target, completion))
+        self.generation_tokens += len(grew)
         for request_id, message in failed.items():
             self.fail(self.requests[request_id], message, touched)
-        for item in items:
-            if item.forks and id(item.seq) in children:
-                item.seq.forks = 0
-                self.scheduler.fork(item.seq, children[id(item.seq)])
-        self.check_stops(touched)
+        if children:
+            for item in items:
+                if item.forks and id(item.seq) in children:
+                    item.seq.forks = 0
+                    self.scheduler.fork(item.seq, children[id(item.seq)])
+        self.check_stops(grew, touched)
 
-    def check_stops(self, touched: dict) -> None:
-        for request in list(touched.values()):
-            if request.finished:
+    def check_stops(self, grew: list[tuple], touched: dict) -> None:
+        """Stop checks of (request, sequence, completion) that got a token; a request whose
+        check raises fails alone."""
+        eos_ids, finish = self.eos_ids, self.scheduler.finish
+        for request, seq, k in grew:
+            if seq.finished or request.finished:
                 continue
             try:
-                for k, seq in enumerate(request.seqs):
-                    if not seq.finished:
-                        reason = request.stop(seq, k, self.eos_ids)
-                        if reason is not None:
-                            self.scheduler.finish(seq, reason)
+                reason = request.stop(seq, k, eos_ids)
             except Exception as err:  # noqa: BLE001 (e.g. its tokens do not decode)
                 self.fail(request, f"its stop check failed: {describe(err)}", touched)
+                continue
+            if reason is not None:
+                finish(seq, reason)
 
-    def outputs(self, touched: dict, tokenizer) -> list[RequestOutput]:
-        """The outputs of the requests a step changed; finished ones leave the engine."""
+    def outputs(self, touched: dict, tokenizer, finished_only: bool = False) -> list[RequestOutput]:
+        """The outputs of the requests a step changed (only the finished ones if
+        `finished_only`: a caller waiting for whole completions needs no snapshot per token);
+        finished requests leave the engine."""
         now = time.monotonic()
         outputs = []
         for request in touched.values():
             if request.finished:
                 request.metrics.finished_time = now
-            outputs.append(request.output(tokenizer))
-        for request in touched.values():
-            if request.finished:
+                outputs.append(request.output(tokenizer))
                 del self.requests[request.request_id]
+            elif not finished_only:
+                outputs.append(request.output(tokenizer))
         return outputs

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,10 +40,15 @@ class EngineRequest:
     deadline: float | None = None  # time.monotonic() past which it ends ("timeout")
     seqs: list[Sequence] = field(default_factory=list)
     error: str | None = None
+    unfinished: int = -1  # completions still running (counted down by _ended)
+    rows: dict = field(default_factory=dict)  # seq_id -> its SampleRow (made once)
+
+    def __post_init__(self):
+        self.unfinished = sum(1 for c in self.completions if not c.finished)
 
     @property
     def finished(self) -> bool:
-        return all(c.finished for c in self.completions)
+        return self.unfinished == 0
 
     def append(self, seq: Sequence, k: int, token: int, logprobs, token_logprob,
                now: float) -> None:
@@ -94,6 +99,8 @@ class EngineRequest:
 
     def _ended(self, k: int, reason: str, flush: bool = True) -> str:
         out = self.completions[k]
+        if out.finish_reason is None:
+            self.unfinished -= 1
         out.finish_reason = reason
         if self.texts is not None and flush:
             out.text = self.texts[k].text  # kept if finishing the decode raises
@@ -114,9 +121,12 @@ class EngineRequest:
                 except Exception as err:  # noqa: BLE001 (this request's text alone)
                     self.error = self.error or f"its text could not be decoded: {describe(err)}"
                     logger.warning("hf-paged: request %s: %s", self.request_id, self.error)
-            completions.append(replace(
-                out, token_ids=list(out.token_ids),
-                logprobs=None if out.logprobs is None else list(out.logprobs)))
+            completions.append(CompletionOutput(  # field by field: replace() is slow
+                out.index, out.text, list(out.token_ids), out.finish_reason, out.stop_reason,
+                None if out.logprobs is None else list(out.logprobs), out.cumulative_logprob))
         cached = self.seqs[0].cached_tokens if self.seqs else 0
+        m = self.metrics
         return RequestOutput(self.request_id, self.prompt, self.prompt_ids, completions,
-                             self.finished, self.error, cached, replace(self.metrics))
+                             self.finished, self.error, cached,
+                             RequestMetrics(m.arrival_time, m.first_scheduled_time,
+                                            m.first_token_time, m.finished_time))
