@@ -110,6 +110,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty changes the logits (of resolved params)."""
+        return (self.repetition_penalty != 1.0 or bool(self.presence_penalty)
+                or bool(self.frequency_penalty))
+
     def check_vocab(self, vocab_size: int) -> None:
         """Raises InvalidRequestError for token ids the model does not have."""
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]

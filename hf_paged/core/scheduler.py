@@ -167,14 +167,17 @@ class Scheduler:
         if self.groups.slides:  # blocks no query of a row can see again, in sliding groups
             self.prefix.released(self.tables.release_outside_window(self._computed_per_row()))
         reserved = 0  # blocks the counts planned so far will take
+        available = self._available()
         served: set[int] = set()
+        scheduled = step.scheduled
         for seq in list(self.running):
             if seq.status is not SeqStatus.RUNNING or budget == 0:
                 continue
-            count = min(seq.to_compute, budget)
+            left = len(seq.prompt) + len(seq.output) - seq.num_computed
+            count = left if left < budget else budget
             while True:
                 need = self._row_needs(seq.row, count)
-                room = self._available() - reserved
+                room = available - reserved
                 if need <= room:
                     break
                 fit = self._row_fits(seq.row, room)
@@ -184,6 +187,7 @@ class Scheduler:
                 victim = next((s for s in reversed(self.running)
                                if s is not seq and s.seq_id not in served), seq)
                 self._preempt(victim, step)
+                available = self._available()
                 if victim is seq:
                     count = 0
                     break
@@ -192,7 +196,9 @@ class Scheduler:
                 reserved += need
                 budget -= count
                 served.add(seq.seq_id)
-                step.scheduled.append(Scheduled.of(seq, count))
+                sample = count == left
+                scheduled.append(Scheduled(seq, seq.num_computed, count, sample,
+                                           seq.forks if sample else 0))
         if not step.preempted:  # nothing was short of blocks: admit swapped, then waiting
             budget, reserved = self._admit(step, counts, budget, reserved)
         needed = self.tables.blocks_needed(counts)
@@ -310,12 +316,14 @@ class Scheduler:
     # -- after the forward ---------------------------------------------------------------------
     def after_step(self, step: Step) -> None:
         """Records the computed tokens and registers newly filled blocks in the prefix cache."""
+        bs = self.block_size
         for item in step.scheduled:
             seq = item.seq
-            if seq.finished or seq.row is None:
+            if seq.row is None or seq.finished:
                 continue
             seq.num_computed = item.start + item.count
-            self._register_full_blocks(seq)
+            if seq.num_computed // bs > seq.registered:
+                self._register_full_blocks(seq)
 
     def fork(self, parent: Sequence, children: list[Sequence]) -> None:
         """`children` continue `parent` (same prompt, rows reserved at admission), sharing
@@ -335,12 +343,21 @@ class Scheduler:
         return self.pool.num_free + self.prefix.num_evictable
 
     def _row_needs(self, row: int, count: int) -> int:
-        """Blocks `count` more tokens of `row` take, over all groups."""
-        length = self.tables.lengths[row]
+        """Blocks `count` more tokens of `row` take, over all groups (inlined: a call per
+        running sequence per step)."""
+        bs, refcount = self.block_size, self.pool.refcount
+        by_group = self.tables.by_group
+        length = by_group[0].lengths[row]
+        partial = length % bs
+        grown = -(-(length + count) // bs)
         need = 0
-        for tables in self.tables.by_group:
+        for tables in by_group:
             table = tables.tables[row]
-            need += self._row_needs_for(len(table), length, count, table[-1] if table else None)
+            add = grown - len(table)
+            if partial and table and table[-1] != FREED and refcount(table[-1]) > 1:
+                add += 1  # copy-on-write of a shared partial block
+            if add > 0:
+                need += add
         return need
 
     def _row_fits(self, row: int, room: int) -> int:

@@ -309,21 +309,23 @@ class LLMEngine:
 
     def _run(self, plan: Step, touched: dict) -> None:
         groups: dict[str | None, list] = {}  # one forward per adapter
+        prompt_tokens = 0
         for item in plan.scheduled:
             groups.setdefault(item.seq.adapter, []).append(item)
-            seq = item.seq
-            if item.start < len(seq.prompt):
-                self.prompt_tokens += min(item.count, len(seq.prompt) - item.start)
+            prompt_len = len(item.seq.prompt)
+            if item.start < prompt_len:
+                prompt_tokens += min(item.count, prompt_len - item.start)
+        self.prompt_tokens += prompt_tokens
         work = DeviceStep(plan.swap_out, plan.swap_in, plan.copies, plan.entries,
                           [self._forward_plan(items, adapter) for adapter, items in groups.items()])
         self.runner.broadcast(work)  # under tensor parallelism every rank runs the same step
-        logits: dict[int, torch.Tensor] = {}  # id(scheduled item) -> its logits [V]
+        logits = _Logits()
         parallel = self.tp_size > 1
         try:
             self.runner.prepare(work)
             if parallel:  # the other ranks run this step's collectives: no forward can be re-run
                 for f, items in zip(work.forwards, groups.values()):
-                    self._keep(logits, items, self._forward(f, items))
+                    logits.add(items, self._forward(f, items))
         except BaseException:
             if parallel:
                 tp.end_group()
@@ -335,14 +337,8 @@ class LLMEngine:
         sampling = [i for i in plan.scheduled if i.sample and not i.seq.finished]
         if sampling:
             rows, owners, index = self.output.sampling_rows(sampling)
-            stacked = torch.stack([logits[id(i)] for i in sampling])
-            result, errors = self.sampler.sample_isolated(
-                stacked[torch.tensor(index, device=stacked.device)], rows)
+            result, errors = self.sampler.sample_isolated(logits.rows(sampling, index), rows)
             self.output.record(sampling, owners, result, errors, touched)
-
-    @staticmethod
-    def _keep(logits: dict, items: list, rows: torch.Tensor) -> None:
-        logits.update(zip((id(i) for i in items if i.sample), rows))
 
     def _forward(self, f: Forward, items: list) -> torch.Tensor:
         """The logits [S, V] of the rows of `f` that sample (the debug checks first)."""
@@ -351,13 +347,13 @@ class LLMEngine:
         return self.runner.forward(
             f, lambda meta: check_isolation(self.scheduler, self.block_size, items, meta))
 
-    def _forward_isolated(self, f: Forward, items: list, adapter, logits: dict,
+    def _forward_isolated(self, f: Forward, items: list, adapter, logits: "_Logits",
                           touched: dict) -> None:
         """Runs one forward; if it raises, runs each half apart (bisection) until the
         sequences that fail alone are found, and fails their requests alone. Re-running
         writes the same K/V into the same slots, so the others are as if nothing happened."""
         try:
-            self._keep(logits, items, self._forward(f, items))
+            logits.add(items, self._forward(f, items))
             return
         except IsolationError:
             raise  # an engine bug, never a request's
@@ -378,15 +374,20 @@ class LLMEngine:
     def _forward_plan(items: list, adapter: str | None) -> Forward:
         """The host-side inputs of one packed forward over `items` (scheduled sequences)."""
         f = Forward(adapter)
+        ids, positions, last = f.ids, f.positions, f.last
         for item in items:
-            seq = item.seq
-            f.ids += seq.tokens(item.start, item.start + item.count)
-            f.positions += range(item.start, item.start + item.count)
-            f.rows.append(seq.row)
-            f.context.append(item.start)
-            f.counts.append(item.count)
+            seq, start, count = item.seq, item.start, item.count
+            if count == 1 and start >= len(seq.prompt):  # a decode: the newest token
+                ids.append(seq.output[start - len(seq.prompt)])
+                positions.append(start)
+            else:
+                ids += seq.tokens(start, start + count)
+                positions += range(start, start + count)
             if item.sample:
-                f.last.append(len(f.ids) - 1)
+                last.append(len(ids) - 1)
+        f.rows = [item.seq.row for item in items]
+        f.context = [item.start for item in items]
+        f.counts = [item.count for item in items]
         return f
 
     def fail_all(self, error: str) -> list[RequestOutput]:
@@ -407,6 +408,31 @@ class LLMEngine:
     def worker_loop(self) -> None:
         """Ranks above 0 (which need only a `ModelRunner`): run rank 0's steps."""
         self.runner.worker_loop()
+
+
+class _Logits:
+    """The logits of a step's sampling sequences, as its forwards produce them."""
+
+    def __init__(self):
+        self._parts: list[torch.Tensor] = []  # per forward, [its sampling items, V]
+        self._where: dict[int, int] = {}  # id(scheduled item) -> row of the parts' concat
+        self._count = 0
+
+    def add(self, items: list, rows: torch.Tensor) -> None:
+        """rows [S, V]: the logits of the items of `items` that sample, in order."""
+        for item in items:
+            if item.sample:
+                self._where[id(item)] = self._count
+                self._count += 1
+        self._parts.append(rows)
+
+    def rows(self, sampling: list, index: list[int]) -> torch.Tensor:
+        """[R, V]: row r holds the logits of `sampling[index[r]]`."""
+        stacked = self._parts[0] if len(self._parts) == 1 else torch.cat(self._parts)
+        where = [self._where[id(sampling[i])] for i in index]
+        if where == list(range(stacked.shape[0])):
+            return stacked  # one forward, nobody failed or forked: the order is the plan's
+        return stacked[torch.tensor(where, device=stacked.device)]
 
 
 def step_budget(runner: ModelRunner, max_num_batched_tokens: int | None,

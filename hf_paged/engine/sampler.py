@@ -62,10 +62,14 @@ class Sampler:
         logits = logits.float()
         want_logprobs = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         raw = torch.log_softmax(logits, -1) if want_logprobs else None
-        logits = self.penalize(logits.clone(), rows)
+        if any(r.params.penalized or r.suppress for r in rows):
+            logits = self.penalize(logits.clone(), rows)  # the caller's logits stay as given
         greedy = [r.params.greedy for r in rows]
         if all(greedy):
-            tokens, valid = logits.argmax(-1), _valid(logits)
+            # max(-1) gives argmax's first-maximum index, and the maximum validity needs,
+            # faster than argmax on CPU.
+            best, tokens = logits.max(-1)
+            valid = torch.isfinite(best)
         else:
             scores = self.warp(logits, rows)
             if noise is None:
