@@ -91,6 +91,9 @@ class LLMEngine:
                          most a quarter of host memory shared by the ranks of a machine)
       max_model_len:     the longest sequence (the model's max_position_embeddings)
       backend:           attention backend, as `cache_config["backend"]`
+      compile:           run the model's forward under torch.compile (fullgraph, dynamic
+                         shapes; True: Inductor, or a torch.compile backend name): the same
+                         tokens as eager, after a first compile of each kind of step
     """
 
     def __init__(self, model, tokenizer=None, *, block_size: int = 16,
@@ -98,12 +101,13 @@ class LLMEngine:
                  gpu_memory_utilization: float = 0.9, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
                  preemption_mode: str = "recompute", swap_space_bytes: int | None = None,
-                 max_model_len: int | None = None, backend: str = "auto"):
+                 max_model_len: int | None = None, backend: str = "auto",
+                 compile: bool | str = False):
         self.runner = runner = ModelRunner(
             model, block_size=block_size, num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes,
             gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
             max_model_len=max_model_len, preemption_mode=preemption_mode,
-            swap_space_bytes=swap_space_bytes, backend=backend)
+            swap_space_bytes=swap_space_bytes, backend=backend, compile=compile)
         base = runner.base
         self.model, self.adapters, self.tokenizer = runner.model, runner.adapters, tokenizer
         self.pool, self.cpu_pool = runner.pool, runner.cpu_pool

@@ -10,11 +10,13 @@ above 0 of a tensor-parallel group build only this (see distributed/tensor_paral
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
 
 import torch
+from torch.fx.experimental import _config as fx_config
 
 from ..distributed import tensor_parallel as tp
 from ..distributed.placement import input_device, logits_index_device, model_placement
@@ -37,7 +39,7 @@ logger = logging.getLogger("hf_paged")
 # LLMEngine options the runner takes (the rest are the scheduler's).
 RUNNER_OPTIONS = ("block_size", "num_blocks", "kv_cache_bytes", "gpu_memory_utilization",
                   "max_num_seqs", "max_model_len", "preemption_mode", "swap_space_bytes",
-                  "backend")
+                  "backend", "compile")
 
 
 @dataclass
@@ -94,7 +96,7 @@ class ModelRunner:
                  kv_cache_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
                  max_num_seqs: int | None = None, max_model_len: int | None = None,
                  preemption_mode: str = "recompute", swap_space_bytes: int | None = None,
-                 backend: str = "auto"):
+                 backend: str = "auto", compile: bool | str = False):
         """See `LLMEngine` for the options. max_num_seqs: rows of the device block table
         (default 256 on CUDA, 64 elsewhere)."""
         self.model, base, self.adapters = unwrap(model)
@@ -157,9 +159,24 @@ class ModelRunner:
                 self.cpu_pool.pin_memory()
         self.access = PoolAccess(self.pool, backend, num_heads, spec.windows, spec.latent,
                                  attention_features(base), self.groups)
+        self.compiled = self._compile(compile)  # None: eager forwards
         self.device_table = DeviceBlockTable(self.max_num_seqs,
                                              cdiv(self.max_model_len, self.block_size),
                                              self.kv_device, self.groups.num_groups)
+
+    def _compile(self, compile: bool | str):
+        """The model under torch.compile (fullgraph, dynamic shapes), or None for eager.
+        compile: True (Inductor) or the name of a torch.compile backend."""
+        if compile is False or compile is None:
+            return None
+        if not (compile is True or isinstance(compile, str)):
+            raise ValueError(f"compile must be True, False or a torch.compile backend name; "
+                             f"got {compile!r}.")
+        if self.tp_size > 1 or not self.pool.placement.is_single:
+            raise ValueError("compile=True runs a model on one device; this one is split "
+                             "(tensor parallelism or device_map). Use compile=False.")
+        backend = "inductor" if compile is True else compile
+        return torch.compile(self.model, fullgraph=True, dynamic=True, backend=backend)
 
     def _pool_blocks(self, num_blocks, kv_cache_bytes, utilization, per_layer,
                      placement) -> int:
@@ -218,9 +235,11 @@ class ModelRunner:
         metas = []
         for g in range(self.groups.num_groups):
             table = self.device_table.group(g).index_select(0, index)
+            # A compiled forward gets no host lengths: it would specialize on them.
             metas.append(build_metadata(table, context_t, counts, max(counts), max(lens),
-                                        self.block_size, packed=True, seq_lens_host=lens,
-                                        split_decodes=True))
+                                        self.block_size, packed=True,
+                                        seq_lens_host=lens if self.compiled is None else None,
+                                        split_decodes=True, uniform=self.compiled is not None))
         return metas
 
     def forward(self, f: Forward, check=None) -> torch.Tensor:
@@ -236,12 +255,22 @@ class ModelRunner:
         if f.adapter is not None:  # PEFT picks the adapter per batch row; the batch is one row
             extra["adapter_names"] = [f.adapter]
         paged_kv = self.access.forward(meta, group_metas=metas)
-        with torch.inference_mode(), paged_attention(self.base):
-            out = self.model(input_ids=to_device(f.ids, self.device)[None],
-                             position_ids=to_device(f.positions, self.device)[None],
-                             past_key_values=paged_kv, use_cache=True, logits_to_keep=keep,
-                             **{KWARG: paged_kv}, **extra)
+        with torch.inference_mode(), paged_attention(self.base), self._tracing():
+            model = self.model if self.compiled is None else self.compiled
+            out = model(input_ids=to_device(f.ids, self.device)[None],
+                        position_ids=to_device(f.positions, self.device)[None],
+                        past_key_values=paged_kv, use_cache=True, logits_to_keep=keep,
+                        **{KWARG: paged_kv}, **extra)
         return out.logits[0, :len(f.last)]
+
+    def _tracing(self):
+        """How a compiled forward's shapes are traced: a size of 1 or one equal to another
+        (1 decode row, a pool as large as the step) is as symbolic as any other, so that
+        step sizes do not each compile a graph of their own (three cover every step:
+        decodes only, prompt chunks only, both)."""
+        if self.compiled is None:
+            return contextlib.nullcontext()
+        return fx_config.patch(backed_size_oblivious=True, use_duck_shape=False)
 
     # -- tensor parallelism ------------------------------------------------------------------
     def broadcast(self, message) -> None:

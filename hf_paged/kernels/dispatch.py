@@ -143,6 +143,7 @@ class PoolAccess:
         released_blocks: blocks left a sliding window (a caller's 4D mask cannot be honoured).
         group_metas: each KV group's metadata (the same rows and tokens, each group's own
         block tables and slots), when the layers form several groups."""
+        self.views(0)  # renewed here, outside a compiled forward, which then only reads them
         return PagedForward(self, meta, released_blocks, group_metas=group_metas)
 
     @property

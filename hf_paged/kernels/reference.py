@@ -117,9 +117,10 @@ def attend(
     (gpt-oss's attention sinks).
     """
     if softcap is None and sinks is None:
-        out = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, scale=scale,
-            enable_gqa=query.shape[1] != key.shape[1])
+        # Traced head counts are symbolic; GQA's broadcast is exact for equal counts too.
+        gqa = True if torch.compiler.is_compiling() else query.shape[1] != key.shape[1]
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
+                                             enable_gqa=gqa)
         return out.transpose(1, 2)
     group = query.shape[1] // key.shape[1]
     if group > 1:

@@ -46,9 +46,11 @@ class TorchBackend(Backend):
             mask = caller_mask_on_slots(meta, caller_mask)
         else:
             mask = attention_mask(meta, sliding_window, alibi_slopes)
-        blocks = meta.block_tables.numel()
-        workspace = (self._gather_workspace(blocks, k_cache, 0),
-                     self._gather_workspace(blocks, v_cache, 1))
+        workspace = None
+        if not torch.compiler.is_compiling():  # a compiled forward plans its own buffers
+            blocks = meta.block_tables.numel()
+            workspace = (self._gather_workspace(blocks, k_cache, 0),
+                         self._gather_workspace(blocks, v_cache, 1))
         groups = length_groups(meta) if query.shape[2] == 1 and caller_mask is None else None
         if groups is not None:  # decode rows of very different lengths: gather each bucket
             out = query.new_empty(query.shape[0], 1, query.shape[1], v_cache.shape[-1])

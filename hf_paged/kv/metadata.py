@@ -183,6 +183,7 @@ def build_metadata(
     columns: int = 0,
     seq_lens_host: list[int] | None = None,
     split_decodes: bool = False,
+    uniform: bool = False,
 ) -> ForwardMetadata:
     """The metadata of a forward adding `counts[r]` tokens to row r, right-aligned in `q_len`
     columns; the one builder of both paths (generate's `PagedCache`, the engine's runner).
@@ -191,13 +192,16 @@ def build_metadata(
                   (or a `DeviceBlockTable` whose rows are the forward's)
     context_lens: [R] int64 tokens each row holds before the forward
     split_decodes: a packed forward mixing single-token rows with longer ones gets `parts`
+    uniform: a forward of more than one token per row always gets `is_query` and
+             `token_index` (a compiled forward then has one graph for them, not two)
     """
     table = getattr(block_tables, "table", block_tables)
     device = table.device
     rows = len(counts)
     num_cols = max(cdiv(max_seq_len, block_size), 1)
     block_tables_i32 = table[:, :num_cols]
-    block_tables = block_tables_i32.long()
+    # Standard strides for any row count (a compiled forward guards on them).
+    block_tables = block_tables_i32.to(torch.int64, memory_format=torch.contiguous_format)
     if q_len == 1 and all(c == 1 for c in counts):  # decode: one real token per row, no host sync
         pos = context_lens
         query_pos = pos.unsqueeze(1)
@@ -214,7 +218,7 @@ def build_metadata(
         col = torch.arange(q_len, device=device)
         pad = (q_len - counts_t).unsqueeze(1)
         query_pos = context_lens.unsqueeze(1) + col - pad  # [R, q]
-        if all(c == q_len for c in counts):
+        if not uniform and all(c == q_len for c in counts):
             is_query = token_index = None
             row = torch.arange(rows, device=device).repeat_interleave(q_len)
             pos = query_pos.reshape(-1)
@@ -237,7 +241,7 @@ def build_metadata(
                 table.index_select(0, index), context_lens.index_select(0, index),
                 [counts[r] for r in members], max(counts[r] for r in members),
                 max(part_lens) if part_lens else max_seq_len, block_size, packed=True,
-                seq_lens_host=part_lens)
+                seq_lens_host=part_lens, uniform=uniform)
             parts.append((part, to_device(where, device)))
     return ForwardMetadata(
         block_tables=block_tables,

@@ -81,6 +81,8 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--swap-space-bytes", type=int, default=None,
                    help="CPU pool for swap preemption (default: the size of the KV pool)")
     e.add_argument("--backend", default="auto", help="attention backend (auto)")
+    e.add_argument("--compile", action="store_true",
+                   help="run the model's forward under torch.compile (fullgraph)")
     p.add_argument("--log-level", default="info", help="uvicorn log level (info)")
     return p
 
@@ -129,7 +131,7 @@ def engine_options(args) -> dict:
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
                 preemption_mode=args.preemption_mode, swap_space_bytes=args.swap_space_bytes,
-                backend=args.backend)
+                backend=args.backend, compile=args.compile)
 
 
 def main(argv=None) -> None:

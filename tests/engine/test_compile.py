@@ -1,0 +1,174 @@
+"""The engine with `compile=True`: the model's forward under torch.compile(fullgraph=True)
+gives the tokens of the eager engine (and of stock generate) in every mode, with a bounded
+number of graphs and no graph break (fullgraph raises on one, failing the request).
+
+Most tests trace with Dynamo's "eager" backend (the whole graph is captured and checked,
+then run by PyTorch's own kernels): graph capture is what can break, and it costs seconds.
+One test runs Inductor, the default, end to end in float32.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from hf_paged import LLM, LLMEngine, SamplingParams
+from conftest import VOCAB
+from test_engine import long_model, random_prompts, run_engine, stock_greedy
+from zoo import make_arch
+
+CAPTURE = "eager"  # Dynamo captures the full graph; PyTorch runs it
+MAX_GRAPHS = 6  # graphs per model over a whole workload (3 to 5 measured)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles its own models: Dynamo's per-function cache starts empty."""
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+def workload(seed=3):
+    """Prompts of mixed lengths sharing a prefix, some arriving later: prefill-only,
+    decode-only and mixed steps, chunked prompts and prefix-cache hits."""
+    system = random_prompts(seed + 100, 1, 12, 12)[0]
+    prompts = random_prompts(seed, 10, 1, 40, shared=system)
+    max_tokens = [4 + (i * 5) % 9 for i in range(len(prompts))]
+    arrivals = [(i * 3) % 11 for i in range(len(prompts))]
+    return prompts, max_tokens, arrivals
+
+
+def run(model, compile, mode="recompute", num_blocks=60, **options):
+    prompts, max_tokens, arrivals = workload()
+    engine = LLMEngine(model, block_size=4, num_blocks=num_blocks, max_num_seqs=5,
+                       max_num_batched_tokens=24, preemption_mode=mode, compile=compile,
+                       **options)
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    done = run_engine(engine, prompts, params, arrivals)
+    outs = [done[str(i)].outputs[0] for i in range(len(prompts))]
+    assert all(o.finish_reason == "length" for o in outs), [done[str(i)].error for i in range(len(prompts))]
+    return [o.token_ids for o in outs], engine.stats()
+
+
+@pytest.mark.parametrize("kind", ["llama_gqa", "mistral_sw", "falcon_mq", "falcon_new",
+                                  "falcon_alibi"])
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_compiled_engine_equals_eager_and_stock(kind, mode):
+    model = long_model(kind)
+    prompts, max_tokens, _ = workload()
+    stock = [stock_greedy(model, p, m) for p, m in zip(prompts, max_tokens)]
+    small = 24
+    tight, tight_stats = run(model, CAPTURE, mode, num_blocks=small)  # preempts
+    roomy, roomy_stats = run(model, CAPTURE, mode, num_blocks=90)  # keeps prefixes
+    assert tight == roomy == stock
+    assert run(model, False, mode, num_blocks=small)[0] == tight
+    # (Mistral's window of 24 frees blocks as it goes: these sequences never run short.)
+    assert tight_stats.num_preemptions > 0 or kind == "mistral_sw"
+    assert roomy_stats.prefix_cache_hit_tokens > 0
+    # Decode-only, prompt-only and mixed steps, whatever their sizes, plus a few shapes
+    # Dynamo specializes (a mixed step with a single decode row).
+    assert graphs() <= MAX_GRAPHS
+
+
+@pytest.mark.parametrize("name", ["gemma3", "gpt_oss", "qwen3"])
+def test_compiled_engine_on_other_architectures(name):
+    """Hybrid KV groups (Gemma 3, gpt-oss with sinks) and QK norms (Qwen3) trace too."""
+    model = make_arch(name)
+    eager, _ = run(model, False)
+    compiled, _ = run(model, CAPTURE)
+    assert compiled == eager
+    assert graphs() <= MAX_GRAPHS
+
+
+def test_compiled_sampling_and_parallel_samples_equal_eager():
+    model = long_model("llama_gqa")
+    prompts = random_prompts(5, 6, 3, 30)
+    params = SamplingParams(temperature=0.8, top_p=0.9, n=2, seed=4, max_tokens=7)
+
+    def tokens(compile):
+        outs = LLM(model, block_size=4, num_blocks=80, max_num_seqs=8,
+                   compile=compile).generate(prompts, params, use_tqdm=False)
+        return [[c.token_ids for c in o.outputs] for o in outs]
+
+    assert tokens(CAPTURE) == tokens(False)
+
+
+def test_inductor_compiled_engine_equals_eager_in_float32():
+    model = long_model("llama_gqa")
+    eager, _ = run(model, False)
+    compiled, _ = run(model, True)
+    assert compiled == eager
+
+
+def test_compile_is_refused_by_name_for_split_models_and_bad_values():
+    model = long_model("llama_gqa")
+    with pytest.raises(ValueError, match="compile must be"):
+        LLMEngine(model, num_blocks=8, compile=3)
+
+
+def test_no_graph_break_is_logged():
+    """What a user checks: TORCH_LOGS=graph_breaks prints nothing for decode and mixed steps
+    of Llama, Mistral (sliding window) and Falcon (fullgraph would also raise on one)."""
+    script = (
+        "import sys; sys.path[:0] = sys.argv[1:]\n"
+        "from hf_paged import LLM, SamplingParams\n"
+        "from conftest import make_model\n"
+        "for kind in ('llama_gqa', 'mistral_sw', 'falcon_mq'):\n"
+        "    import torch; torch._dynamo.reset()\n"
+        "    llm = LLM(make_model(kind), block_size=4, num_blocks=64, max_num_seqs=4,\n"
+        "              max_num_batched_tokens=16, compile='eager')\n"
+        "    outs = llm.generate([[5, 6, 7] * k for k in range(1, 7)],\n"
+        "                        SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)\n"
+        "    assert all(o.error is None for o in outs), [o.error for o in outs]\n"
+        "print('done')\n")
+    tests = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, TORCH_LOGS="graph_breaks")
+    result = subprocess.run([sys.executable, "-c", script, str(tests), str(tests / "engine")],
+                            capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "done" in result.stdout
+    assert "Graph break" not in result.stderr, result.stderr[-3000:]
+
+
+def test_serve_takes_compile():
+    from hf_paged.serving.serve import engine_options, parser
+
+    assert engine_options(parser().parse_args(["m", "--compile"]))["compile"] is True
+    assert engine_options(parser().parse_args(["m"]))["compile"] is False
+
+
+def test_generate_with_compile_config_keeps_the_paged_cache_eager():
+    """Transformers compiles generate's forward only for a compileable cache: a PagedCache
+    is not one (its block tables change shape), so a compile_config leaves it eager."""
+    from transformers import CompileConfig
+
+    model = long_model("llama_gqa")
+    ids = torch.tensor([random_prompts(9, 1, 12, 12)[0]])
+    calls = []
+    original = model.get_compiled_call
+
+    def spy(config):
+        calls.append(config)
+        return original(config)
+
+    model.get_compiled_call = spy
+    try:
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
+                             do_sample=False, pad_token_id=0, cache_implementation="paged",
+                             compile_config=CompileConfig(fullgraph=True))
+    finally:
+        del model.get_compiled_call
+    assert calls == []
+    assert out[0, ids.shape[1]:].tolist() == stock_greedy(model, ids[0].tolist(), 6)
