@@ -38,7 +38,7 @@ from .debug import check_isolation
 from .detokenizer import IncrementalText
 from .output import OutputProcessor
 from .request import EngineRequest
-from .runner import RUNNER_OPTIONS, DeviceStep, Forward, ModelRunner, positive
+from .runner import RUNNER_OPTIONS, DeviceStep, Forward, ModelRunner, StepLogits, positive
 from .sampler import Sampler
 
 logger = logging.getLogger("hf_paged")
@@ -323,7 +323,7 @@ class LLMEngine:
         work = DeviceStep(plan.swap_out, plan.swap_in, plan.copies, plan.entries,
                           [self._forward_plan(items, adapter) for adapter, items in groups.items()])
         self.runner.broadcast(work)  # under tensor parallelism every rank runs the same step
-        logits = _Logits()
+        logits = StepLogits()
         parallel = self.tp_size > 1
         try:
             self.runner.prepare(work)
@@ -351,7 +351,7 @@ class LLMEngine:
         return self.runner.forward(
             f, lambda meta: check_isolation(self.scheduler, self.block_size, items, meta))
 
-    def _forward_isolated(self, f: Forward, items: list, adapter, logits: "_Logits",
+    def _forward_isolated(self, f: Forward, items: list, adapter, logits: StepLogits,
                           touched: dict) -> None:
         """Runs one forward; if it raises, runs each half apart (bisection) until the
         sequences that fail alone are found, and fails their requests alone. Re-running
@@ -412,31 +412,6 @@ class LLMEngine:
     def worker_loop(self) -> None:
         """Ranks above 0 (which need only a `ModelRunner`): run rank 0's steps."""
         self.runner.worker_loop()
-
-
-class _Logits:
-    """The logits of a step's sampling sequences, as its forwards produce them."""
-
-    def __init__(self):
-        self._parts: list[torch.Tensor] = []  # per forward, [its sampling items, V]
-        self._where: dict[int, int] = {}  # id(scheduled item) -> row of the parts' concat
-        self._count = 0
-
-    def add(self, items: list, rows: torch.Tensor) -> None:
-        """rows [S, V]: the logits of the items of `items` that sample, in order."""
-        for item in items:
-            if item.sample:
-                self._where[id(item)] = self._count
-                self._count += 1
-        self._parts.append(rows)
-
-    def rows(self, sampling: list, index: list[int]) -> torch.Tensor:
-        """[R, V]: row r holds the logits of `sampling[index[r]]`."""
-        stacked = self._parts[0] if len(self._parts) == 1 else torch.cat(self._parts)
-        where = [self._where[id(sampling[i])] for i in index]
-        if where == list(range(stacked.shape[0])):
-            return stacked  # one forward, nobody failed or forked: the order is the plan's
-        return stacked[torch.tensor(where, device=stacked.device)]
 
 
 def step_budget(runner: ModelRunner, max_num_batched_tokens: int | None,

@@ -69,6 +69,31 @@ class DeviceStep:
     forwards: list[Forward]
 
 
+class StepLogits:
+    """The logits of a step's sampling sequences, as its forwards produce them."""
+
+    def __init__(self):
+        self._parts: list[torch.Tensor] = []  # per forward, [its sampling items, V]
+        self._where: dict[int, int] = {}  # id(scheduled item) -> row of the parts' concat
+        self._count = 0
+
+    def add(self, items: list, rows: torch.Tensor) -> None:
+        """rows [S, V]: the logits of the items of `items` that sample, in order."""
+        for item in items:
+            if item.sample:
+                self._where[id(item)] = self._count
+                self._count += 1
+        self._parts.append(rows)
+
+    def rows(self, sampling: list, index: list[int]) -> torch.Tensor:
+        """[R, V]: row r holds the logits of `sampling[index[r]]`."""
+        stacked = self._parts[0] if len(self._parts) == 1 else torch.cat(self._parts)
+        where = [self._where[id(sampling[i])] for i in index]
+        if where == list(range(stacked.shape[0])):
+            return stacked  # one forward, nobody failed or forked: the order is the plan's
+        return stacked[torch.tensor(where, device=stacked.device)]
+
+
 def unwrap(model):
     """(model to call, the Transformers model under it, its PEFT adapter names)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model

@@ -19,7 +19,6 @@ import torch
 from torch._dynamo.utils import counters
 
 from hf_paged import LLM, LLMEngine, SamplingParams
-from conftest import VOCAB
 from test_engine import long_model, random_prompts, run_engine, stock_greedy
 from zoo import make_arch
 
@@ -172,3 +171,15 @@ def test_generate_with_compile_config_keeps_the_paged_cache_eager():
         del model.get_compiled_call
     assert calls == []
     assert out[0, ids.shape[1]:].tolist() == stock_greedy(model, ids[0].tolist(), 6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_engine_on_cuda_equals_eager():
+    """On a GPU (benchmarks/gpu_check.sh): Inductor's compiled forward with the GPU's own
+    attention backends, greedy tokens equal to eager in float32."""
+    from conftest import make_model
+
+    model = make_model("llama_gqa", max_position_embeddings=1400).cuda()
+    eager, _ = run(model, False)
+    compiled, _ = run(model, True)
+    assert compiled == eager
