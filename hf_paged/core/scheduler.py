@@ -169,12 +169,10 @@ class Scheduler:
         reserved = 0  # blocks the counts planned so far will take
         available = self._available()
         served: set[int] = set()
-        scheduled = step.scheduled
         for seq in list(self.running):
             if seq.status is not SeqStatus.RUNNING or budget == 0:
                 continue
-            left = len(seq.prompt) + len(seq.output) - seq.num_computed
-            count = left if left < budget else budget
+            count = min(seq.to_compute, budget)
             while True:
                 need = self._row_needs(seq.row, count)
                 room = available - reserved
@@ -196,9 +194,7 @@ class Scheduler:
                 reserved += need
                 budget -= count
                 served.add(seq.seq_id)
-                sample = count == left
-                scheduled.append(Scheduled(seq, seq.num_computed, count, sample,
-                                           seq.forks if sample else 0))
+                step.scheduled.append(Scheduled.of(seq, count))
         if not step.preempted:  # nothing was short of blocks: admit swapped, then waiting
             budget, reserved = self._admit(step, counts, budget, reserved)
         needed = self.tables.blocks_needed(counts)
@@ -263,7 +259,7 @@ class Scheduler:
     def _swap_in(self, seq: Sequence, budget: int, reserved: int) -> bool:
         live = [b for t in seq.swapped for b in t if b != FREED]
         count = min(seq.num_tokens - seq.swapped_length, budget)
-        growth = sum(self._row_needs_for(len(t), seq.swapped_length, count)
+        growth = sum(max(blocks_to_add(len(t), seq.swapped_length, count, self.block_size), 0)
                      for t in seq.swapped)
         if len(live) + growth > self._available() - reserved:
             return False
@@ -316,14 +312,12 @@ class Scheduler:
     # -- after the forward ---------------------------------------------------------------------
     def after_step(self, step: Step) -> None:
         """Records the computed tokens and registers newly filled blocks in the prefix cache."""
-        bs = self.block_size
         for item in step.scheduled:
             seq = item.seq
-            if seq.row is None or seq.finished:
+            if seq.finished or seq.row is None:
                 continue
             seq.num_computed = item.start + item.count
-            if seq.num_computed // bs > seq.registered:
-                self._register_full_blocks(seq)
+            self._register_full_blocks(seq)
 
     def fork(self, parent: Sequence, children: list[Sequence]) -> None:
         """`children` continue `parent` (same prompt, rows reserved at admission), sharing
@@ -343,8 +337,8 @@ class Scheduler:
         return self.pool.num_free + self.prefix.num_evictable
 
     def _row_needs(self, row: int, count: int) -> int:
-        """Blocks `count` more tokens of `row` take, over all groups (inlined: a call per
-        running sequence per step)."""
+        """Blocks `count` more tokens of `row` take, over all groups: new blocks, and a copy
+        of a shared partial last block (copy-on-write)."""
         bs, refcount = self.block_size, self.pool.refcount
         by_group = self.tables.by_group
         length = by_group[0].lengths[row]
@@ -355,7 +349,7 @@ class Scheduler:
             table = tables.tables[row]
             add = grown - len(table)
             if partial and table and table[-1] != FREED and refcount(table[-1]) > 1:
-                add += 1  # copy-on-write of a shared partial block
+                add += 1
             if add > 0:
                 need += add
         return need
@@ -370,14 +364,6 @@ class Scheduler:
         per_block = self.groups.num_groups
         extra = (room - self._row_needs(row, 0)) // per_block
         return (len(table) + extra) * self.block_size - length
-
-    def _row_needs_for(self, blocks: int, length: int, count: int, last: int | None = None) -> int:
-        """Blocks `count` more tokens take in a row of `blocks` blocks holding `length`."""
-        need = blocks_to_add(blocks, length, count, self.block_size)
-        if last is not None and last != FREED and length % self.block_size \
-                and self.pool.refcount(last) > 1:
-            need += 1  # copy-on-write of a shared partial block
-        return max(need, 0)
 
     def _computed_per_row(self) -> list[int]:
         positions = [0] * self.max_num_seqs

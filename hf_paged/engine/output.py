@@ -135,9 +135,6 @@ class OutputProcessor:
         for request, seq, k in grew:
             if seq.finished or request.finished:
                 continue
-            if (request.texts is None and seq.output[-1] not in request.stop_ids
-                    and len(seq.output) < seq.max_tokens):
-                continue  # no text to follow, no stop token, room left: it goes on
             try:
                 reason = request.stop(seq, k, eos_ids)
             except Exception as err:  # noqa: BLE001 (e.g. its tokens do not decode)

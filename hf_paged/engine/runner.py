@@ -291,7 +291,7 @@ class ModelRunner:
     def _tracing(self):
         """How a compiled forward's shapes are traced: a size of 1 or one equal to another
         (1 decode row, a pool as large as the step) is as symbolic as any other, so that
-        step sizes do not each compile a graph of their own (three cover every step:
+        step sizes do not each compile a graph of their own (a few cover every step:
         decodes only, prompt chunks only, both)."""
         if self.compiled is None:
             return contextlib.nullcontext()
