@@ -3,6 +3,7 @@ batching, side by side in one process: same model, same requests, same KV memory
 
     python benchmarks/bench_engine.py              # 128 requests, ~168M random Llama, CPU
     python benchmarks/bench_engine.py --quick      # a smoke run in seconds
+    python benchmarks/bench_engine.py --tight      # KV budget of a static batch's peak
 
 Requests: prompt and output lengths drawn from long-tailed (log-normal) distributions, like
 ShareGPT conversations: prompts median ~200 tokens (16..1024), outputs median ~80 tokens
@@ -15,6 +16,11 @@ Rows:
 Static batches generate to the longest output of their batch; only each request's own
 tokens count. A second section repeats the engine with half the requests sharing a
 512-token prefix (a system prompt), with and without prefix caching.
+
+--tight gives every method the KV budget a static batch of 8 needs at its peak (each row's
+prompt plus the batch's longest output, in blocks) and compares the engine's admission and
+preemption policies on it: headroom kept at admission (the default) or none, recompute or
+swap.
 """
 
 from __future__ import annotations
@@ -51,6 +57,17 @@ def workload(count: int, vocab: int, seed: int, shared_prefix: int = 0):
     return requests
 
 
+def static_peak_tokens(requests, block_size: int, batch: int = 8) -> int:
+    """KV tokens (whole blocks) a static batch of `batch` holds at its end: each row's prompt
+    plus the batch's longest output."""
+    peak = 0
+    for first in range(0, len(requests), batch):
+        group = requests[first:first + batch]
+        new = max(n for _, n in group)
+        peak = max(peak, sum(-(-(len(p) + new) // block_size) for p, _ in group) * block_size)
+    return peak
+
+
 def run_engine(model, requests, budget_bytes, block_size, **options):
     llm = LLM(model, block_size=block_size, kv_cache_bytes=budget_bytes, **options)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
@@ -61,7 +78,8 @@ def run_engine(model, requests, budget_bytes, block_size, **options):
     peak = stats.num_blocks * stats.block_size  # the pool is allocated up front
     return dict(seconds=seconds, tokens=[o.outputs[0].token_ids for o in outs],
                 kv_bytes=llm.engine.pool.nbytes, preemptions=stats.num_preemptions,
-                prefix_hit_tokens=stats.prefix_cache_hit_tokens, pool_tokens=peak)
+                prefix_hit_tokens=stats.prefix_cache_hit_tokens, pool_tokens=peak,
+                recomputed=stats.recomputed_tokens)
 
 
 def run_transformers_cb(model, requests, budget_bytes, block_size):
@@ -215,19 +233,21 @@ def report(name, row, requests, reference):
                 requests_per_s=round(len(requests) / row["seconds"], 3),
                 kv_mib=round(kv / 2**20, 1) if kv else None,
                 preemptions=row.get("preemptions"),
-                prefix_hit_tokens=row.get("prefix_hit_tokens"), same_tokens=same)
+                prefix_hit_tokens=row.get("prefix_hit_tokens"),
+                recomputed_tokens=row.get("recomputed"), same_tokens=same)
 
 
 def print_table(rows, base="static-dynamic"):
     ref = next((r for r in rows if r["method"] == base), rows[0])
     width = max(20, len(base) + 4)
-    print(f"{'method':26}{'s':>9}{'tok/s':>9}{'x ' + base:>{width}}{'req/s':>8}{'KV MiB':>9}"
-          f"{'preempt':>9}{'prefix hit':>11}  same")
+    print(f"{'method':30}{'s':>9}{'tok/s':>9}{'x ' + base:>{width}}{'req/s':>8}{'KV MiB':>9}"
+          f"{'preempt':>9}{'recomputed':>11}{'prefix hit':>11}  same")
     for r in rows:
         ratio = r["tokens_per_s"] / ref["tokens_per_s"]
-        print(f"{r['method']:26}{r['seconds']:>9}{r['tokens_per_s']:>9}{ratio:>{width}.2f}"
+        print(f"{r['method']:30}{r['seconds']:>9}{r['tokens_per_s']:>9}{ratio:>{width}.2f}"
               f"{r['requests_per_s']:>8}{str(r['kv_mib']):>9}{str(r['preemptions']):>9}"
-              f"{str(r['prefix_hit_tokens']):>11}  {r['same_tokens']}")
+              f"{str(r['recomputed_tokens']):>11}{str(r['prefix_hit_tokens']):>11}  "
+              f"{r['same_tokens']}")
 
 
 def main():
@@ -246,6 +266,9 @@ def main():
                         help="model and KV dtype (float32)")
     parser.add_argument("--model-size", default="168m", choices=["168m", "7b"],
                         help="random Llama shape: ~168M (hidden 1024, 8 layers) or Llama-7B-like")
+    parser.add_argument("--tight", action="store_true",
+                        help="KV budget of a static batch's peak; the engine's admission and "
+                             "preemption policies against Transformers' continuous batching")
     parser.add_argument("--out", help="also write the rows as JSON here")
     parser.add_argument("--host-overhead", action="store_true",
                         help="only the host-overhead report: time per step outside the forward, "
@@ -277,6 +300,11 @@ def main():
     budget = args.kv_mib * 2**20
     vocab = model.config.vocab_size
     requests = workload(args.requests, vocab, seed=0)
+    if args.tight:
+        tokens = static_peak_tokens(requests, args.block_size)
+        budget = tokens * _bytes_per_token(model)
+        args.kv_mib = round(budget / 2**20, 1)
+        print(f"tight budget: {tokens} KV tokens, a static batch of 8's peak")
     print(f"model: random Llama, {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, "
           f"{args.dtype}, {args.device}, threads {torch.get_num_threads()}")
     print(f"{len(requests)} requests: prompts {min(len(p) for p, _ in requests)}.."
@@ -286,8 +314,16 @@ def main():
           f"{sorted(n for _, n in requests)[len(requests) // 2]}), {sum(n for _, n in requests)} "
           f"output tokens; KV budget {args.kv_mib} MiB for every method")
     methods = args.methods.split(",")
+    if args.tight:
+        methods = [m for m in ("engine", "engine, no headroom", "engine, swap",
+                               "transformers-cb") if m.split(",")[0] in methods]
+        args.no_prefix_section = True
     runners = {
         "engine": lambda: run_engine(model, requests, budget, args.block_size),
+        "engine, no headroom": lambda: run_engine(model, requests, budget, args.block_size,
+                                                  admission_headroom=0),
+        "engine, swap": lambda: run_engine(model, requests, budget, args.block_size,
+                                           preemption_mode="swap"),
         "transformers-cb": lambda: run_transformers_cb(model, requests, budget, args.block_size),
         "static-dynamic": lambda: run_static(model, requests, budget, args.block_size, False),
         "static-paged": lambda: run_static(model, requests, budget, args.block_size, True),
@@ -299,7 +335,7 @@ def main():
     reference = results.get("static-dynamic", results.get("engine"))["tokens"]
     rows = [report(name, results[name], requests, reference) for name in methods]
     print()
-    print_table(rows)
+    print_table(rows, base="transformers-cb" if args.tight else "static-dynamic")
     if not args.no_prefix_section:
         shared = workload(args.requests, vocab, seed=1, shared_prefix=512 if not args.quick else 64)
         print(f"\nshared prefix: {len(shared) // 2} of {len(shared)} requests start with the same "

@@ -10,7 +10,14 @@ cap on running sequences (`max_num_seqs`):
    prompt + output later) or copied to the CPU pool (swap), and the step goes on;
 3. swapped sequences come back, then waiting ones are admitted in (priority, arrival) order
    while rows, budget and blocks allow (admission never preempts); a prompt's blocks found in
-   the prefix cache are shared instead of recomputed.
+   the prefix cache are shared instead of recomputed. Admission keeps headroom: a sequence
+   comes in only if, after its first chunk, `admission_headroom` free blocks per running
+   sequence (its own rows included) and KV group remain, so that the running sequences can
+   each take their next block. Without it, prompts fill the pool and the decodes that follow
+   preempt one another (on a trace of 128 requests with the KV budget of a static batch's
+   peak, 30 preemptions recomputed 19% more tokens than the requests need; with one block
+   per sequence, 1 preemption and 0.1%; `benchmarks/bench_engine.py --tight`). Nothing
+   running waives it, so a lone request always starts.
 
 The step is returned as a plan the engine carries out on the device: the scheduled
 sequences with their token counts, block-table entries to write, copy-on-write pairs and
@@ -24,6 +31,7 @@ group at once, and a sliding group's blocks leave as the window passes them.
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass, field
 
 from .block_pool import BlockPool
@@ -73,7 +81,7 @@ class Scheduler:
 
     @staticmethod
     def check_options(max_num_seqs: int, max_num_batched_tokens: int,
-                      preemption_mode: str) -> None:
+                      preemption_mode: str, admission_headroom: float = 1.0) -> None:
         """Raises ValueError for budgets or a preemption mode the scheduler cannot run."""
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(
@@ -82,14 +90,22 @@ class Scheduler:
             )
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap'; got {preemption_mode!r}.")
+        if (isinstance(admission_headroom, bool) or not isinstance(admission_headroom, (int, float))
+                or not 0 <= admission_headroom <= 64):
+            raise ValueError("admission_headroom (free blocks kept per running sequence when "
+                             f"admitting) must be a number in [0, 64]; got {admission_headroom!r}.")
 
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, sliding_window: int | None = None,
                  enable_prefix_caching: bool = True, preemption_mode: str = "recompute",
-                 cpu_pool: BlockPool | None = None, groups: KVGroups | None = None):
+                 cpu_pool: BlockPool | None = None, groups: KVGroups | None = None,
+                 admission_headroom: float = 1.0):
         """sliding_window: of every layer (one KV group); groups: a hybrid model's KV groups
-        instead (each with its window)."""
-        self.check_options(max_num_seqs, max_num_batched_tokens, preemption_mode)
+        instead (each with its window); admission_headroom: free blocks kept per running
+        sequence and group when admitting one more (0: admit while the first chunk fits)."""
+        self.check_options(max_num_seqs, max_num_batched_tokens, preemption_mode,
+                           admission_headroom)
+        self.admission_headroom = admission_headroom
         self.pool = pool
         self.block_size = pool.block_size
         self.max_num_seqs = max_num_seqs
@@ -107,6 +123,7 @@ class Scheduler:
         self._pending_entries: list[tuple[int, int, int]] = []  # from rows filled outside append
         self._pending_swap_in: list[tuple[int, int]] = []
         self.num_preemptions = 0
+        self.recomputed_tokens = 0  # computed again after a recompute preemption
 
     # -- requests --------------------------------------------------------------------------
     def blocks_at_once(self, total_tokens: int) -> int:
@@ -243,13 +260,16 @@ class Scheduler:
         # Blocks the first chunk needs beyond the hits (hits stop being evictable).
         need = blocks_to_add(found, 0, cached + chunk, self.block_size) * len(hits)
         hit_evictable = sum(1 for h in hits for b in h if self.pool.refcount(b) == 1)
-        if need > self._available() - hit_evictable - reserved:
+        if need + self._headroom(seq) > self._available() - hit_evictable - reserved:
             return False
         row = self._free_rows.pop()
         seq.reserved_rows = [self._free_rows.pop() for _ in range(seq.forks)]
         self.prefix.acquire([b for h in hits for b in h])
         self._pending_entries += self.tables.assign(row, hits, cached)
         seq.row, seq.num_computed, seq.registered = row, cached, found
+        if seq.lost_tokens:  # preempted by recompute: what the prefix cache kept is not redone
+            self.recomputed_tokens += max(seq.lost_tokens - cached, 0)
+            seq.lost_tokens = 0
         if seq.preemptions == 0:  # its first admission
             seq.cached_tokens = cached
             self.prefix.queried_tokens += len(seq.prompt)
@@ -261,7 +281,7 @@ class Scheduler:
         count = min(seq.num_tokens - seq.swapped_length, budget)
         growth = sum(max(blocks_to_add(len(t), seq.swapped_length, count, self.block_size), 0)
                      for t in seq.swapped)
-        if len(live) + growth > self._available() - reserved:
+        if len(live) + growth + self._headroom(seq) > self._available() - reserved:
             return False
         if len(live) > self.pool.num_free:
             self.prefix.evict(len(live) - self.pool.num_free)
@@ -296,7 +316,7 @@ class Scheduler:
             self._insert(self.swapped, seq)
             return
         self._free(seq)  # recompute: prompt + output are prefilled again later
-        seq.num_computed = 0
+        seq.lost_tokens, seq.num_computed = seq.num_computed, 0
         seq.status = SeqStatus.WAITING
         self._insert(self.waiting, seq)
 
@@ -335,6 +355,14 @@ class Scheduler:
     # -- helpers ------------------------------------------------------------------------------
     def _available(self) -> int:
         return self.pool.num_free + self.prefix.num_evictable
+
+    def _headroom(self, seq: Sequence) -> int:
+        """Blocks to leave free when admitting `seq`: `admission_headroom` per running
+        sequence, its own rows included, in every group (none while nothing runs)."""
+        rows = self.max_num_seqs - len(self._free_rows)  # held now, siblings' rows included
+        if not rows or not self.admission_headroom:
+            return 0
+        return math.ceil(self.admission_headroom * (rows + 1 + seq.forks)) * self.groups.num_groups
 
     def _row_needs(self, row: int, count: int) -> int:
         """Blocks `count` more tokens of `row` take, over all groups: new blocks, and a copy

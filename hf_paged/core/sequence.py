@@ -40,6 +40,7 @@ class Sequence:
     forks: int = 0  # siblings to fork once the prompt is computed (n - 1)
     reserved_rows: list[int] = field(default_factory=list)  # rows kept for those siblings
     preemptions: int = 0
+    lost_tokens: int = 0  # computed tokens dropped by its last recompute preemption
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     finish_reason: str | None = None
     adapter: str | None = None  # the PEFT adapter that runs it (None: the model as it is)

@@ -14,7 +14,8 @@ def run_worker(model, **options) -> None:
     runner_options, scheduler_options = engine_options(options)
     runner = ModelRunner(model, **runner_options)
     step_budget(runner, scheduler_options.get("max_num_batched_tokens"),
-                runner_options.get("preemption_mode", "recompute"))
+                runner_options.get("preemption_mode", "recompute"),
+                scheduler_options.get("admission_headroom", 1.0))
     runner.worker_loop()
 
 

@@ -55,6 +55,7 @@ class EngineStats:
     waiting: int
     swapped: int
     num_preemptions: int
+    recomputed_tokens: int  # tokens computed again after preemptions by recompute
     num_blocks: int
     blocks_used: int  # held by running sequences
     blocks_cached: int  # kept by the prefix cache, held by nobody (reused or evicted later)
@@ -89,6 +90,9 @@ class LLMEngine:
       preemption_mode:   "recompute" (default) or "swap" (to a CPU pool of
                          `swap_space_bytes`, by default the size of the KV pool, at
                          most a quarter of host memory shared by the ranks of a machine)
+      admission_headroom: free blocks kept per running sequence when admitting another
+                         (1.0); fewer preemptions under a tight KV budget, 0 to admit
+                         while a prompt's first chunk fits
       max_model_len:     the longest sequence (the model's max_position_embeddings)
       backend:           attention backend, as `cache_config["backend"]`
       compile:           run the model's forward under torch.compile (fullgraph, dynamic
@@ -102,7 +106,7 @@ class LLMEngine:
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
                  preemption_mode: str = "recompute", swap_space_bytes: int | None = None,
                  max_model_len: int | None = None, backend: str = "auto",
-                 compile: bool | str = False):
+                 compile: bool | str = False, admission_headroom: float = 1.0):
         self.runner = runner = ModelRunner(
             model, block_size=block_size, num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes,
             gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
@@ -114,12 +118,13 @@ class LLMEngine:
         self.device, self.dtype, self.tp_size = runner.device, runner.dtype, runner.tp_size
         self.block_size, self.max_model_len = runner.block_size, runner.max_model_len
         self.max_num_seqs = runner.max_num_seqs
-        self.max_num_batched_tokens = step_budget(runner, max_num_batched_tokens, preemption_mode)
+        self.max_num_batched_tokens = step_budget(runner, max_num_batched_tokens, preemption_mode,
+                                                  admission_headroom)
         self.scheduler = Scheduler(self.pool.blocks, self.max_num_seqs,
                                    self.max_num_batched_tokens, self.max_model_len,
                                    None, enable_prefix_caching, preemption_mode,
                                    None if self.cpu_pool is None else self.cpu_pool.blocks,
-                                   runner.groups)
+                                   runner.groups, admission_headroom)
         self.sampler = Sampler()
         self.vocab_size = base.get_output_embeddings().weight.shape[0]
         # Decode every step (servers stream text); otherwise only finished completions.
@@ -274,7 +279,8 @@ class LLMEngine:
         cached = s.prefix.num_evictable
         return EngineStats(
             running=len(s.running), waiting=len(s.waiting), swapped=len(s.swapped),
-            num_preemptions=s.num_preemptions, num_blocks=pool.num_blocks,
+            num_preemptions=s.num_preemptions, recomputed_tokens=s.recomputed_tokens,
+            num_blocks=pool.num_blocks,
             blocks_used=pool.num_used - cached, blocks_cached=cached, blocks_free=pool.num_free,
             block_size=self.block_size, prefix_cache_queried_tokens=s.prefix.queried_tokens,
             prefix_cache_hit_tokens=s.prefix.hit_tokens, prompt_tokens=self.prompt_tokens,
@@ -415,12 +421,12 @@ class LLMEngine:
 
 
 def step_budget(runner: ModelRunner, max_num_batched_tokens: int | None,
-                preemption_mode: str = "recompute") -> int:
+                preemption_mode: str = "recompute", admission_headroom: float = 1.0) -> int:
     """Tokens per step (default 8192 on CUDA, 2048 elsewhere), with the scheduler's options
     checked: the same check on every tensor-parallel rank, so all fail alike."""
     tokens = positive("max_num_batched_tokens",
                       max_num_batched_tokens or (8192 if runner.on_cuda else 2048))
-    Scheduler.check_options(runner.max_num_seqs, tokens, preemption_mode)
+    Scheduler.check_options(runner.max_num_seqs, tokens, preemption_mode, admission_headroom)
     return tokens
 
 

@@ -78,6 +78,9 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     e.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
                    help="when blocks run out: recompute later, or swap to a CPU pool")
+    e.add_argument("--admission-headroom", type=float, default=1.0,
+                   help="free KV blocks kept per running sequence when admitting another "
+                        "(1.0; 0 admits while a prompt's first chunk fits)")
     e.add_argument("--swap-space-bytes", type=int, default=None,
                    help="CPU pool for swap preemption (default: the size of the KV pool)")
     e.add_argument("--backend", default="auto", help="attention backend (auto)")
@@ -131,6 +134,7 @@ def engine_options(args) -> dict:
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
                 preemption_mode=args.preemption_mode, swap_space_bytes=args.swap_space_bytes,
+                admission_headroom=args.admission_headroom,
                 backend=args.backend, compile=args.compile)
 
 

@@ -27,14 +27,14 @@ from hf_paged.sequence import Sequence, SeqStatus
 
 class Simulation:
     def __init__(self, seed, num_blocks, block_size, max_num_seqs, budget, mode, prefix,
-                 window, cpu_blocks, max_model_len=10_000, hybrid=False):
+                 window, cpu_blocks, max_model_len=10_000, hybrid=False, headroom=0.0):
         """hybrid: KV groups of a model with one full and two sliding-window layers."""
         self.rng = random.Random(seed)
         self.pool = BlockPool(num_blocks, block_size)
         self.cpu = BlockPool(cpu_blocks, block_size) if mode == "swap" else None
         groups = KVGroups.plan([window, None, window]) if hybrid and window else None
         self.sched = Scheduler(self.pool, max_num_seqs, budget, max_model_len, window,
-                               prefix, mode, self.cpu, groups)
+                               prefix, mode, self.cpu, groups, headroom)
         self.bs = block_size
         self.gpu: dict[int, dict[int, tuple]] = {}  # block -> slot -> (position, token)
         self.host: dict[int, dict[int, tuple]] = {}
@@ -175,7 +175,8 @@ def workloads(draw):
     num_blocks = draw(st.integers(per_seq, per_seq * 4))
     return dict(block_size=block_size, max_num_seqs=max_num_seqs, budget=budget, window=window,
                 prefix=prefix, mode=mode, num_blocks=num_blocks, cpu_blocks=num_blocks,
-                requests=requests, seed=draw(st.integers(0, 10**6)), hybrid=hybrid)
+                requests=requests, seed=draw(st.integers(0, 10**6)), hybrid=hybrid,
+                headroom=draw(st.sampled_from([0, 0.5, 1, 3])))
 
 
 EXAMPLES = int(os.environ.get("HF_PAGED_SCHEDULER_EXAMPLES", "300"))
@@ -186,7 +187,7 @@ EXAMPLES = int(os.environ.get("HF_PAGED_SCHEDULER_EXAMPLES", "300"))
 def test_scheduler_invariants(w):
     sim = Simulation(w["seed"], w["num_blocks"], w["block_size"], w["max_num_seqs"],
                      w["budget"], w["mode"], w["prefix"], w["window"], w["cpu_blocks"],
-                     hybrid=w["hybrid"])
+                     hybrid=w["hybrid"], headroom=w["headroom"])
     pending = sorted(enumerate(w["requests"]), key=lambda r: r[1]["arrive"])
     made = {}
     tick = 0
@@ -258,6 +259,53 @@ def test_cached_blocks_are_evicted_least_recently_used_only_when_needed():
     sim.run()
     assert b.finished and a.finished
     assert sim.sched.prefix.lookup(a.block_hashes[:1]) == []
+
+
+def _tight_trace(headroom):
+    """16 requests of 6..40 prompt and 8..30 output tokens, all at once, on a pool a third
+    of their total: (preemptions, tokens computed beyond the requests' own, steps)."""
+    rng = random.Random(5)
+    requests = [([rng.randrange(3, 40) for _ in range(rng.randint(6, 40))], rng.randint(8, 30))
+                for _ in range(16)]
+    total = sum(-(-(len(p) + m) // 4) for p, m in requests)
+    sim = Simulation(0, num_blocks=total // 3, block_size=4, max_num_seqs=8, budget=32,
+                     mode="recompute", prefix=False, window=None, cpu_blocks=0,
+                     headroom=headroom)
+    for prompt, max_tokens in requests:
+        sim.add(prompt, max_tokens)
+    computed = 0
+    while sim.sched.has_work:
+        computed += sim.step().num_tokens
+        assert sim.steps < 5000
+    assert all(len(s.output) == s.max_tokens for s in sim.seqs)
+    own = sum(len(p) + m - 1 for p, m in requests)
+    return sim.sched.num_preemptions, computed - own, sim.steps
+
+
+def test_admission_headroom_avoids_preemption_under_a_tight_budget():
+    eager = _tight_trace(0)
+    kept = _tight_trace(1.0)
+    assert eager[0] > 0 and eager[1] > 0  # admitting while a first chunk fits thrashes
+    assert kept[0] < eager[0] and kept[1] < eager[1]
+    assert kept[2] < 1.5 * eager[2]  # and costs few extra steps
+
+
+def test_admission_headroom_is_waived_when_nothing_runs():
+    # A request that needs the whole pool starts alone, whatever the headroom.
+    sim = Simulation(0, num_blocks=10, block_size=4, max_num_seqs=4, budget=64,
+                     mode="recompute", prefix=False, window=None, cpu_blocks=0, headroom=3)
+    big = sim.add([3] * 30, max_tokens=10)
+    small = sim.add([4] * 3, max_tokens=2)
+    step = sim.step()
+    assert [i.seq for i in step.scheduled] == [big]  # small waits: no headroom left
+    sim.run()
+    assert big.finished and small.finished and len(small.output) == 2
+
+
+@pytest.mark.parametrize("bad", [-1, 65, float("nan"), True, "1"])
+def test_admission_headroom_is_checked(bad):
+    with pytest.raises(ValueError, match="admission_headroom"):
+        Scheduler(BlockPool(8, 4), 4, 16, 64, admission_headroom=bad)
 
 
 def test_rejections_are_named():

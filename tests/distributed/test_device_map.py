@@ -324,7 +324,8 @@ def test_engine_on_a_split_pool_equals_stock(kind, mode, split):
     max_tokens = [10 + (i * 5) % 13 for i in range(len(prompts))]
     refs = [stock_greedy(model, p, m) for p, m in zip(prompts, max_tokens)]
     engine = hf_paged.LLMEngine(model, block_size=4, num_blocks=30, max_num_seqs=5,
-                       max_num_batched_tokens=32, preemption_mode=mode)
+                       max_num_batched_tokens=32, preemption_mode=mode,
+                       admission_headroom=0)  # admit eagerly: preempt often
     assert engine.pool.placement == SPLIT
     if mode == "swap":
         assert engine.cpu_pool.placement.layers == SPLIT.layers

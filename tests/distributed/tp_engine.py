@@ -19,7 +19,8 @@ from hf_paged import LLM, SamplingParams  # noqa: E402
 from hf_paged.engine import ModelRunner, engine_options  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-OPTIONS = dict(block_size=4, num_blocks=20, max_num_seqs=4, max_num_batched_tokens=16)
+OPTIONS = dict(block_size=4, num_blocks=20, max_num_seqs=4, max_num_batched_tokens=16,
+               admission_headroom=0)  # admit eagerly: preempt often
 
 
 def prompts():

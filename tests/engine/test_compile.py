@@ -53,6 +53,7 @@ def run(model, compile, mode="recompute", num_blocks=60, **options):
     prompts, max_tokens, arrivals = workload()
     engine = LLMEngine(model, block_size=4, num_blocks=num_blocks, max_num_seqs=5,
                        max_num_batched_tokens=24, preemption_mode=mode, compile=compile,
+                       admission_headroom=0,  # admit eagerly: preempt often
                        **options)
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     done = run_engine(engine, prompts, params, arrivals)

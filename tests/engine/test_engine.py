@@ -73,7 +73,8 @@ def test_greedy_equals_stock_alone_under_chunking_preemption_and_prefix_hits(kin
     # Too few blocks for all at once (Mistral's window of 24 frees blocks as it goes).
     windowed = kind == "mistral_sw"
     engine = LLMEngine(model, block_size=4, num_blocks=16 if windowed else 300, max_num_seqs=6,
-                       max_num_batched_tokens=16 if windowed else 48, preemption_mode=mode)
+                       max_num_batched_tokens=16 if windowed else 48, preemption_mode=mode,
+                       admission_headroom=0)  # admit eagerly: preempt often
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     arrivals = [(i * 5) % 23 for i in range(len(prompts))]
     done = run_engine(engine, prompts, params, arrivals, aborts=[(3, arrivals[3] + 3)])

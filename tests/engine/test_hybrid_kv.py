@@ -55,7 +55,8 @@ def test_groups_plan():
 def test_engine_preempts_hybrid_sequences_and_keeps_stock_tokens(gemma3, mode):
     batch = prompts(6)
     llm = hf_paged.LLM(gemma3, block_size=4, num_blocks=12, max_num_seqs=6,
-                       max_num_batched_tokens=16, preemption_mode=mode)
+                       max_num_batched_tokens=16, preemption_mode=mode,
+                       admission_headroom=0)  # admit eagerly: preempt often
     assert llm.engine.runner.groups.num_groups == 6
     outs = llm.generate(batch, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
     assert llm.stats().num_preemptions > 0
