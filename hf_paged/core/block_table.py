@@ -83,16 +83,17 @@ class BlockTables:
         Of `w` rows writing into a shared partial block with refcount `r`, the first
         `min(w, r - 1)` copy it; the last holder writes in place.
         """
-        bs = self.block_size
+        bs, lengths, tables = self.block_size, self.lengths, self.tables
         needed = 0
         writers: dict[int, int] = {}
         for row, c in enumerate(counts):
             if c <= 0:
                 continue
-            n = self.lengths[row]
-            needed += blocks_to_add(len(self.tables[row]), n, c, bs)
+            n = lengths[row]
+            table = tables[row]
+            needed += -(-(n + c) // bs) - len(table)  # blocks_to_add, inlined: a per-row call
             if n % bs:
-                last = self.tables[row][-1]
+                last = table[-1]
                 writers[last] = writers.get(last, 0) + 1
         for block, w in writers.items():
             needed += min(w, self.pool.refcount(block) - 1)
@@ -114,11 +115,14 @@ class BlockTables:
         fresh = self.pool.allocate(needed)
         self.num_held += needed
         plan = AppendPlan()
-        bs = self.block_size
+        bs, lengths, refcount = self.block_size, self.lengths, self.pool.refcount
         for row, c in enumerate(counts):
             if c <= 0:
                 continue
-            table = self.tables[row]
+            table, n = self.tables[row], lengths[row]
+            if n % bs and n % bs + c <= bs and refcount(table[-1]) == 1:
+                lengths[row] = n + c  # fits in its own last block (most decodes)
+                continue
             if self._needs_copy(row):
                 src, dst = table[-1], fresh.pop()
                 plan.copies.append((src, dst))

@@ -186,32 +186,44 @@ class Scheduler:
         reserved = 0  # blocks the counts planned so far will take
         available = self._available()
         served: set[int] = set()
+        scheduled = step.scheduled
+        bs, refcount = self.block_size, self.pool.refcount
+        # One group: a decode into a partly filled block of its own needs nothing (most rows).
+        lengths, tables = (self.tables.lengths, self.tables.tables) \
+            if self.groups.num_groups == 1 else (None, None)
         for seq in list(self.running):
             if seq.status is not SeqStatus.RUNNING or budget == 0:
                 continue
-            count = min(seq.to_compute, budget)
-            while True:
-                need = self._row_needs(seq.row, count)
-                room = available - reserved
-                if need <= room:
-                    break
-                fit = self._row_fits(seq.row, room)
-                if fit >= 1:  # a prompt still prefilling takes a smaller chunk
-                    count = min(count, fit)
-                    continue
-                victim = next((s for s in reversed(self.running)
-                               if s is not seq and s.seq_id not in served), seq)
-                self._preempt(victim, step)
-                available = self._available()
-                if victim is seq:
-                    count = 0
-                    break
+            row, done = seq.row, seq.num_computed
+            todo = len(seq.prompt) + len(seq.output) - done
+            count = todo if todo < budget else budget
+            if count == 1 and lengths is not None and lengths[row] % bs \
+                    and refcount(tables[row][-1]) == 1:
+                need = 0
+            else:
+                while True:
+                    need = self._row_needs(row, count)
+                    room = available - reserved
+                    if need <= room:
+                        break
+                    fit = self._row_fits(row, room)
+                    if fit >= 1:  # a prompt still prefilling takes a smaller chunk
+                        count = min(count, fit)
+                        continue
+                    victim = next((s for s in reversed(self.running)
+                                   if s is not seq and s.seq_id not in served), seq)
+                    self._preempt(victim, step)
+                    available = self._available()
+                    if victim is seq:
+                        count = 0
+                        break
             if count:
-                counts[seq.row] = count
+                counts[row] = count
                 reserved += need
                 budget -= count
                 served.add(seq.seq_id)
-                step.scheduled.append(Scheduled.of(seq, count))
+                sample = count == todo
+                scheduled.append(Scheduled(seq, done, count, sample, seq.forks if sample else 0))
         if not step.preempted:  # nothing was short of blocks: admit swapped, then waiting
             budget, reserved = self._admit(step, counts, budget, reserved)
         needed = self.tables.blocks_needed(counts)
@@ -332,12 +344,14 @@ class Scheduler:
     # -- after the forward ---------------------------------------------------------------------
     def after_step(self, step: Step) -> None:
         """Records the computed tokens and registers newly filled blocks in the prefix cache."""
+        bs = self.block_size
         for item in step.scheduled:
             seq = item.seq
-            if seq.finished or seq.row is None:
+            if seq.row is None or seq.finished:
                 continue
-            seq.num_computed = item.start + item.count
-            self._register_full_blocks(seq)
+            seq.num_computed = computed = item.start + item.count
+            if computed // bs > seq.registered:
+                self._register_full_blocks(seq)
 
     def fork(self, parent: Sequence, children: list[Sequence]) -> None:
         """`children` continue `parent` (same prompt, rows reserved at admission), sharing

@@ -78,10 +78,11 @@ class OutputProcessor:
             rows.append(row)
             owners.append((request, seq, seq, completion))
             index.append(row_of_logits)
-            for k in range(1, item.forks + 1):  # siblings' first tokens, from the same logits
-                rows.append(self._sample_row(request, seq, k))
-                owners.append((request, seq, None, k))
-                index.append(row_of_logits)
+            if item.forks:
+                for k in range(1, item.forks + 1):  # siblings' first tokens, same logits
+                    rows.append(self._sample_row(request, seq, k))
+                    owners.append((request, seq, None, k))
+                    index.append(row_of_logits)
         return rows, owners, index
 
     @staticmethod
@@ -98,6 +99,9 @@ class OutputProcessor:
         """Appends each row's token to its completion (forking siblings off their parent),
         fails the requests of rows in `errors`, then checks the stops of the completions
         that grew."""
+        if not errors and len(owners) == len(items):  # no failure, no fork: one pass
+            self._record_each(owners, result, touched)
+            return
         failed: dict[str, str] = {}
         for j, message in errors.items():
             failed.setdefault(owners[j][0].request_id, message)
@@ -127,6 +131,26 @@ class OutputProcessor:
                     item.seq.forks = 0
                     self.scheduler.fork(item.seq, children[id(item.seq)])
         self.check_stops(grew, touched)
+
+    def _record_each(self, owners: list[tuple], result: SampleResult, touched: dict) -> None:
+        """`record` when every row continues its own completion: each token is appended
+        and its stop checked in one pass."""
+        eos_ids, finish = self.eos_ids, self.scheduler.finish
+        now = time.monotonic()
+        for (request, seq, _, k), token, lp, tlp in zip(owners, result.tokens, result.logprobs,
+                                                        result.token_logprobs):
+            request.append(seq, k, token, lp, tlp, now)
+            touched[request.request_id] = request
+            if request.unfinished == 0:  # ended by a sibling's failure, never here
+                continue
+            try:
+                reason = request.stop(seq, k, eos_ids)
+            except Exception as err:  # noqa: BLE001 (e.g. its tokens do not decode)
+                self.fail(request, f"its stop check failed: {describe(err)}", touched)
+                continue
+            if reason is not None:
+                finish(seq, reason)
+        self.generation_tokens += len(owners)
 
     def check_stops(self, grew: list[tuple], touched: dict) -> None:
         """Stop checks of (request, sequence, completion) that got a token; a request whose

@@ -73,25 +73,25 @@ class StepLogits:
     """The logits of a step's sampling sequences, as its forwards produce them."""
 
     def __init__(self):
+        self._items: list[list] = []  # per forward, its scheduled items
         self._parts: list[torch.Tensor] = []  # per forward, [its sampling items, V]
-        self._where: dict[int, int] = {}  # id(scheduled item) -> row of the parts' concat
-        self._count = 0
 
     def add(self, items: list, rows: torch.Tensor) -> None:
         """rows [S, V]: the logits of the items of `items` that sample, in order."""
-        for item in items:
-            if item.sample:
-                self._where[id(item)] = self._count
-                self._count += 1
+        self._items.append(items)
         self._parts.append(rows)
 
     def rows(self, sampling: list, index: list[int]) -> torch.Tensor:
-        """[R, V]: row r holds the logits of `sampling[index[r]]`."""
+        """[R, V]: row r holds the logits of `sampling[index[r]]` (the step's sampling
+        items, in plan order)."""
         stacked = self._parts[0] if len(self._parts) == 1 else torch.cat(self._parts)
-        where = [self._where[id(sampling[i])] for i in index]
-        if where == list(range(stacked.shape[0])):
-            return stacked  # one forward, nobody failed or forked: the order is the plan's
-        return stacked[torch.tensor(where, device=stacked.device)]
+        if len(self._parts) == 1 and len(sampling) == len(index) == stacked.shape[0]:
+            # One forward, nobody failed or forked: its sampling rows are `sampling`, in order.
+            return stacked
+        where = {id(item): i for i, item in enumerate(
+            item for items in self._items for item in items if item.sample)}
+        return stacked[torch.tensor([where[id(sampling[i])] for i in index],
+                                    device=stacked.device)]
 
 
 def unwrap(model):

@@ -38,6 +38,11 @@ class SampleRow:
     generator: torch.Generator | None = None
     suppress: list[int] | None = None  # token ids masked at this step (min_tokens)
 
+    def __post_init__(self):  # read per row per step: plain attributes, not properties
+        self.greedy = self.params.greedy
+        self.penalized = self.params.penalized
+        self.logprobs = self.params.logprobs is not None
+
 
 @dataclass
 class SampleResult:
@@ -60,11 +65,11 @@ class Sampler:
         exponentials [S, V] drawn beforehand by `noise` (drawn here if not given), so that
         a caller sampling the rows again draws nothing twice from a seeded generator."""
         logits = logits.float()
-        want_logprobs = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        want_logprobs = [i for i, r in enumerate(rows) if r.logprobs]
         raw = torch.log_softmax(logits, -1) if want_logprobs else None
-        if any(r.params.penalized or r.suppress for r in rows):
+        if any(r.penalized or r.suppress for r in rows):
             logits = self.penalize(logits.clone(), rows)  # the caller's logits stay as given
-        greedy = [r.params.greedy for r in rows]
+        greedy = [r.greedy for r in rows]
         if all(greedy):
             # max(-1) gives argmax's first-maximum index, and the maximum validity needs,
             # faster than argmax on CPU.
@@ -176,11 +181,11 @@ class Sampler:
     def noise(count: int, vocab: int, rows: list[SampleRow], device) -> torch.Tensor | None:
         """One exponential per row and vocabulary entry [count, V] (None if every row is
         greedy); a seeded row's come from its own generator, the only draw from it."""
-        if all(r.params.greedy for r in rows):
+        if all(r.greedy for r in rows):
             return None
         noise = torch.empty(count, vocab, device=device).exponential_()
         for i, row in enumerate(rows):
-            if row.generator is not None and not row.params.greedy:
+            if row.generator is not None and not row.greedy:
                 noise[i] = torch.empty(vocab, device=device).exponential_(
                     generator=row.generator)
         return noise
