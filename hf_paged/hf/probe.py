@@ -3,7 +3,8 @@ token on a scratch pool, once per model class.
 
 A class can say it uses the attention interface and still not let the paged KV through:
 a decoder layer that drops the forward's keywords before its attention (Nemotron), or an
-attention that re-lays its keys out after the cache update (JetMoE repeats them). Those
+attention that re-lays its keys or values out after the cache update (JetMoE repeats its
+keys, DiffLlama splits its values in two). Those
 raise `PagedRouteError` on the way; the probe turns that into a reason, so that generate
 falls back to Transformers' cache with a warning and the engine refuses the model by
 name, before any real request runs.

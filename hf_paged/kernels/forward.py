@@ -216,10 +216,13 @@ class PagedForward(PagedLayers, Cache):
                 out = self._attend_expanded(query, key, value, layer_idx, scale,
                                             sliding_window, caller_mask, softcap, sinks)
             else:
-                if key is not None and key is not self.access.views(layer_idx)[0]:
+                k_view, v_view = self.access.views(layer_idx)
+                if (key is not None and key is not k_view) or (value is not None
+                                                               and value is not v_view):
+                    which = "keys" if key is not None and key is not k_view else "values"
                     raise PagedRouteError(
-                        f"Layer {layer_idx} changed its keys between the cache update and "
-                        "the attention (repeated or re-laid them out), so the attention "
+                        f"Layer {layer_idx} changed its {which} between the cache update and "
+                        "the attention (repeated, split or re-laid them out), so the attention "
                         "cannot read them from the pool's blocks.")
                 out = self._attend(query.to(pool_dtype), layer_idx, shard, scale,
                                    sliding_window, alibi_slopes, caller_mask, softcap,

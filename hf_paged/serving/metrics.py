@@ -46,6 +46,9 @@ class _EngineCollector:
                           "Prompt tokens found in the prefix cache / prompt tokens looked up.",
                           s.prefix_cache_hit_rate)
         yield self._counter("hf_paged_num_preemptions", "Preemptions.", s.num_preemptions)
+        yield self._counter("hf_paged_recomputed_tokens",
+                            "Tokens computed again after preemptions by recompute.",
+                            s.recomputed_tokens)
         yield self._counter("hf_paged_prompt_tokens", "Prompt tokens computed.", s.prompt_tokens)
         yield self._counter("hf_paged_generation_tokens", "Tokens generated.",
                             s.generation_tokens)

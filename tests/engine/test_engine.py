@@ -88,9 +88,31 @@ def test_greedy_equals_stock_alone_under_chunking_preemption_and_prefix_hits(kin
         assert out.finish_reason == "length"
     stats = engine.stats()
     assert stats.num_preemptions > 0, "the pool should have been too small for all at once"
+    assert stats.recomputed_tokens > 0 or mode == "swap"
     assert stats.prefix_cache_hit_tokens > 0 or windowed  # (its small pool evicts them)
     assert stats.running == stats.waiting == stats.swapped == 0
     assert stats.blocks_used == 0  # everything given back (cached blocks aside)
+
+
+def test_admission_headroom_keeps_tokens_and_saves_recomputation():
+    """The same tight pool with and without headroom at admission: the same tokens as
+    stock, fewer preemptions and fewer tokens computed twice with it."""
+    model = long_model("llama_gqa")
+    prompts = random_prompts(11, 12, 8, 40)
+    max_tokens = [12 + (i * 7) % 17 for i in range(len(prompts))]
+    refs = [stock_greedy(model, p, m) for p, m in zip(prompts, max_tokens)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    stats = {}
+    for headroom in (0, 1.0):
+        engine = LLMEngine(model, block_size=4, num_blocks=60, max_num_seqs=8,
+                           max_num_batched_tokens=64, admission_headroom=headroom)
+        done = run_engine(engine, prompts, params)
+        assert [done[str(i)].outputs[0].token_ids for i in range(len(prompts))] == refs
+        stats[headroom] = engine.stats()
+    assert stats[0].num_preemptions > stats[1.0].num_preemptions
+    assert stats[0].recomputed_tokens > stats[1.0].recomputed_tokens
+    with pytest.raises(ValueError, match="admission_headroom"):
+        LLMEngine(model, num_blocks=60, admission_headroom=-1)
 
 
 @pytest.mark.parametrize("kind", ["llama_gqa", "falcon_new"])
