@@ -58,6 +58,12 @@ ARCHITECTURES = {
     "ministral": ("MinistralConfig", "MinistralForCausalLM", dict(
         num_hidden_layers=3, sliding_window=WINDOW, head_dim=16,
         layer_types=["sliding_attention", "sliding_attention", "full_attention"])),
+    # Their attention modules pass no window: the model applies it through the mask only.
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        num_hidden_layers=3, use_sliding_window=True, sliding_window=WINDOW,
+        max_window_layers=1, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32)),
+    "phimoe": ("PhimoeConfig", "PhimoeForCausalLM", dict(sliding_window=WINDOW, **_MOE)),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
         num_key_value_heads=4, kv_lora_rank=24, q_lora_rank=None, qk_rope_head_dim=8,
         qk_nope_head_dim=16, v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2,

@@ -30,7 +30,7 @@ SUPPORTED_ARCHITECTURES = (
     "GraniteForCausalLM", "Starcoder2ForCausalLM", "MixtralForCausalLM",
     "SmolLM3ForCausalLM", "Cohere2ForCausalLM", "GPTNeoXForCausalLM", "PhiForCausalLM",
     "Glm4ForCausalLM", "Exaone4ForCausalLM", "MinistralForCausalLM",
-    "DeepseekV3ForCausalLM",
+    "DeepseekV3ForCausalLM", "Qwen2MoeForCausalLM", "PhimoeForCausalLM",
 )
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 

@@ -208,7 +208,12 @@ class PagedForward(PagedLayers, Cache):
         key, value: a latent layout's expanded keys and values over each row's tokens
         ([R, Hq, T, D], [R, Hq, T, Dv], from the rows `write` returned); else unused (the
         layer's pool views are read through the metadata).
+        sliding_window: the layer's, if it passes one; a sliding layer that does not (its
+        model applies the window through the mask only: Qwen2-MoE, PhiMoE) gets its
+        configured window, which the paged cache also releases blocks by.
         """
+        if sliding_window is None:
+            sliding_window = self.layer_windows[layer_idx]
         shard = self._shard[layer_idx]
         pool_dtype = self.access.pool.dtype
         with self.access.on_device(shard, self._switch):

@@ -149,6 +149,9 @@ def _refused():
     yield "keys changed", t.JetMoeForCausalLM(t.JetMoeConfig(
         vocab_size=64, hidden_size=32, num_hidden_layers=2, num_key_value_heads=2,
         kv_channels=8, intermediate_size=64, num_local_experts=2, num_experts_per_tok=1))
+    # ... or splits its values in two (differential attention).
+    yield "values changed", t.DiffLlamaForCausalLM(t.DiffLlamaConfig(**small,
+                                                                     num_key_value_heads=2))
 
 
 _WHY = {"bypasses": "does not go through Transformers' attention interface",
@@ -156,7 +159,8 @@ _WHY = {"bypasses": "does not go through Transformers' attention interface",
         "linear": "linear_attention layers",
         "encoder-decoder": "encoder-decoder",
         "keywords dropped": "did not reach the attention",
-        "keys changed": "changed its keys"}
+        "keys changed": "changed its keys",
+        "values changed": "changed its values"}
 
 
 @pytest.mark.parametrize("kind", list(_WHY))
