@@ -65,6 +65,11 @@ def unsupported_reason(model) -> str | None:
         return f"{name}'s layers share other layers' KV caches, which the paged cache does not"
     if "past_key_values" not in inspect.signature(type(model).forward).parameters:
         return f"{name}.forward takes no past_key_values"
+    try:
+        kv_spec(text)
+    except Exception as err:  # noqa: BLE001 - e.g. Gemma 4's head_dim differs per layer
+        return (f"{name}'s layers do not share one KV shape (heads and head size), which one "
+                f"pool of equal blocks needs ({type(err).__name__}: {err})")
     return None
 
 

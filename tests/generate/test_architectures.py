@@ -142,6 +142,12 @@ def _refused():
         shared_expert_intermediate_size=16, layer_types=["linear_attention", "full_attention"]))
     yield "encoder-decoder", t.T5ForConditionalGeneration(t.T5Config(
         vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2))
+    # Sliding and full layers of different head sizes (Gemma 4): no one pool shape.
+    yield "per-layer KV shapes", t.Gemma4ForCausalLM(t.Gemma4TextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, global_head_dim=32,
+        sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=64))
     # Found by the one-token probe: the decoder layer drops the forward's keywords...
     yield "keywords dropped", t.NemotronForCausalLM(t.NemotronConfig(**small,
                                                                      num_key_value_heads=1))
@@ -158,6 +164,7 @@ _WHY = {"bypasses": "does not go through Transformers' attention interface",
         "recurrent": "recurrent state|state-space",
         "linear": "linear_attention layers",
         "encoder-decoder": "encoder-decoder",
+        "per-layer KV shapes": "do not share one KV shape",
         "keywords dropped": "did not reach the attention",
         "keys changed": "changed its keys",
         "values changed": "changed its values"}
