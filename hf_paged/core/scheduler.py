@@ -14,10 +14,10 @@ cap on running sequences (`max_num_seqs`):
    comes in only if, after its first chunk, `admission_headroom` free blocks per running
    sequence (its own rows included) and KV group remain, so that the running sequences can
    each take their next block. Without it, prompts fill the pool and the decodes that follow
-   preempt one another (on a trace of 128 requests with the KV budget of a static batch's
-   peak, 30 preemptions recomputed 19% more tokens than the requests need; with one block
-   per sequence, 1 preemption and 0.1%; `benchmarks/bench_engine.py --tight`). Nothing
-   running waives it, so a lone request always starts.
+   preempt one another (`benchmarks/bench_engine.py --tight`: 128 requests, the KV budget of
+   a static batch's peak: 36 preemptions recomputed 8,414 tokens, 18% more than the 45,584
+   the requests need; with one block per running sequence, none). Nothing running waives
+   it, so a lone request always starts.
 
 The step is returned as a plan the engine carries out on the device: the scheduled
 sequences with their token counts, block-table entries to write, copy-on-write pairs and
