@@ -218,6 +218,48 @@ def host_overhead(model, counts=(64, 128, 256), prompt_len=16, new_tokens=64, **
     return rows
 
 
+def python_calls(model, counts=(64, 256), prompt_len=16, new_tokens=64):
+    """Python function calls per sequence per decode step outside the model's forward
+    (cProfile's count, paused during the forward): the host-overhead workload, counted
+    rather than timed, so that runs on a noisy machine compare exactly."""
+    import cProfile
+    import pstats
+
+    rows = []
+    for count in counts:
+        rng = random.Random(count)
+        llm = LLM(model, max_num_seqs=count, max_num_batched_tokens=count * prompt_len,
+                  kv_cache_bytes=_bytes_per_token(model) * count * (prompt_len + new_tokens + 32))
+        engine, profile = llm.engine, cProfile.Profile()
+        engine.finished_only = True
+        forward = engine.runner.model
+
+        def paused(*args, **kwargs):
+            profile.disable()
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                profile.enable()
+
+        engine.runner.model = paused
+        params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+        for i in range(count):
+            engine.add_request(f"c{i}", [rng.randrange(3, model.config.vocab_size)
+                                         for _ in range(prompt_len)], params)
+        engine.step()  # the prompts
+        steps = 0
+        while len(engine.scheduler.running) == count:  # decode steps, nobody finished
+            profile.enable()
+            engine.step()
+            profile.disable()
+            steps += 1
+        calls = pstats.Stats(profile).total_calls / steps / count
+        rows.append(dict(seqs=count, steps=steps, python_calls_per_seq=round(calls, 2)))
+        print(f"  {count:4d} sequences: {calls:6.2f} Python calls per sequence per step "
+              f"({steps} decode steps)", flush=True)
+    return rows
+
+
 def tiny_llama(device="cpu", dtype=torch.float32):
     """The host-overhead model: hidden 64, 2 layers (its forward is cheap)."""
     return random_llama(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=1000,
@@ -266,6 +308,9 @@ def main():
                         help="model and KV dtype (float32)")
     parser.add_argument("--model-size", default="168m", choices=["168m", "7b"],
                         help="random Llama shape: ~168M (hidden 1024, 8 layers) or Llama-7B-like")
+    parser.add_argument("--python-calls", action="store_true",
+                        help="only count Python calls per sequence per decode step outside the "
+                             "forward (tiny model, 64 and 256 sequences)")
     parser.add_argument("--tight", action="store_true",
                         help="KV budget of a static batch's peak; the engine's admission and "
                              "preemption policies against Transformers' continuous batching")
@@ -275,6 +320,12 @@ def main():
                              "per sequence, at 64/128/256 sequences, tiny and 168M models")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
+    if args.python_calls:
+        print("Python calls outside the forward, tiny Llama:", flush=True)
+        rows = python_calls(tiny_llama(dtype=dtype, device=args.device))
+        if args.out:
+            Path(args.out).write_text(json.dumps(rows, indent=2))
+        return
     if args.host_overhead:
         rows = {}
         for name, build in (("tiny (hidden 64, 2 layers)", tiny_llama),

@@ -135,37 +135,32 @@ class OutputProcessor:
     def _record_each(self, owners: list[tuple], result: SampleResult, touched: dict) -> None:
         """`record` when every row continues its own completion: each token is appended
         and its stop checked in one pass."""
-        eos_ids, finish = self.eos_ids, self.scheduler.finish
-        now = time.monotonic()
+        now, check = time.monotonic(), self._check_stop
         for (request, seq, _, k), token, lp, tlp in zip(owners, result.tokens, result.logprobs,
                                                         result.token_logprobs):
             request.append(seq, k, token, lp, tlp, now)
             touched[request.request_id] = request
-            if request.unfinished == 0:  # ended by a sibling's failure, never here
-                continue
-            try:
-                reason = request.stop(seq, k, eos_ids)
-            except Exception as err:  # noqa: BLE001 (e.g. its tokens do not decode)
-                self.fail(request, f"its stop check failed: {describe(err)}", touched)
-                continue
-            if reason is not None:
-                finish(seq, reason)
+            if request.unfinished:  # (0: ended by a sibling's failed stop check)
+                check(request, seq, k, touched)
         self.generation_tokens += len(owners)
 
     def check_stops(self, grew: list[tuple], touched: dict) -> None:
         """Stop checks of (request, sequence, completion) that got a token; a request whose
         check raises fails alone."""
-        eos_ids, finish = self.eos_ids, self.scheduler.finish
         for request, seq, k in grew:
-            if seq.finished or request.finished:
-                continue
-            try:
-                reason = request.stop(seq, k, eos_ids)
-            except Exception as err:  # noqa: BLE001 (e.g. its tokens do not decode)
-                self.fail(request, f"its stop check failed: {describe(err)}", touched)
-                continue
-            if reason is not None:
-                finish(seq, reason)
+            if not (seq.finished or request.finished):
+                self._check_stop(request, seq, k, touched)
+
+    def _check_stop(self, request: EngineRequest, seq: Sequence, k: int, touched: dict) -> None:
+        """Ends completion k (`seq`) if its newest token stops it; fails its request alone
+        if the check raises."""
+        try:
+            reason = request.stop(seq, k, self.eos_ids)
+        except Exception as err:  # noqa: BLE001 (e.g. its tokens do not decode)
+            self.fail(request, f"its stop check failed: {describe(err)}", touched)
+            return
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
 
     def outputs(self, touched: dict, tokenizer, finished_only: bool = False) -> list[RequestOutput]:
         """The outputs of the requests a step changed (only the finished ones if
