@@ -11,13 +11,10 @@ cap on running sequences (`max_num_seqs`):
 3. swapped sequences come back, then waiting ones are admitted in (priority, arrival) order
    while rows, budget and blocks allow (admission never preempts); a prompt's blocks found in
    the prefix cache are shared instead of recomputed. Admission keeps headroom: a sequence
-   comes in only if, after its first chunk, `admission_headroom` free blocks per running
-   sequence (its own rows included) and KV group remain, so that the running sequences can
-   each take their next block. Without it, prompts fill the pool and the decodes that follow
-   preempt one another (`benchmarks/bench_engine.py --tight`: 128 requests, the KV budget of
-   a static batch's peak: 36 preemptions recomputed 8,414 tokens, 18% more than the 45,584
-   the requests need; with one block per running sequence, none). Nothing running waives
-   it, so a lone request always starts.
+   comes in only if `admission_headroom` free blocks per running sequence (its own rows
+   included) and KV group remain after its first chunk, so that each running sequence can
+   take its next block; otherwise prompts fill the pool and the decodes that follow preempt
+   one another (`benchmarks/bench_engine.py --tight`). A lone request is always admitted.
 
 The step is returned as a plan the engine carries out on the device: the scheduled
 sequences with their token counts, block-table entries to write, copy-on-write pairs and
@@ -40,7 +37,6 @@ from .kv_groups import GroupedTables, KVGroups
 from ..errors import RequestRejectedError
 from .prefix_cache import PrefixCache, block_key
 from .sequence import Sequence, SeqStatus
-
 
 
 @dataclass
@@ -195,7 +191,7 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING or budget == 0:
                 continue
             row, done = seq.row, seq.num_computed
-            todo = len(seq.prompt) + len(seq.output) - done
+            todo = len(seq.prompt) + len(seq.output) + seq.pending - done
             count = todo if todo < budget else budget
             if count == 1 and lengths is not None and lengths[row] % bs \
                     and refcount(tables[row][-1]) == 1:

@@ -3,6 +3,8 @@
 A sequence holds its prompt and the tokens generated so far; `num_computed` of them have
 their keys and values in the pool. A running sequence has a row of the scheduler's block
 tables. Each new token is computed (its K/V written) on the step after it was sampled.
+Under async scheduling that step is planned before the host has seen the token: the
+sequence counts it as `pending` (its value stays on the device) until the engine appends it.
 """
 
 from __future__ import annotations
@@ -44,10 +46,11 @@ class Sequence:
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     finish_reason: str | None = None
     adapter: str | None = None  # the PEFT adapter that runs it (None: the model as it is)
+    pending: int = 0  # 1: a sampled token not appended yet (async scheduling)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt) + len(self.output)
+        return len(self.prompt) + len(self.output) + self.pending
 
     @property
     def to_compute(self) -> int:

@@ -15,7 +15,8 @@ def run_worker(model, **options) -> None:
     runner = ModelRunner(model, **runner_options)
     step_budget(runner, scheduler_options.get("max_num_batched_tokens"),
                 runner_options.get("preemption_mode", "recompute"),
-                scheduler_options.get("admission_headroom", 1.0))
+                scheduler_options.get("admission_headroom", 1.0),
+                scheduler_options.get("async_scheduling", False))
     runner.worker_loop()
 
 

@@ -36,7 +36,7 @@ from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams, generation_defaults
 from .debug import check_isolation
 from .detokenizer import IncrementalText
-from .output import OutputProcessor
+from .output import InFlight, OutputProcessor
 from .request import EngineRequest
 from .runner import RUNNER_OPTIONS, DeviceStep, Forward, ModelRunner, StepLogits, positive
 from .sampler import Sampler
@@ -98,6 +98,10 @@ class LLMEngine:
       compile:           run the model's forward under torch.compile (fullgraph, dynamic
                          shapes; True: Inductor, or a torch.compile backend name): the same
                          tokens as eager, after a first compile of each kind of step
+      async_scheduling:  plan and launch step N+1 before the host reads step N's sampled
+                         tokens, which feed it on the device (False): the same tokens;
+                         outputs and stop checks come a step later, and a request
+                         aborted or timed out loses the token in flight
     """
 
     def __init__(self, model, tokenizer=None, *, block_size: int = 16,
@@ -106,7 +110,8 @@ class LLMEngine:
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
                  preemption_mode: str = "recompute", swap_space_bytes: int | None = None,
                  max_model_len: int | None = None, backend: str = "auto",
-                 compile: bool | str = False, admission_headroom: float = 1.0):
+                 compile: bool | str = False, admission_headroom: float = 1.0,
+                 async_scheduling: bool = False):
         self.runner = runner = ModelRunner(
             model, block_size=block_size, num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes,
             gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
@@ -119,12 +124,14 @@ class LLMEngine:
         self.block_size, self.max_model_len = runner.block_size, runner.max_model_len
         self.max_num_seqs = runner.max_num_seqs
         self.max_num_batched_tokens = step_budget(runner, max_num_batched_tokens, preemption_mode,
-                                                  admission_headroom)
+                                                  admission_headroom, async_scheduling)
         self.scheduler = Scheduler(self.pool.blocks, self.max_num_seqs,
                                    self.max_num_batched_tokens, self.max_model_len,
                                    None, enable_prefix_caching, preemption_mode,
                                    None if self.cpu_pool is None else self.cpu_pool.blocks,
                                    runner.groups, admission_headroom)
+        self.async_scheduling = async_scheduling
+        self._in_flight: InFlight | None = None  # the last step's tokens, not landed yet
         self.sampler = Sampler()
         self.vocab_size = base.get_output_embeddings().weight.shape[0]
         # Decode every step (servers stream text); otherwise only finished completions.
@@ -291,6 +298,11 @@ class LLMEngine:
         """Runs one step; returns the outputs of the requests it changed (only those it
         finished while `finished_only` is set)."""
         touched: dict[str, EngineRequest] = {}
+        in_flight, self._in_flight = self._in_flight, None
+        now = time.monotonic()
+        if in_flight is not None and (self._aborts or self._deadlines
+                                      and self._deadlines[0][0] <= now):
+            self.output.land(in_flight, touched)  # requests ending now keep their last token
         for request_id, error in self._aborts.items():
             request = self.requests[request_id]
             self.output.end(request, "abort")
@@ -299,25 +311,26 @@ class LLMEngine:
                 request.error = error
             touched[request_id] = request
         self._aborts.clear()
-        self._expire(touched)  # before scheduling: a request past its deadline never runs
+        self._expire(touched, now)  # before scheduling: a request past its deadline never runs
         plan = self.scheduler.schedule()
         if plan.scheduled:
-            self._run(plan, touched)
+            self._run(plan, touched, in_flight)
+        elif in_flight is not None:
+            self.output.land(in_flight, touched)  # (unless it landed above)
         elif self.scheduler.has_work and not touched:
             # Cannot happen (a lone request always fits; check_fits saw to it): never spin.
             raise HFPagedError("the scheduler could not run any waiting request; "
                                f"{self.stats()}")
         return self.output.outputs(touched, self.tokenizer, self.finished_only)
 
-    def _expire(self, touched: dict) -> None:
-        now = time.monotonic()
+    def _expire(self, touched: dict, now: float) -> None:
         while self._deadlines and self._deadlines[0][0] <= now:
             _, _, request = heapq.heappop(self._deadlines)
             if self.requests.get(request.request_id) is request and not request.finished:
                 self.output.end(request, "timeout")
                 touched[request.request_id] = request
 
-    def _run(self, plan: Step, touched: dict) -> None:
+    def _run(self, plan: Step, touched: dict, in_flight: InFlight | None) -> None:
         groups: dict[str | None, list] = {}  # one forward per adapter
         prompt_tokens = 0
         for item in plan.scheduled:
@@ -327,7 +340,8 @@ class LLMEngine:
                 prompt_tokens += min(item.count, prompt_len - item.start)
         self.prompt_tokens += prompt_tokens
         work = DeviceStep(plan.swap_out, plan.swap_in, plan.copies, plan.entries,
-                          [self._forward_plan(items, adapter) for adapter, items in groups.items()])
+                          [Forward.of(items, adapter, in_flight)
+                           for adapter, items in groups.items()])
         self.runner.broadcast(work)  # under tensor parallelism every rank runs the same step
         logits = StepLogits()
         parallel = self.tp_size > 1
@@ -342,13 +356,18 @@ class LLMEngine:
             raise
         if not parallel:
             for f, (adapter, items) in zip(work.forwards, groups.items()):
-                self._forward_isolated(f, items, adapter, logits, touched)
+                self._forward_isolated(f, items, adapter, logits, touched, in_flight)
+        if in_flight is not None:  # the last step's tokens, while this step's forward runs
+            self.output.land(in_flight, touched)  # (at most once)
         self.scheduler.after_step(plan)
         sampling = [i for i in plan.scheduled if i.sample and not i.seq.finished]
         if sampling:
             rows, owners, index = self.output.sampling_rows(sampling)
-            result, errors = self.sampler.sample_isolated(logits.rows(sampling, index), rows)
-            self.output.record(sampling, owners, result, errors, touched)
+            sampled = self.sampler.sample_isolated(logits.rows(sampling, index), rows)
+            if self.async_scheduling:
+                self._in_flight = self.output.hold(sampling, owners, sampled)
+            else:
+                self.output.record(sampling, owners, *sampled.collect(), touched)
 
     def _forward(self, f: Forward, items: list) -> torch.Tensor:
         """The logits [S, V] of the rows of `f` that sample (the debug checks first)."""
@@ -358,7 +377,7 @@ class LLMEngine:
             f, lambda meta: check_isolation(self.scheduler, self.block_size, items, meta))
 
     def _forward_isolated(self, f: Forward, items: list, adapter, logits: StepLogits,
-                          touched: dict) -> None:
+                          touched: dict, in_flight: InFlight | None) -> None:
         """Runs one forward; if it raises, runs each half apart (bisection) until the
         sequences that fail alone are found, and fails their requests alone. Re-running
         writes the same K/V into the same slots, so the others are as if nothing happened."""
@@ -369,6 +388,8 @@ class LLMEngine:
             raise  # an engine bug, never a request's
         except Exception as err:  # noqa: BLE001
             if len(items) == 1:
+                if in_flight is not None:  # it keeps its last token, as without async
+                    self.output.land(in_flight, touched)
                 request = self.requests[items[0].seq.request_id]
                 self.output.fail(request, f"the model's forward failed on it: {describe(err)}",
                                  touched)
@@ -377,33 +398,14 @@ class LLMEngine:
         for part in (items[:half], items[half:]):
             part = [i for i in part if not i.seq.finished]  # a sibling may have failed
             if part:
-                self._forward_isolated(self._forward_plan(part, adapter), part, adapter,
-                                       logits, touched)
-
-    @staticmethod
-    def _forward_plan(items: list, adapter: str | None) -> Forward:
-        """The host-side inputs of one packed forward over `items` (scheduled sequences)."""
-        f = Forward(adapter)
-        ids, positions, last = f.ids, f.positions, f.last
-        for item in items:
-            seq, start, count = item.seq, item.start, item.count
-            if count == 1 and start >= len(seq.prompt):  # a decode: the newest token
-                ids.append(seq.output[start - len(seq.prompt)])
-                positions.append(start)
-            else:
-                ids += seq.tokens(start, start + count)
-                positions += range(start, start + count)
-            if item.sample:
-                last.append(len(ids) - 1)
-        f.rows = [item.seq.row for item in items]
-        f.context = [item.start for item in items]
-        f.counts = [item.count for item in items]
-        return f
+                self._forward_isolated(Forward.of(part, adapter, in_flight), part, adapter,
+                                       logits, touched, in_flight)
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """Ends every request with `error` (after a failure no single request caused, or at
         shutdown); the engine stays usable."""
         self._aborts.clear()
+        self._in_flight = None
         return self.output.fail_all(error, self.tokenizer)
 
     # -- tensor parallelism: rank 0 schedules, every rank runs the forwards ---------------------
@@ -421,11 +423,18 @@ class LLMEngine:
 
 
 def step_budget(runner: ModelRunner, max_num_batched_tokens: int | None,
-                preemption_mode: str = "recompute", admission_headroom: float = 1.0) -> int:
+                preemption_mode: str = "recompute", admission_headroom: float = 1.0,
+                async_scheduling: bool = False) -> int:
     """Tokens per step (default 8192 on CUDA, 2048 elsewhere), with the scheduler's options
     checked: the same check on every tensor-parallel rank, so all fail alike."""
     tokens = positive("max_num_batched_tokens",
                       max_num_batched_tokens or (8192 if runner.on_cuda else 2048))
+    if not isinstance(async_scheduling, bool):
+        raise ValueError(f"async_scheduling must be True or False; got {async_scheduling!r}.")
+    if async_scheduling and runner.tp_size > 1:
+        raise ValueError("async_scheduling keeps a step's tokens on the device of one process; "
+                         "under tensor parallelism every rank needs them. Use "
+                         "async_scheduling=False.")
     Scheduler.check_options(runner.max_num_seqs, tokens, preemption_mode, admission_headroom)
     return tokens
 

@@ -11,15 +11,29 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from dataclasses import dataclass
 
 from ..core.scheduler import Scheduler
 from ..core.sequence import Sequence
 from ..errors import describe
 from ..outputs import RequestOutput
 from .request import EngineRequest
-from .sampler import SampleResult, SampleRow
+from .sampler import Sampled, SampleResult, SampleRow
 
 logger = logging.getLogger("hf_paged")
+
+
+@dataclass
+class InFlight:
+    """A step's sampled tokens the host has not seen yet (async scheduling): the next step
+    is planned with them pending and reads them on the device."""
+
+    items: list  # the step's scheduled items that sampled
+    owners: list[tuple]  # as `sampling_rows` gives them
+    sampled: Sampled
+    rows: dict[int, int]  # seq_id -> its row of sampled.tokens, for sequences holding it
+    pending: list[Sequence]
+    landed: bool = False
 
 
 class OutputProcessor:
@@ -131,6 +145,40 @@ class OutputProcessor:
                     item.seq.forks = 0
                     self.scheduler.fork(item.seq, children[id(item.seq)])
         self.check_stops(grew, touched)
+
+    def hold(self, items: list, owners: list[tuple], sampled: Sampled) -> InFlight:
+        """Async scheduling: leaves a step's tokens on the device. A sequence continuing its
+        own completion counts its token as pending, so the next step computes it, unless
+        the token forks siblings (made when it lands) or is its last (max_tokens)."""
+        forking = {id(item.seq) for item in items if item.forks}
+        rows, pending = {}, []
+        for j, (_, seq, target, _) in enumerate(owners):
+            if target is seq and id(seq) not in forking and len(seq.output) + 1 < seq.max_tokens:
+                seq.pending = 1
+                rows[seq.seq_id] = j
+                pending.append(seq)
+        return InFlight(items, owners, sampled, rows, pending)
+
+    def land(self, in_flight: InFlight, touched: dict) -> None:
+        """Waits for the tokens of `in_flight` and records them; a sequence that ended in
+        the meantime (removed, or failed with the engine) drops its token. Once only."""
+        if in_flight.landed:
+            return
+        in_flight.landed = True
+        result, errors = in_flight.sampled.collect()
+        for seq in in_flight.pending:
+            seq.pending = 0
+        items, owners = in_flight.items, in_flight.owners
+        live = [j for j, owner in enumerate(owners) if not owner[1].finished]
+        if len(live) < len(owners):
+            owners = [owners[j] for j in live]
+            result = SampleResult(*([values[j] for j in live] for values in (
+                result.tokens, result.logprobs, result.token_logprobs)),
+                [k for k, j in enumerate(live) if j in errors])
+            errors = {k: errors[j] for k, j in enumerate(live) if j in errors}
+            items = [item for item in items if not item.seq.finished]
+        if owners:
+            self.record(items, owners, result, errors, touched)
 
     def _record_each(self, owners: list[tuple], result: SampleResult, touched: dict) -> None:
         """`record` when every row continues its own completion: each token is appended

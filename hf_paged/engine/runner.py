@@ -46,7 +46,9 @@ RUNNER_OPTIONS = ("block_size", "num_blocks", "kv_cache_bytes", "gpu_memory_util
 class Forward:
     """The host-side inputs of one packed forward: token ids and positions of the scheduled
     sequences back to back, their block-table rows, cached lengths and new-token counts, and
-    the indices (in `ids`) of the last token of each sequence that samples."""
+    the indices (in `ids`) of the last token of each sequence that samples. Under async
+    scheduling a decode's token may not have reached the host yet: `ids[fill_at[i]]` is then
+    read on the device from `previous[fill_from[i]]` (the last step's sampled tokens)."""
 
     adapter: str | None
     ids: list[int] = field(default_factory=list)
@@ -55,6 +57,37 @@ class Forward:
     context: list[int] = field(default_factory=list)
     counts: list[int] = field(default_factory=list)
     last: list[int] = field(default_factory=list)
+    fill_at: list[int] = field(default_factory=list)
+    fill_from: list[int] = field(default_factory=list)
+    previous: torch.Tensor | None = None  # [R] long, on the sampler's device
+
+    @classmethod
+    def of(cls, items: list, adapter: str | None, in_flight=None) -> "Forward":
+        """The inputs of one forward over `items` (scheduled sequences); in_flight: the
+        last step's sampling whose tokens some of them wait for (engine.InFlight)."""
+        f = cls(adapter)
+        ids, positions, last = f.ids, f.positions, f.last
+        for item in items:
+            seq, start, count = item.seq, item.start, item.count
+            if count == 1 and start >= len(seq.prompt):  # a decode: the newest token
+                if seq.pending:
+                    f.fill_at.append(len(ids))
+                    f.fill_from.append(in_flight.rows[seq.seq_id])
+                    ids.append(0)
+                else:
+                    ids.append(seq.output[start - len(seq.prompt)])
+                positions.append(start)
+            else:
+                ids += seq.tokens(start, start + count)
+                positions += range(start, start + count)
+            if item.sample:
+                last.append(len(ids) - 1)
+        f.rows = [item.seq.row for item in items]
+        f.context = [item.start for item in items]
+        f.counts = [item.count for item in items]
+        if f.fill_at:
+            f.previous = in_flight.sampled.tokens
+        return f
 
 
 @dataclass
@@ -281,8 +314,13 @@ class ModelRunner:
             extra["adapter_names"] = [f.adapter]
         paged_kv = self.access.forward(meta, group_metas=metas)
         with torch.inference_mode(), paged_attention(self.base), self._tracing():
+            ids = to_device(f.ids, self.device)
+            if f.fill_at:  # tokens the host has not seen, from the last step's sampling
+                previous = f.previous
+                ids[to_device(f.fill_at, self.device)] = previous[
+                    to_device(f.fill_from, previous.device)].to(self.device)
             model = self.model if self.compiled is None else self.compiled
-            out = model(input_ids=to_device(f.ids, self.device)[None],
+            out = model(input_ids=ids[None],
                         position_ids=to_device(f.positions, self.device)[None],
                         past_key_values=paged_kv, use_cache=True, logits_to_keep=keep,
                         **{KWARG: paged_kv}, **extra)

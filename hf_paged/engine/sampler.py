@@ -58,12 +58,63 @@ def _padded(lists: list[list[int]], fill: int, device) -> torch.Tensor:
                         device=device)
 
 
+class Sampled:
+    """A step's tokens as sampled on the device: `tokens` [R] (long) stays there, where the
+    next step's inputs can read it (async scheduling); `collect()` brings tokens, validity
+    and logprobs to the host, waiting only for the sampling (copies queued right after it)."""
+
+    def __init__(self, tokens: torch.Tensor, valid: torch.Tensor | None, raw, rows, want,
+                 done: tuple | None = None):
+        self.tokens, self._rows, self._want, self._done = tokens, rows, want, done
+        if done is not None:  # sampled row by row, already on the host
+            return
+        host = [torch.stack([tokens, valid.long()])]
+        if want:
+            idx = torch.tensor(want, device=tokens.device)
+            lp = raw[idx]
+            k = min(max(rows[i].params.logprobs for i in want), lp.shape[1])
+            top = lp.topk(max(k, 1), -1)
+            host += [top.values, top.indices, lp.gather(1, tokens[idx][:, None])[:, 0]]
+        # Non-blocking copies: a later wait covers them and nothing queued after them.
+        self._host = [t.to("cpu", non_blocking=True) for t in host]
+        self._event = None
+        if tokens.is_cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def collect(self) -> tuple["SampleResult", dict[int, str]]:
+        """(the rows' tokens and logprobs, {row: error} for rows with no distribution)."""
+        if self._done is not None:
+            return self._done
+        if self._event is not None:
+            self._event.synchronize()
+        token_list, valid_list = self._host[0].tolist()
+        failed = [i for i, ok in enumerate(valid_list) if not ok]
+        rows = self._rows
+        logprobs: list = [None] * len(rows)
+        token_logprobs: list = [None] * len(rows)
+        if self._want:
+            values, indices, chosen = (t.tolist() for t in self._host[1:])
+            for j, i in enumerate(self._want):
+                n = rows[i].params.logprobs
+                entry = dict(zip(indices[j][:n], values[j][:n]))
+                entry[token_list[i]] = chosen[j]
+                logprobs[i], token_logprobs[i] = entry, chosen[j]
+        result = SampleResult(token_list, logprobs, token_logprobs, failed)
+        return result, {j: NOT_FINITE for j in failed}
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow],
                  noise: torch.Tensor | None = None) -> SampleResult:
         """logits [S, V] (any float dtype) -> one token per row. noise: the rows'
         exponentials [S, V] drawn beforehand by `noise` (drawn here if not given), so that
         a caller sampling the rows again draws nothing twice from a seeded generator."""
+        return self.launch(logits, rows, noise).collect()[0]
+
+    def launch(self, logits: torch.Tensor, rows: list[SampleRow],
+               noise: torch.Tensor | None = None) -> Sampled:
+        """`__call__` without waiting for the device: the tokens as a `Sampled`."""
         logits = logits.float()
         want_logprobs = [i for i, r in enumerate(rows) if r.logprobs]
         raw = torch.log_softmax(logits, -1) if want_logprobs else None
@@ -82,33 +133,35 @@ class Sampler:
             tokens = self._draw(logits, scores, noise, greedy)
             valid = torch.where(torch.tensor(greedy, device=logits.device), _valid(logits),
                                 _valid(scores))
-        return self._result(tokens, valid, raw, rows, want_logprobs)
+        return Sampled(tokens, valid, raw, rows, want_logprobs)
 
     # -- processors -----------------------------------------------------------------------
-    def sample_isolated(self, logits: torch.Tensor, rows: list[SampleRow]):
-        """(SampleResult, {row: error message}) for logits [S, V]. If sampling the rows
-        together raises, each row is sampled alone with the same noise (drawn once, before,
-        so a seeded generator is never drawn from twice): one row's failure costs only its
-        own request, and every other row gets the token it would have got."""
+    def sample_isolated(self, logits: torch.Tensor, rows: list[SampleRow]) -> Sampled:
+        """The rows' tokens for logits [S, V] (`collect()` also names the rows that failed).
+        If sampling the rows together raises, each row is sampled alone with the same noise
+        (drawn once, before, so a seeded generator is never drawn from twice): one row's
+        failure costs only its own request, and every other row gets the token it would
+        have got."""
         noise = self.noise(logits.shape[0], logits.shape[1], rows, logits.device)
         try:
-            result = self(logits, rows, noise)
+            return self.launch(logits, rows, noise)
         except Exception as err:  # noqa: BLE001
             logger.warning("hf-paged: sampling %d rows together failed (%s); sampling them "
                            "apart", len(rows), describe(err))
-            tokens, lps, tlps, errors = [], [], [], {}
-            for j, row in enumerate(rows):
-                try:
-                    one = self(logits[j:j + 1], [row], None if noise is None else noise[j:j + 1])
-                    if one.failed:
-                        errors[j] = NOT_FINITE
-                except Exception as row_err:  # noqa: BLE001
-                    one, errors[j] = None, f"sampling failed: {describe(row_err)}"
-                tokens.append(one.tokens[0] if one else 0)
-                lps.append(one.logprobs[0] if one else None)
-                tlps.append(one.token_logprobs[0] if one else None)
-            return SampleResult(tokens, lps, tlps, sorted(errors)), errors
-        return result, {j: NOT_FINITE for j in result.failed}
+        tokens, lps, tlps, errors = [], [], [], {}
+        for j, row in enumerate(rows):
+            try:
+                one = self(logits[j:j + 1], [row], None if noise is None else noise[j:j + 1])
+                if one.failed:
+                    errors[j] = NOT_FINITE
+            except Exception as row_err:  # noqa: BLE001
+                one, errors[j] = None, f"sampling failed: {describe(row_err)}"
+            tokens.append(one.tokens[0] if one else 0)
+            lps.append(one.logprobs[0] if one else None)
+            tlps.append(one.token_logprobs[0] if one else None)
+        result = SampleResult(tokens, lps, tlps, sorted(errors))
+        return Sampled(torch.tensor(tokens, device=logits.device), None, None, rows, [],
+                       done=(result, errors))
 
     def penalize(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """Penalties and min-tokens masking, in place: [S, V] float32 -> the same."""
@@ -195,27 +248,6 @@ class Sampler:
         sampled = (scores.softmax(-1) / noise).argmax(-1)
         return torch.where(torch.tensor(greedy, device=logits.device), logits.argmax(-1),
                            sampled)
-
-    @staticmethod
-    def _result(tokens, valid, raw, rows, want):
-        # The one host sync of the sampler: tokens and validity together.
-        token_list, valid_list = torch.stack([tokens, valid.long()]).tolist()
-        failed = [i for i, ok in enumerate(valid_list) if not ok]
-        logprobs: list = [None] * len(rows)
-        token_logprobs: list = [None] * len(rows)
-        if want:
-            idx = torch.tensor(want, device=tokens.device)
-            lp = raw[idx]
-            k = min(max(rows[i].params.logprobs for i in want), lp.shape[1])
-            top = lp.topk(max(k, 1), -1)
-            chosen = lp.gather(1, tokens[idx][:, None])[:, 0]
-            values, indices, chosen = top.values.tolist(), top.indices.tolist(), chosen.tolist()
-            for j, i in enumerate(want):
-                n = rows[i].params.logprobs
-                entry = dict(zip(indices[j][:n], values[j][:n]))
-                entry[token_list[i]] = chosen[j]
-                logprobs[i], token_logprobs[i] = entry, chosen[j]
-        return SampleResult(token_list, logprobs, token_logprobs, failed)
 
 
 def _valid(scores: torch.Tensor) -> torch.Tensor:

@@ -86,6 +86,9 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--backend", default="auto", help="attention backend (auto)")
     e.add_argument("--compile", action="store_true",
                    help="run the model's forward under torch.compile (fullgraph)")
+    e.add_argument("--async-scheduling", action="store_true",
+                   help="plan each step while the last one runs (its tokens stay on the "
+                        "device; the same tokens, outputs a step later)")
     p.add_argument("--log-level", default="info", help="uvicorn log level (info)")
     return p
 
@@ -135,7 +138,8 @@ def engine_options(args) -> dict:
                 max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
                 preemption_mode=args.preemption_mode, swap_space_bytes=args.swap_space_bytes,
                 admission_headroom=args.admission_headroom,
-                backend=args.backend, compile=args.compile)
+                backend=args.backend, compile=args.compile,
+                async_scheduling=args.async_scheduling)
 
 
 def main(argv=None) -> None:

@@ -127,15 +127,16 @@ class Poisoned:
         del self.model.forward
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_a_forward_that_fails_ends_only_its_request(mode):
+@pytest.mark.parametrize("mode, overlap", [("recompute", False), ("swap", False),
+                                           ("recompute", True)])
+def test_a_forward_that_fails_ends_only_its_request(mode, overlap):
     model = long_model("llama_gqa")
     prompts, refs = victims(count=8)
     poison = 77
     bad_prefill = [4, poison, 5, 6]  # fails on its first forward
     long_one = [3] * 30  # fails once it decodes at position 33
     llm = LLM(model, block_size=4, num_blocks=24, max_num_seqs=6, max_num_batched_tokens=40,
-              preemption_mode=mode)
+              preemption_mode=mode, async_scheduling=overlap)
     assert all(poison not in p for p in prompts) and all(len(p) + 8 < 33 for p in prompts)
     when = lambda ids, pos: bool((ids == poison).any() or (pos == 33).any())  # noqa: E731
     with Poisoned(model, when):
@@ -181,7 +182,8 @@ def test_a_sampling_row_that_fails_ends_only_its_request_and_seeds_rewind():
     assert_clean(llm.engine)
 
 
-def test_a_row_whose_logits_are_not_finite_ends_alone():
+@pytest.mark.parametrize("overlap", [False, True])  # async scheduling
+def test_a_row_whose_logits_are_not_finite_ends_alone(overlap):
     model = long_model("llama_gqa")
     prompts, refs = victims()
     marker = 1.25
@@ -194,7 +196,7 @@ def test_a_row_whose_logits_are_not_finite_ends_alone():
                     logits[i] = float("nan")
             return logits
 
-    llm = LLM(model, block_size=4, num_blocks=60)
+    llm = LLM(model, block_size=4, num_blocks=60, async_scheduling=overlap)
     llm.engine.sampler = NaNs()
     outs = llm.generate(prompts + [[5, 6]], [greedy(8)] * len(prompts) + [
         greedy(8, presence_penalty=marker)], use_tqdm=False)
@@ -203,7 +205,8 @@ def test_a_row_whose_logits_are_not_finite_ends_alone():
     assert outs[-1].outputs[0].token_ids == []
 
 
-def test_a_stop_check_that_fails_ends_alone():
+@pytest.mark.parametrize("overlap", [False, True])  # async scheduling
+def test_a_stop_check_that_fails_ends_alone(overlap):
     """The tokenizer raises on one request's tokens (its stop strings need the text)."""
     model = long_model("llama_gqa")
     tok = make_tokenizer()
@@ -219,7 +222,7 @@ def test_a_stop_check_that_fails_ends_alone():
         return decode(ids, *a, **kw)
 
     tok.decode = flaky
-    llm = LLM(model, tok, block_size=4, num_blocks=60)
+    llm = LLM(model, tok, block_size=4, num_blocks=60, async_scheduling=overlap)
     outs = llm.generate(prompts + [attacker], [greedy(8, stop=["zzz"])] * (len(prompts) + 1),
                         use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs[:-1]] == refs
@@ -304,9 +307,10 @@ def test_a_stream_nobody_reads_is_aborted():
 
 
 # -- deadlines ----------------------------------------------------------------------------------
-def test_deadlines_end_queued_and_running_requests():
+@pytest.mark.parametrize("overlap", [False, True])  # async scheduling
+def test_deadlines_end_queued_and_running_requests(overlap):
     model = long_model("llama_gqa")
-    engine = LLMEngine(model, block_size=4, num_blocks=300)
+    engine = LLMEngine(model, block_size=4, num_blocks=300, async_scheduling=overlap)
     engine.add_request("late", [3] * 20, SamplingParams(max_tokens=5, timeout=0.001))
     time.sleep(0.01)
     out = engine.step()
