@@ -308,18 +308,21 @@ def main():
                         help="model and KV dtype (float32)")
     parser.add_argument("--model-size", default="168m", choices=["168m", "7b"],
                         help="random Llama shape: ~168M (hidden 1024, 8 layers) or Llama-7B-like")
-    parser.add_argument("--python-calls", action="store_true",
-                        help="only count Python calls per sequence per decode step outside the "
-                             "forward (tiny model, 64 and 256 sequences)")
-    parser.add_argument("--tight", action="store_true",
-                        help="KV budget of a static batch's peak; the engine's admission and "
-                             "preemption policies against Transformers' continuous batching")
     parser.add_argument("--out", help="also write the rows as JSON here")
-    parser.add_argument("--host-overhead", action="store_true",
-                        help="only the host-overhead report: time per step outside the forward, "
-                             "per sequence, at 64/128/256 sequences, tiny and 168M models")
+    for flag, text in (
+            ("--python-calls", "only count Python calls per sequence per decode step outside "
+                               "the forward (tiny model, 64 and 256 sequences)"),
+            ("--tight", "KV budget of a static batch's peak; the engine's admission and "
+                        "preemption policies against Transformers' continuous batching"),
+            ("--async-scheduling", "the engine rows (and the host-overhead report) with "
+                                   "async_scheduling=True"),
+            ("--host-overhead", "only the host-overhead report: time per step outside the "
+                                "forward, per sequence, at 64/128/256 sequences, tiny and 168M "
+                                "models")):
+        parser.add_argument(flag, action="store_true", help=text)
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
+    overlap = dict(async_scheduling=True) if args.async_scheduling else {}
     if args.python_calls:
         print("Python calls outside the forward, tiny Llama:", flush=True)
         rows = python_calls(tiny_llama(dtype=dtype, device=args.device))
@@ -335,7 +338,8 @@ def main():
             print(f"host overhead, {name}, {args.dtype}, {args.device}, threads "
                   f"{torch.get_num_threads()}:", flush=True)
             rows[name] = host_overhead(build(dtype=dtype, device=args.device),
-                                       counts=(16, 32) if args.quick else (64, 128, 256))
+                                       counts=(16, 32) if args.quick else (64, 128, 256),
+                                       **overlap)
         if args.out:
             Path(args.out).write_text(json.dumps(rows, indent=2))
         return
@@ -370,11 +374,11 @@ def main():
                                "transformers-cb") if m.split(",")[0] in methods]
         args.no_prefix_section = True
     runners = {
-        "engine": lambda: run_engine(model, requests, budget, args.block_size),
+        "engine": lambda: run_engine(model, requests, budget, args.block_size, **overlap),
         "engine, no headroom": lambda: run_engine(model, requests, budget, args.block_size,
-                                                  admission_headroom=0),
+                                                  admission_headroom=0, **overlap),
         "engine, swap": lambda: run_engine(model, requests, budget, args.block_size,
-                                           preemption_mode="swap"),
+                                           preemption_mode="swap", **overlap),
         "transformers-cb": lambda: run_transformers_cb(model, requests, budget, args.block_size),
         "static-dynamic": lambda: run_static(model, requests, budget, args.block_size, False),
         "static-paged": lambda: run_static(model, requests, budget, args.block_size, True),

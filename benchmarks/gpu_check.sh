@@ -37,8 +37,9 @@ timeout 45 python3 -m pytest tests/distributed/test_device_map.py -q -p no:cache
   -k "cpu_and_gpu or two_gpus" 2>&1 | tee "$out/tests_device_map.txt" | tail -5
 [ "${PIPESTATUS[0]}" -eq 0 ] || tests_rc=1
 
-# The engine's compiled forward (torch.compile, Inductor) on the GPU equals eager.
-timeout 60 python3 -m pytest tests/engine/test_compile.py -q -p no:cacheprovider -k cuda \
+# The engine's compiled forward (torch.compile, Inductor) and async scheduling on the GPU.
+timeout 60 python3 -m pytest tests/engine/test_compile.py tests/engine/test_async_scheduling.py \
+  -q -p no:cacheprovider -k cuda \
   2>&1 | tee "$out/tests_compile.txt" | tail -5
 [ "${PIPESTATUS[0]}" -eq 0 ] || tests_rc=1
 

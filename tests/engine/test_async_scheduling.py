@@ -153,3 +153,22 @@ def test_option_is_checked_and_served():
     args = parser().parse_args(["some/model", "--async-scheduling"])
     assert engine_options(args)["async_scheduling"] is True
     assert engine_options(parser().parse_args(["some/model"]))["async_scheduling"] is False
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_async_scheduling_on_cuda_equals_stock_and_the_synchronous_engine():
+    from conftest import make_model
+
+    model = make_model("llama_gqa", max_position_embeddings=1400).cuda()
+    prompts = random_prompts(5, 12, 2, 40)
+    refs = [stock_greedy(model, p, 10) for p in prompts]
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    seeded = [SamplingParams(temperature=0.9, seed=i, max_tokens=10, n=2) for i in range(12)]
+    outs = {}
+    for overlap in (False, True):
+        llm = LLM(model, block_size=4, num_blocks=200, max_num_seqs=8, async_scheduling=overlap)
+        got = llm.generate(prompts, greedy, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == refs
+        outs[overlap] = [[c.token_ids for c in o.outputs]
+                         for o in llm.generate(prompts, seeded, use_tqdm=False)]
+    assert outs[True] == outs[False]
