@@ -64,19 +64,21 @@ def run(model, compile, mode="recompute", num_blocks=60, **options):
 
 @pytest.mark.parametrize("kind", ["llama_gqa", "mistral_sw", "falcon_mq", "falcon_new",
                                   "falcon_alibi"])
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_compiled_engine_equals_eager_and_stock(kind, mode):
+def test_compiled_engine_equals_eager_and_stock(kind):
+    """Both preemption modes and async scheduling, on the graphs of one compile."""
     model = long_model(kind)
     prompts, max_tokens, _ = workload()
     stock = [stock_greedy(model, p, m) for p, m in zip(prompts, max_tokens)]
     small = 24
-    tight, tight_stats = run(model, CAPTURE, mode, num_blocks=small)  # preempts
-    roomy, roomy_stats = run(model, CAPTURE, mode, num_blocks=90)  # keeps prefixes
-    assert tight == roomy == stock
-    assert run(model, False, mode, num_blocks=small)[0] == tight
-    # (Mistral's window of 24 frees blocks as it goes: these sequences never run short.)
-    assert tight_stats.num_preemptions > 0 or kind == "mistral_sw"
-    assert roomy_stats.prefix_cache_hit_tokens > 0
+    for mode in ("recompute", "swap"):
+        tight, tight_stats = run(model, CAPTURE, mode, num_blocks=small)  # preempts
+        roomy, roomy_stats = run(model, CAPTURE, mode, num_blocks=90)  # keeps prefixes
+        assert tight == roomy == stock, mode
+        assert run(model, False, mode, num_blocks=small)[0] == tight
+        # (Mistral's window of 24 frees blocks as it goes: these sequences never run short.)
+        assert tight_stats.num_preemptions > 0 or kind == "mistral_sw"
+        assert roomy_stats.prefix_cache_hit_tokens > 0
+    assert run(model, CAPTURE, num_blocks=small, async_scheduling=True)[0] == stock
     # Decode-only, prompt-only and mixed steps, whatever their sizes, plus a few shapes
     # Dynamo specializes (a mixed step with a single decode row).
     assert graphs() <= MAX_GRAPHS
