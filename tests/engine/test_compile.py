@@ -84,7 +84,8 @@ def test_compiled_engine_equals_eager_and_stock(kind):
     assert graphs() <= MAX_GRAPHS
 
 
-@pytest.mark.parametrize("name", ["gemma3", "gpt_oss", "qwen3"])
+@pytest.mark.parametrize("name", [pytest.param("gemma3", marks=pytest.mark.slow),
+                                  pytest.param("gpt_oss", marks=pytest.mark.slow), "qwen3"])
 def test_compiled_engine_on_other_architectures(name):
     """Hybrid KV groups (Gemma 3, gpt-oss with sinks) and QK norms (Qwen3) trace too."""
     model = make_arch(name)
@@ -107,6 +108,7 @@ def test_compiled_sampling_and_parallel_samples_equal_eager():
     assert tokens(CAPTURE) == tokens(False)
 
 
+@pytest.mark.slow
 def test_inductor_compiled_engine_equals_eager_in_float32():
     model = long_model("llama_gqa")
     eager, _ = run(model, False)
