@@ -99,9 +99,8 @@ class LLMEngine:
                          shapes; True: Inductor, or a torch.compile backend name): the same
                          tokens as eager, after a first compile of each kind of step
       async_scheduling:  plan and launch step N+1 before the host reads step N's sampled
-                         tokens, which feed it on the device (False): the same tokens;
-                         outputs and stop checks come a step later, and a request
-                         aborted or timed out loses the token in flight
+                         tokens, which feed it on the device (False): the same tokens,
+                         with outputs and stop checks a step later
     """
 
     def __init__(self, model, tokenizer=None, *, block_size: int = 16,

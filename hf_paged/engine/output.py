@@ -32,7 +32,6 @@ class InFlight:
     owners: list[tuple]  # as `sampling_rows` gives them
     sampled: Sampled
     rows: dict[int, int]  # seq_id -> its row of sampled.tokens, for sequences holding it
-    pending: list[Sequence]
     landed: bool = False
 
 
@@ -151,13 +150,12 @@ class OutputProcessor:
         own completion counts its token as pending, so the next step computes it, unless
         the token forks siblings (made when it lands) or is its last (max_tokens)."""
         forking = {id(item.seq) for item in items if item.forks}
-        rows, pending = {}, []
+        rows = {}
         for j, (_, seq, target, _) in enumerate(owners):
             if target is seq and id(seq) not in forking and len(seq.output) + 1 < seq.max_tokens:
                 seq.pending = 1
                 rows[seq.seq_id] = j
-                pending.append(seq)
-        return InFlight(items, owners, sampled, rows, pending)
+        return InFlight(items, owners, sampled, rows)
 
     def land(self, in_flight: InFlight, touched: dict) -> None:
         """Waits for the tokens of `in_flight` and records them; a sequence that ended in
@@ -166,9 +164,9 @@ class OutputProcessor:
             return
         in_flight.landed = True
         result, errors = in_flight.sampled.collect()
-        for seq in in_flight.pending:
-            seq.pending = 0
         items, owners = in_flight.items, in_flight.owners
+        for j in in_flight.rows.values():
+            owners[j][1].pending = 0
         live = [j for j, owner in enumerate(owners) if not owner[1].finished]
         if len(live) < len(owners):
             owners = [owners[j] for j in live]
