@@ -31,7 +31,8 @@ class BlockPool:
         self.num_blocks = num_blocks
         # Stack with the lowest id on top, so the pool stays compact when it is not full.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
-        self._refcount: list[int] = [0] * num_blocks
+        # Read by hot loops (block tables, scheduler) directly; changed only here.
+        self.refcounts: list[int] = [0] * num_blocks
         self._deferred: deque[list[int]] = deque()  # blocks of owners that were collected
         self._lock = threading.Lock()
         self.peak_used = 0
@@ -57,7 +58,7 @@ class BlockPool:
         return self.num_blocks - self.num_free
 
     def refcount(self, block: int) -> int:
-        return self._refcount[block]
+        return self.refcounts[block]
 
     def free_blocks(self) -> list[int]:
         """A copy of the free list (for tests and invariant checks)."""
@@ -77,7 +78,7 @@ class BlockPool:
             taken = self._free[-n:][::-1]
             del self._free[-n:]
             for b in taken:
-                self._refcount[b] = 1
+                self.refcounts[b] = 1
             self.peak_used = max(self.peak_used, self.num_blocks - len(self._free))
             return taken
 
@@ -85,8 +86,8 @@ class BlockPool:
         """One more table holds each of `blocks` (a fork)."""
         with self._lock:
             for b in blocks:
-                assert self._refcount[b] > 0, f"incref of free block {b}"
-                self._refcount[b] += 1
+                assert self.refcounts[b] > 0, f"incref of free block {b}"
+                self.refcounts[b] += 1
 
     def decref(self, blocks: Iterable[int]) -> int:
         """One table fewer holds each of `blocks`; blocks nobody holds return to the free list.
@@ -103,9 +104,9 @@ class BlockPool:
     def _decref(self, blocks: Iterable[int]) -> int:
         freed = 0
         for b in blocks:
-            assert self._refcount[b] > 0, f"decref of free block {b}"
-            self._refcount[b] -= 1
-            if self._refcount[b] == 0:
+            assert self.refcounts[b] > 0, f"decref of free block {b}"
+            self.refcounts[b] -= 1
+            if self.refcounts[b] == 0:
                 self._free.append(b)
                 freed += 1
         return freed
@@ -121,5 +122,5 @@ class BlockPool:
                 return
             new_ids = list(range(num_blocks - 1, self.num_blocks - 1, -1))
             self._free[:0] = new_ids  # below the existing free ids: old ids are reused first
-            self._refcount.extend([0] * (num_blocks - self.num_blocks))
+            self.refcounts.extend([0] * (num_blocks - self.num_blocks))
             self.num_blocks = num_blocks

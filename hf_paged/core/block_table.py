@@ -83,20 +83,21 @@ class BlockTables:
         Of `w` rows writing into a shared partial block with refcount `r`, the first
         `min(w, r - 1)` copy it; the last holder writes in place.
         """
-        bs, lengths, tables = self.block_size, self.lengths, self.tables
+        bs, lengths, tables, refcounts = self.block_size, self.lengths, self.tables, \
+            self.pool.refcounts
         needed = 0
-        writers: dict[int, int] = {}
+        writers: dict[int, int] = {}  # shared partial blocks only (a block of one holder: none)
         for row, c in enumerate(counts):
             if c <= 0:
                 continue
             n = lengths[row]
             table = tables[row]
             needed += -(-(n + c) // bs) - len(table)  # blocks_to_add, inlined: a per-row call
-            if n % bs:
+            if n % bs and refcounts[table[-1]] > 1:
                 last = table[-1]
                 writers[last] = writers.get(last, 0) + 1
         for block, w in writers.items():
-            needed += min(w, self.pool.refcount(block) - 1)
+            needed += min(w, refcounts[block] - 1)
         return needed
 
     def append(self, counts: Sequence[int], needed: int | None = None) -> AppendPlan:
@@ -115,12 +116,13 @@ class BlockTables:
         fresh = self.pool.allocate(needed)
         self.num_held += needed
         plan = AppendPlan()
-        bs, lengths, refcount = self.block_size, self.lengths, self.pool.refcount
+        bs, lengths, tables, refcounts = self.block_size, self.lengths, self.tables, \
+            self.pool.refcounts
         for row, c in enumerate(counts):
             if c <= 0:
                 continue
-            table, n = self.tables[row], lengths[row]
-            if n % bs and n % bs + c <= bs and refcount(table[-1]) == 1:
+            table, n = tables[row], lengths[row]
+            if n % bs and n % bs + c <= bs and refcounts[table[-1]] == 1:
                 lengths[row] = n + c  # fits in its own last block (most decodes)
                 continue
             if self._needs_copy(row):

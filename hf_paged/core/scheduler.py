@@ -39,7 +39,7 @@ from .prefix_cache import PrefixCache, block_key
 from .sequence import Sequence, SeqStatus
 
 
-@dataclass
+@dataclass(slots=True)
 class Scheduled:
     """One sequence's share of a step."""
 
@@ -181,20 +181,19 @@ class Scheduler:
             self.prefix.released(self.tables.release_outside_window(self._computed_per_row()))
         reserved = 0  # blocks the counts planned so far will take
         available = self._available()
-        served: set[int] = set()
         scheduled = step.scheduled
-        bs, refcount = self.block_size, self.pool.refcount
+        bs, refcounts, running = self.block_size, self.pool.refcounts, SeqStatus.RUNNING
         # One group: a decode into a partly filled block of its own needs nothing (most rows).
         lengths, tables = (self.tables.lengths, self.tables.tables) \
             if self.groups.num_groups == 1 else (None, None)
         for seq in list(self.running):
-            if seq.status is not SeqStatus.RUNNING or budget == 0:
+            if seq.status is not running or budget == 0:
                 continue
             row, done = seq.row, seq.num_computed
             todo = len(seq.prompt) + len(seq.output) + seq.pending - done
             count = todo if todo < budget else budget
             if count == 1 and lengths is not None and lengths[row] % bs \
-                    and refcount(tables[row][-1]) == 1:
+                    and refcounts[tables[row][-1]] == 1:
                 need = 0
             else:
                 while True:
@@ -206,6 +205,7 @@ class Scheduler:
                     if fit >= 1:  # a prompt still prefilling takes a smaller chunk
                         count = min(count, fit)
                         continue
+                    served = {item.seq.seq_id for item in scheduled}
                     victim = next((s for s in reversed(self.running)
                                    if s is not seq and s.seq_id not in served), seq)
                     self._preempt(victim, step)
@@ -217,7 +217,6 @@ class Scheduler:
                 counts[row] = count
                 reserved += need
                 budget -= count
-                served.add(seq.seq_id)
                 sample = count == todo
                 scheduled.append(Scheduled(seq, done, count, sample, seq.forks if sample else 0))
         if not step.preempted:  # nothing was short of blocks: admit swapped, then waiting
@@ -340,10 +339,10 @@ class Scheduler:
     # -- after the forward ---------------------------------------------------------------------
     def after_step(self, step: Step) -> None:
         """Records the computed tokens and registers newly filled blocks in the prefix cache."""
-        bs = self.block_size
+        bs, finished = self.block_size, SeqStatus.FINISHED
         for item in step.scheduled:
             seq = item.seq
-            if seq.row is None or seq.finished:
+            if seq.row is None or seq.status is finished:
                 continue
             seq.num_computed = computed = item.start + item.count
             if computed // bs > seq.registered:

@@ -47,6 +47,7 @@ class Sequence:
     finish_reason: str | None = None
     adapter: str | None = None  # the PEFT adapter that runs it (None: the model as it is)
     pending: int = 0  # 1: a sampled token not appended yet (async scheduling)
+    sampling: object = None  # the engine's sampling row for it, once it has sampled (opaque)
 
     @property
     def num_tokens(self) -> int:

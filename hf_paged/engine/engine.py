@@ -29,7 +29,7 @@ import torch
 
 from ..core.prefix_cache import namespace
 from ..core.scheduler import Scheduler, Step
-from ..core.sequence import Sequence
+from ..core.sequence import Sequence, SeqStatus
 from ..distributed import tensor_parallel as tp
 from ..errors import HFPagedError, InvalidRequestError, IsolationError, describe
 from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -359,7 +359,8 @@ class LLMEngine:
         if in_flight is not None:  # the last step's tokens, while this step's forward runs
             self.output.land(in_flight, touched)  # (at most once)
         self.scheduler.after_step(plan)
-        sampling = [i for i in plan.scheduled if i.sample and not i.seq.finished]
+        finished = SeqStatus.FINISHED
+        sampling = [i for i in plan.scheduled if i.sample and i.seq.status is not finished]
         if sampling:
             rows, owners, index = self.output.sampling_rows(sampling)
             sampled = self.sampler.sample_isolated(logits.rows(sampling, index), rows)

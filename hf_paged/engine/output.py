@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 
 from ..core.scheduler import Scheduler
-from ..core.sequence import Sequence
+from ..core.sequence import Sequence, SeqStatus
 from ..errors import describe
 from ..outputs import RequestOutput
 from .request import EngineRequest
@@ -42,6 +42,7 @@ class OutputProcessor:
                  eos_ids: set[int]):
         self.scheduler, self.requests, self.eos_ids = scheduler, requests, eos_ids
         self._seq_ids = itertools.count(1)
+        self._suppressing: list[tuple] = []  # (row, seq, min_tokens) masking stop tokens
         self.generation_tokens = 0  # tokens sampled
 
     def new_seq_id(self) -> int:
@@ -77,26 +78,43 @@ class OutputProcessor:
         """For the scheduled sequences that sample: (their rows' settings, the owner of each
         row as (request, seq, target, completion), the logits row each reads). A target of
         None is a sibling forked from `seq` by this token."""
+        self._lift_suppression()
+        made = [item.seq.sampling for item in items]  # (row, owner), made at a first sample
+        if None not in made:  # (a sequence forks at its first sample only)
+            return [m[0] for m in made], [m[1] for m in made], list(range(len(items)))
         rows, owners, index = [], [], []
         requests = self.requests
-        for row_of_logits, item in enumerate(items):
+        for row_of_logits, (item, pair) in enumerate(zip(items, made)):
             seq = item.seq
-            request = requests[seq.request_id]
-            completion = 0 if len(request.seqs) == 1 else request.seqs.index(seq)
-            row = request.rows.get(seq.seq_id)  # made once per sequence, not per step
-            if row is None:
-                row = request.rows[seq.seq_id] = self._sample_row(request, seq, completion)
-            elif row.suppress is not None and len(seq.output) >= request.params.min_tokens:
-                row.suppress = None
-            rows.append(row)
-            owners.append((request, seq, seq, completion))
+            if pair is None:
+                request = requests[seq.request_id]
+                completion = 0 if len(request.seqs) == 1 else request.seqs.index(seq)
+                row = self._sample_row(request, seq, completion)
+                if row.suppress is not None:
+                    self._suppressing.append((row, seq, request.params.min_tokens))
+                pair = seq.sampling = (row, (request, seq, seq, completion))
+            rows.append(pair[0])
+            owners.append(pair[1])
             index.append(row_of_logits)
             if item.forks:
+                request = pair[1][0]
                 for k in range(1, item.forks + 1):  # siblings' first tokens, same logits
                     rows.append(self._sample_row(request, seq, k))
                     owners.append((request, seq, None, k))
                     index.append(row_of_logits)
         return rows, owners, index
+
+    def _lift_suppression(self) -> None:
+        """Stop tokens are masked until a completion has min_tokens; rows that reached it
+        (or ended) leave the list."""
+        if self._suppressing:
+            kept = []
+            for row, seq, min_tokens in self._suppressing:
+                if len(seq.output) >= min_tokens:
+                    row.suppress = None
+                elif not seq.finished:
+                    kept.append((row, seq, min_tokens))
+            self._suppressing = kept
 
     @staticmethod
     def _sample_row(request: EngineRequest, seq: Sequence, completion: int) -> SampleRow:
@@ -167,27 +185,34 @@ class OutputProcessor:
         items, owners = in_flight.items, in_flight.owners
         for j in in_flight.rows.values():
             owners[j][1].pending = 0
-        live = [j for j, owner in enumerate(owners) if not owner[1].finished]
+        finished = SeqStatus.FINISHED
+        live = [j for j, owner in enumerate(owners) if owner[1].status is not finished]
         if len(live) < len(owners):
             owners = [owners[j] for j in live]
             result = SampleResult(*([values[j] for j in live] for values in (
                 result.tokens, result.logprobs, result.token_logprobs)),
                 [k for k, j in enumerate(live) if j in errors])
             errors = {k: errors[j] for k, j in enumerate(live) if j in errors}
-            items = [item for item in items if not item.seq.finished]
+            items = [item for item in items if item.seq.status is not finished]
         if owners:
             self.record(items, owners, result, errors, touched)
 
     def _record_each(self, owners: list[tuple], result: SampleResult, touched: dict) -> None:
         """`record` when every row continues its own completion: each token is appended
         and its stop checked in one pass."""
-        now, check = time.monotonic(), self._check_stop
+        now, eos_ids, finish = time.monotonic(), self.eos_ids, self.scheduler.finish
         for (request, seq, _, k), token, lp, tlp in zip(owners, result.tokens, result.logprobs,
                                                         result.token_logprobs):
             request.append(seq, k, token, lp, tlp, now)
             touched[request.request_id] = request
             if request.unfinished:  # (0: ended by a sibling's failed stop check)
-                check(request, seq, k, touched)
+                try:  # _check_stop, inlined: a call per token
+                    reason = request.stop(seq, k, eos_ids)
+                except Exception as err:  # noqa: BLE001
+                    self._stop_failed(request, err, touched)
+                    continue
+                if reason is not None:
+                    finish(seq, reason)
         self.generation_tokens += len(owners)
 
     def check_stops(self, grew: list[tuple], touched: dict) -> None:
@@ -203,10 +228,13 @@ class OutputProcessor:
         try:
             reason = request.stop(seq, k, self.eos_ids)
         except Exception as err:  # noqa: BLE001 (e.g. its tokens do not decode)
-            self.fail(request, f"its stop check failed: {describe(err)}", touched)
+            self._stop_failed(request, err, touched)
             return
         if reason is not None:
             self.scheduler.finish(seq, reason)
+
+    def _stop_failed(self, request: EngineRequest, err: Exception, touched: dict) -> None:
+        self.fail(request, f"its stop check failed: {describe(err)}", touched)
 
     def outputs(self, touched: dict, tokenizer, finished_only: bool = False) -> list[RequestOutput]:
         """The outputs of the requests a step changed (only the finished ones if

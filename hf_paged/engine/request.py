@@ -41,7 +41,6 @@ class EngineRequest:
     seqs: list[Sequence] = field(default_factory=list)
     error: str | None = None
     unfinished: int = -1  # completions still running (counted down by _ended)
-    rows: dict = field(default_factory=dict)  # seq_id -> its SampleRow (made once)
 
     def __post_init__(self):
         self.unfinished = sum(1 for c in self.completions if not c.finished)

@@ -202,7 +202,7 @@ def build_metadata(
     block_tables_i32 = table[:, :num_cols]
     # Standard strides for any row count (a compiled forward guards on them).
     block_tables = block_tables_i32.to(torch.int64, memory_format=torch.contiguous_format)
-    if q_len == 1 and all(c == 1 for c in counts):  # decode: one real token per row, no host sync
+    if q_len == 1 and all([c == 1 for c in counts]):  # decode: one token per row, no host sync
         pos = context_lens
         query_pos = pos.unsqueeze(1)
         is_query = token_index = None
