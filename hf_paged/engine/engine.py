@@ -330,14 +330,16 @@ class LLMEngine:
                 touched[request.request_id] = request
 
     def _run(self, plan: Step, touched: dict, in_flight: InFlight | None) -> None:
-        groups: dict[str | None, list] = {}  # one forward per adapter
-        prompt_tokens = 0
-        for item in plan.scheduled:
-            groups.setdefault(item.seq.adapter, []).append(item)
-            prompt_len = len(item.seq.prompt)
-            if item.start < prompt_len:
-                prompt_tokens += min(item.count, prompt_len - item.start)
-        self.prompt_tokens += prompt_tokens
+        scheduled = plan.scheduled
+        adapters = {item.seq.adapter for item in scheduled}
+        if len(adapters) == 1:  # one forward per adapter
+            groups = {adapters.pop(): scheduled}
+        else:
+            groups: dict[str | None, list] = {}
+            for item in scheduled:
+                groups.setdefault(item.seq.adapter, []).append(item)
+        self.prompt_tokens += sum([min(i.count, len(i.seq.prompt) - i.start) for i in scheduled
+                                   if i.start < len(i.seq.prompt)])
         work = DeviceStep(plan.swap_out, plan.swap_in, plan.copies, plan.entries,
                           [Forward.of(items, adapter, in_flight)
                            for adapter, items in groups.items()])

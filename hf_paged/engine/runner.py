@@ -66,28 +66,45 @@ class Forward:
         """The inputs of one forward over `items` (scheduled sequences); in_flight: the
         last step's sampling whose tokens some of them wait for (engine.InFlight)."""
         f = cls(adapter)
+        seqs = [item.seq for item in items]
+        f.rows = [seq.row for seq in seqs]
+        f.context = [item.start for item in items]
+        f.counts = [item.count for item in items]
+        if f.counts.count(1) == len(items):  # a token per row (decodes): no per-row appends
+            f.ids = [s.output[k] if (k := c - len(s.prompt)) >= 0 and not s.pending else None
+                     for s, c in zip(seqs, f.context)]
+            f.positions = list(f.context)
+            samples = [item.sample for item in items]
+            f.last = list(range(len(items))) if all(samples) else \
+                [j for j, sample in enumerate(samples) if sample]
+            if None in f.ids:  # tokens still on the device, or one-token prompt chunks
+                for j in [j for j, token in enumerate(f.ids) if token is None]:
+                    f._add_token(j, seqs[j], f.context[j], in_flight)
+            return f
         ids, positions, last = f.ids, f.positions, f.last
-        for item in items:
-            seq, start, count = item.seq, item.start, item.count
+        for item, seq in zip(items, seqs):
+            start, count = item.start, item.count
             if count == 1 and start >= len(seq.prompt):  # a decode: the newest token
-                if seq.pending:
-                    f.fill_at.append(len(ids))
-                    f.fill_from.append(in_flight.rows[seq.seq_id])
-                    ids.append(0)
-                else:
-                    ids.append(seq.output[start - len(seq.prompt)])
+                ids.append(None)
+                f._add_token(len(ids) - 1, seq, start, in_flight)
                 positions.append(start)
             else:
                 ids += seq.tokens(start, start + count)
                 positions += range(start, start + count)
             if item.sample:
                 last.append(len(ids) - 1)
-        f.rows = [item.seq.row for item in items]
-        f.context = [item.start for item in items]
-        f.counts = [item.count for item in items]
-        if f.fill_at:
-            f.previous = in_flight.sampled.tokens
         return f
+
+    def _add_token(self, j: int, seq, start: int, in_flight) -> None:
+        """ids[j]: `seq`'s token at position `start`, or read on the device from the last
+        step's sampled tokens if it is pending there."""
+        if seq.pending:
+            self.fill_at.append(j)
+            self.fill_from.append(in_flight.rows[seq.seq_id])
+            self.ids[j] = 0
+            self.previous = in_flight.sampled.tokens
+        else:
+            self.ids[j] = seq.tokens(start, start + 1)[0]
 
 
 @dataclass
