@@ -43,7 +43,10 @@ class RequestMetrics:
 @dataclass
 class RequestOutput:
     """The state of a request: its prompt and completions so far (`finished` once all
-    completions have ended). `error` says why a request was rejected or failed."""
+    completions have ended). `error` says why a request was rejected or failed.
+    `prompt_logprobs` (when asked for): per prompt token, None for the first, else
+    {token id: log-probability} of the `prompt_logprobs` most likely tokens at its position
+    and of the prompt's own token."""
 
     request_id: str
     prompt: str | None
@@ -53,3 +56,4 @@ class RequestOutput:
     error: str | None = None
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -39,6 +39,8 @@ class SamplingParams:
     min_tokens:         EOS and stop token ids are masked until this many tokens are out
     logprobs:           return the log-probabilities (of the model's raw distribution) of
                         this many most likely tokens at each step, plus the sampled one's
+    prompt_logprobs:    the same for every prompt token after the first (the first has none),
+                        given the tokens before it: `RequestOutput.prompt_logprobs`
     cache_salt:         prefix-cache namespace: prompts with different salts never share
                         cached blocks (one salt per tenant), as vLLM's `cache_salt`
     timeout:            seconds from arrival after which the request ends ("timeout"),
@@ -62,6 +64,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     cache_salt: str | None = None
     timeout: float | None = None
     _resolved: bool = field(default=False, repr=False, compare=False)
@@ -91,8 +94,9 @@ class SamplingParams:
         _check(self.seed, "seed", int, lambda v: SEED_RANGE[0] <= v <= SEED_RANGE[1],
                "an integer in [-2**63, 2**64 - 1]", none=True)
         _check(self.min_tokens, "min_tokens", int, lambda v: v >= 0, "an integer >= 0")
-        _check(self.logprobs, "logprobs", int, lambda v: 0 <= v <= 20, "an integer in [0, 20]",
-               none=True)
+        for name in ("logprobs", "prompt_logprobs"):
+            _check(getattr(self, name), name, int, lambda v: 0 <= v <= 20,
+                   "an integer in [0, 20]", none=True)
         _check(self.timeout, "timeout", float, lambda v: v > 0, "a number of seconds > 0",
                none=True)
         if not all(isinstance(s, str) and s for s in self.stop):

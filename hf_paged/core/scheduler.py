@@ -260,7 +260,7 @@ class Scheduler:
         # A prefix is a hit as far as every group still has its blocks.
         hits = [self.prefix.lookup(self._group_keys(keys, g))
                 for g in range(self.groups.num_groups)]
-        found = min(len(h) for h in hits)
+        found = min(min(len(h) for h in hits), seq.cacheable // self.block_size)
         hits = [h[:found] for h in hits]
         cached = found * self.block_size
         chunk = min(seq.num_tokens - cached, budget)

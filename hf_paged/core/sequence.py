@@ -48,6 +48,9 @@ class Sequence:
     adapter: str | None = None  # the PEFT adapter that runs it (None: the model as it is)
     pending: int = 0  # 1: a sampled token not appended yet (async scheduling)
     sampling: object = None  # the engine's sampling row for it, once it has sampled (opaque)
+    # Prompt log-probabilities: the logits of prompt positions from here on are wanted (None:
+    # none are); a prefix-cache hit may not cover them.
+    prompt_logits_from: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -56,6 +59,12 @@ class Sequence:
     @property
     def to_compute(self) -> int:
         return self.num_tokens - self.num_computed
+
+    @property
+    def cacheable(self) -> int:
+        """Tokens a prefix-cache hit may cover."""
+        limit = self.prompt_logits_from
+        return self.num_tokens if limit is None else limit
 
     def tokens(self, start: int, stop: int) -> list[int]:
         """Tokens [start, stop) of prompt + output."""

@@ -23,7 +23,7 @@ import itertools
 import logging
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
@@ -36,44 +36,17 @@ from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams, generation_defaults
 from .debug import check_isolation
 from .detokenizer import IncrementalText
+from . import prompt_logprobs
 from .output import InFlight, OutputProcessor
 from .request import EngineRequest
 from .runner import RUNNER_OPTIONS, DeviceStep, Forward, ModelRunner, StepLogits, positive
 from .sampler import Sampler
+from .stats import EngineStats
 
 logger = logging.getLogger("hf_paged")
 
 DEBUG_ENV_VAR = "HF_PAGED_DEBUG"  # "1": check every step's tables and slots (isolation)
 BASE = "__base__"  # the adapter name of a PEFT model's base model (PEFT's own name for it)
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot of the engine's state and counters."""
-
-    running: int
-    waiting: int
-    swapped: int
-    num_preemptions: int
-    recomputed_tokens: int  # tokens computed again after preemptions by recompute
-    num_blocks: int
-    blocks_used: int  # held by running sequences
-    blocks_cached: int  # kept by the prefix cache, held by nobody (reused or evicted later)
-    blocks_free: int
-    block_size: int
-    prefix_cache_queried_tokens: int
-    prefix_cache_hit_tokens: int
-    prompt_tokens: int  # prompt tokens computed (prefix-cache hits excluded)
-    generation_tokens: int  # tokens sampled
-
-    @property
-    def kv_usage(self) -> float:
-        return self.blocks_used / self.num_blocks if self.num_blocks else 0.0
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        q = self.prefix_cache_queried_tokens
-        return self.prefix_cache_hit_tokens / q if q else 0.0
 
 
 class LLMEngine:
@@ -230,7 +203,8 @@ class LLMEngine:
         params = request.params
         seq = Sequence(self.output.new_seq_id(), request.request_id, request.prompt_ids,
                        params.max_tokens, request.priority, next(self._arrivals),
-                       salt=request.salt, forks=params.n - 1, adapter=request.adapter)
+                       salt=request.salt, forks=params.n - 1, adapter=request.adapter,
+                       prompt_logits_from=prompt_logprobs.start(request))
         request.seqs = [seq]
         self.requests[request.request_id] = request
         if request.deadline is not None:
@@ -372,11 +346,15 @@ class LLMEngine:
                 self.output.record(sampling, owners, *sampled.collect(), touched)
 
     def _forward(self, f: Forward, items: list) -> torch.Tensor:
-        """The logits [S, V] of the rows of `f` that sample (the debug checks first)."""
-        if not self.debug:
-            return self.runner.forward(f)
-        return self.runner.forward(
-            f, lambda meta: check_isolation(self.scheduler, self.block_size, items, meta))
+        """The logits [S, V] of the rows of `f` that sample (the debug checks first); the
+        prompt log-probabilities its prompt rows give are recorded."""
+        check = None if not self.debug else \
+            lambda meta: check_isolation(self.scheduler, self.block_size, items, meta)
+        logits = self.runner.forward(f, check)
+        if f.prompt_spans:
+            prompt_logprobs.record(f.prompt_spans, logits[len(f.last):], self.requests)
+            logits = logits[:len(f.last)]
+        return logits
 
     def _forward_isolated(self, f: Forward, items: list, adapter, logits: StepLogits,
                           touched: dict, in_flight: InFlight | None) -> None:

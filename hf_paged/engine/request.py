@@ -41,9 +41,12 @@ class EngineRequest:
     seqs: list[Sequence] = field(default_factory=list)
     error: str | None = None
     unfinished: int = -1  # completions still running (counted down by _ended)
+    prompt_logprobs: list | None = None  # per prompt token (prompt_logprobs.record fills it)
 
     def __post_init__(self):
         self.unfinished = sum(1 for c in self.completions if not c.finished)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_ids)
 
     @property
     def finished(self) -> bool:
@@ -128,4 +131,5 @@ class EngineRequest:
         return RequestOutput(self.request_id, self.prompt, self.prompt_ids, completions,
                              self.finished, self.error, cached,
                              RequestMetrics(m.arrival_time, m.first_scheduled_time,
-                                            m.first_token_time, m.finished_time))
+                                            m.first_token_time, m.finished_time),
+                             None if self.prompt_logprobs is None else list(self.prompt_logprobs))

@@ -48,7 +48,9 @@ class Forward:
     sequences back to back, their block-table rows, cached lengths and new-token counts, and
     the indices (in `ids`) of the last token of each sequence that samples. Under async
     scheduling a decode's token may not have reached the host yet: `ids[fill_at[i]]` is then
-    read on the device from `previous[fill_from[i]]` (the last step's sampled tokens)."""
+    read on the device from `previous[fill_from[i]]` (the last step's sampled tokens).
+    `prompt_rows` index the tokens whose logits prompt log-probabilities need, one run of
+    them per (sequence, first position, count) in `prompt_spans`."""
 
     adapter: str | None
     ids: list[int] = field(default_factory=list)
@@ -60,6 +62,8 @@ class Forward:
     fill_at: list[int] = field(default_factory=list)
     fill_from: list[int] = field(default_factory=list)
     previous: torch.Tensor | None = None  # [R] long, on the sampler's device
+    prompt_rows: list[int] = field(default_factory=list)
+    prompt_spans: list[tuple] = field(default_factory=list)
 
     @classmethod
     def of(cls, items: list, adapter: str | None, in_flight=None) -> "Forward":
@@ -80,6 +84,7 @@ class Forward:
             if None in f.ids:  # tokens still on the device, or one-token prompt chunks
                 for j in [j for j, token in enumerate(f.ids) if token is None]:
                     f._add_token(j, seqs[j], f.context[j], in_flight)
+                    f._want_prompt_logits(j, seqs[j], f.context[j], 1)
             return f
         ids, positions, last = f.ids, f.positions, f.last
         for item, seq in zip(items, seqs):
@@ -89,6 +94,7 @@ class Forward:
                 f._add_token(len(ids) - 1, seq, start, in_flight)
                 positions.append(start)
             else:
+                f._want_prompt_logits(len(ids), seq, start, count)
                 ids += seq.tokens(start, start + count)
                 positions += range(start, start + count)
             if item.sample:
@@ -105,6 +111,17 @@ class Forward:
             self.previous = in_flight.sampled.tokens
         else:
             self.ids[j] = seq.tokens(start, start + 1)[0]
+
+    def _want_prompt_logits(self, j: int, seq, start: int, count: int) -> None:
+        """Tokens [start, start + count) of `seq` from ids[j] on: those whose logits give
+        prompt log-probabilities (a position's logits score the next prompt token)."""
+        first = seq.prompt_logits_from
+        if first is None:
+            return
+        low, high = max(start, first), min(start + count, len(seq.prompt) - 1)
+        if low < high:
+            self.prompt_rows += range(j + low - start, j + high - start)
+            self.prompt_spans.append((seq, low, high - low))
 
 
 @dataclass
@@ -318,14 +335,16 @@ class ModelRunner:
         return metas
 
     def forward(self, f: Forward, check=None) -> torch.Tensor:
-        """Runs one packed forward; returns the logits [S, V] of its rows that sample.
+        """Runs one packed forward; returns the logits [S + P, V] of its rows that sample,
+        then of its `prompt_rows`.
         check: called with the forward's metadata (one per KV group) before it runs (the
         isolation debug mode)."""
         metas = self.metadata(f.rows, f.context, f.counts)
         meta = metas[0]
         if check is not None:
             check(metas)
-        keep = to_device(f.last or [len(f.ids) - 1], self._index_device)
+        want = f.last + f.prompt_rows if f.prompt_rows else f.last
+        keep = to_device(want or [len(f.ids) - 1], self._index_device)
         extra = {}
         if f.adapter is not None:  # PEFT picks the adapter per batch row; the batch is one row
             extra["adapter_names"] = [f.adapter]
@@ -341,7 +360,7 @@ class ModelRunner:
                         position_ids=to_device(f.positions, self.device)[None],
                         past_key_values=paged_kv, use_cache=True, logits_to_keep=keep,
                         **{KWARG: paged_kv}, **extra)
-        return out.logits[0, :len(f.last)]
+        return out.logits[0, :len(want)]
 
     def _tracing(self):
         """How a compiled forward's shapes are traced: a size of 1 or one equal to another

@@ -1,0 +1,34 @@
+"""The engine's counters, as `LLMEngine.stats()` reports them (and `/metrics` exports)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's state and counters."""
+
+    running: int
+    waiting: int
+    swapped: int
+    num_preemptions: int
+    recomputed_tokens: int  # tokens computed again after preemptions by recompute
+    num_blocks: int
+    blocks_used: int  # held by running sequences
+    blocks_cached: int  # kept by the prefix cache, held by nobody (reused or evicted later)
+    blocks_free: int
+    block_size: int
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+    prompt_tokens: int  # prompt tokens computed (prefix-cache hits excluded)
+    generation_tokens: int  # tokens sampled
+
+    @property
+    def kv_usage(self) -> float:
+        return self.blocks_used / self.num_blocks if self.num_blocks else 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        q = self.prefix_cache_queried_tokens
+        return self.prefix_cache_hit_tokens / q if q else 0.0
