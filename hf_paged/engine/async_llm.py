@@ -136,6 +136,10 @@ class AsyncLLM:
         return self.engine.max_model_len
 
     @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
     def kv_capacity_tokens(self) -> int:
         """Tokens the whole KV pool holds (blocks x block size)."""
         return self.engine.num_blocks * self.engine.block_size

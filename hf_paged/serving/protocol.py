@@ -83,7 +83,8 @@ class _Sampling(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        timeout: float | None = None) -> SamplingParams:
+                        timeout: float | None = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported.", "logit_bias")
         if self.stream_options is not None and not self.stream:
@@ -96,7 +97,7 @@ class _Sampling(BaseModel):
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, logprobs=logprobs,
-                timeout=timeout)
+                prompt_logprobs=prompt_logprobs, timeout=timeout)
         except InvalidRequestError as err:
             raise APIError(400, str(err), err.param) from err
 
@@ -107,14 +108,22 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[int], list[Union[str, list[int]]]]
+    max_tokens: int | None = Field(None, ge=0)  # 0: score the prompt (with echo), add nothing
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
+    echo: bool = False  # the prompt comes back before the completion (with its logprobs)
     suffix: str | None = None
     best_of: int | None = None
 
+    @property
+    def engine_max_tokens(self) -> int:
+        """The engine samples at least one token; with max_tokens=0 it is dropped."""
+        return 16 if self.max_tokens is None else max(self.max_tokens, 1)
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
+
     def prompts(self) -> list:
-        if self.echo:
-            raise APIError(400, "echo is not supported.", "echo")
         if self.suffix:
             raise APIError(400, "suffix is not supported.", "suffix")
         if self.best_of not in (None, self.n):
@@ -157,6 +166,30 @@ class ChatCompletionRequest(_Sampling):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages rendered by the chat template."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # (default: True for a prompt, False for messages)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "Give either prompt or messages.", "prompt")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[int]
+
+
 # -- responses ------------------------------------------------------------------------------------
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -173,26 +206,66 @@ def error_body(message: str) -> dict:
     return {"message": message, "type": "server_error", "param": None, "code": None}
 
 
+LOGPROB_FLOOR = -9999.0  # stands for -inf (JSON has no infinities), as vLLM sends it
+
+
+def _lp(value: float) -> float:
+    return max(value, LOGPROB_FLOOR)
+
+
 def completion_logprobs(out: CompletionOutput, start: int, pieces: TokenPieces,
                         offset: int) -> dict:
     """Completions-API logprobs of tokens [start:] of a completion. Each position's
     `top_logprobs` holds the chosen token under its own string, then the others; a token
     whose string another one already has is keyed `token_id:N` (nothing collapses)."""
+    return token_logprobs(out.token_ids[start:], out.logprobs[start:], pieces, offset)
+
+
+def piece_length(piece: str) -> int:
+    """Characters a token's piece adds to `text_offset` (none for a partial character)."""
+    return 0 if piece.startswith("bytes:") else len(piece)
+
+
+def token_logprobs(token_ids: list[int], entries: list, pieces: TokenPieces,
+                   offset: int) -> dict:
+    """`completion_logprobs` of any tokens; an entry of None (a prompt's first token) has
+    null `token_logprobs` and `top_logprobs`."""
     tokens, token_lps, tops, offsets = [], [], [], []
-    for token, entry in zip(out.token_ids[start:], out.logprobs[start:]):
+    for token, entry in zip(token_ids, entries):
         piece = pieces.text(token)
         tokens.append(piece)
-        token_lps.append(entry[token])
-        top = {piece: entry[token]}
+        offsets.append(offset)
+        offset += piece_length(piece)
+        if entry is None:
+            token_lps.append(None)
+            tops.append(None)
+            continue
+        token_lps.append(_lp(entry[token]))
+        top = {piece: _lp(entry[token])}
         for t, lp in sorted(entry.items(), key=lambda kv: -kv[1]):
             if t != token:
                 key = pieces.text(t)
-                top[f"token_id:{t}" if key in top else key] = lp
+                top[f"token_id:{t}" if key in top else key] = _lp(lp)
         tops.append(top)
-        offsets.append(offset)
-        offset += 0 if piece.startswith("bytes:") else len(piece)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
             "text_offset": offsets}
+
+
+def echoed(result: RequestOutput, prompt_text: str, pieces: TokenPieces,
+           logprobs: bool) -> tuple[str, dict | None]:
+    """The prompt as `echo` returns it: its text, and (if asked) its tokens' logprobs."""
+    if not logprobs:
+        return prompt_text, None
+    entries = result.prompt_logprobs or [None] * len(result.prompt_token_ids)
+    return prompt_text, token_logprobs(result.prompt_token_ids, entries, pieces, 0)
+
+
+def joined_logprobs(first: dict | None, second: dict | None) -> dict | None:
+    """Two logprobs objects back to back (the second's text offsets already count the
+    first's text)."""
+    if first is None or second is None:
+        return first or second
+    return {key: first[key] + second[key] for key in first}
 
 
 def chat_logprobs(out: CompletionOutput, start: int, pieces: TokenPieces, top: int) -> dict:
@@ -201,27 +274,38 @@ def chat_logprobs(out: CompletionOutput, start: int, pieces: TokenPieces, top: i
     for token, entry in zip(out.token_ids[start:], out.logprobs[start:]):
         ranked = sorted(entry.items(), key=lambda kv: -kv[1])[:top]
         content.append({
-            "token": pieces.text(token), "logprob": entry[token], "bytes": pieces.bytes(token),
-            "top_logprobs": [{"token": pieces.text(t), "logprob": lp, "bytes": pieces.bytes(t)}
-                             for t, lp in ranked]})
+            "token": pieces.text(token), "logprob": _lp(entry[token]),
+            "bytes": pieces.bytes(token),
+            "top_logprobs": [{"token": pieces.text(t), "logprob": _lp(lp),
+                              "bytes": pieces.bytes(t)} for t, lp in ranked]})
     return {"content": content}
 
 
-def completion_response(request_id: str, model: str, results: list[RequestOutput], n: int,
-                        pieces: TokenPieces) -> dict:
+def completion_response(request_id: str, model: str, results: list[RequestOutput],
+                        body: "CompletionRequest", pieces: TokenPieces,
+                        echo_texts: list[str] | None = None) -> dict:
+    """echo_texts: per prompt, its text as echoed (with `echo`)."""
     choices, prompt_tokens, completion_tokens, cached = [], 0, 0, 0
     errors = []
+    scoring = body.max_tokens == 0  # the prompt alone: the sampled token is dropped
     for i, result in enumerate(results):
         prompt_tokens += len(result.prompt_token_ids)
         cached += result.num_cached_tokens
         if result.error:
             errors.append(f"prompt {i}: {result.error}" if len(results) > 1 else result.error)
+        head, head_lps = echoed(result, echo_texts[i], pieces, body.logprobs is not None) \
+            if body.echo else ("", None)
         for out in result.outputs:
+            text, lps = out.text, None
+            if scoring:
+                text, out = "", CompletionOutput(out.index, finish_reason="length",
+                                                 logprobs=None if out.logprobs is None else [])
+            if out.logprobs is not None:
+                lps = completion_logprobs(out, 0, pieces, len(head))
             completion_tokens += len(out.token_ids)
             choices.append({
-                "index": i * n + out.index, "text": out.text,
-                "logprobs": completion_logprobs(out, 0, pieces, 0) if out.logprobs is not None
-                else None,
+                "index": i * body.n + out.index, "text": head + text,
+                "logprobs": joined_logprobs(head_lps, lps),
                 "finish_reason": out.finish_reason, "stop_reason": out.stop_reason})
     body = {"id": request_id, "object": "text_completion", "created": int(time.time()),
             "model": model, "choices": choices,

@@ -37,8 +37,8 @@ from ..errors import InvalidRequestError, RequestRejectedError, describe
 from .guard import RequestGuard
 from .metrics import ServerMetrics
 from .protocol import (
-    APIError, ChatCompletionRequest, CompletionRequest, chat_response, completion_response,
-    new_id,
+    APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+    chat_response, completion_response, new_id,
 )
 from .sse import EventStream, chat_events, completion_events
 
@@ -121,25 +121,36 @@ class _Server:
     async def _off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
+    def need_tokenizer(self, param: str):
+        if self.llm.tokenizer is None:
+            raise APIError(400, "This server has no tokenizer; send token ids.", param)
+        return self.llm.tokenizer
+
     async def tokens(self, prompt, param: str) -> list[int]:
         if isinstance(prompt, str):
-            tokenizer = self.llm.tokenizer
-            if tokenizer is None:
-                raise APIError(400, "This server has no tokenizer; send token ids.", param)
-            return (await self._off_loop(tokenizer, prompt))["input_ids"]
+            return (await self._off_loop(self.need_tokenizer(param), prompt))["input_ids"]
         return list(prompt)
 
-    async def chat_tokens(self, request: ChatCompletionRequest) -> list[int]:
+    async def prompt_text(self, prompt, ids: list[int]) -> str:
+        """A prompt's text as `echo` returns it: as given, or its token ids decoded."""
+        if isinstance(prompt, str):
+            return prompt
+        tokenizer = self.llm.tokenizer
+        return "" if tokenizer is None else await self._off_loop(tokenizer.decode, ids)
+
+    async def chat_tokens(self, messages: list, add_generation_prompt: bool = True,
+                          add_special_tokens: bool = False) -> list[int]:
+        """Chat messages (ChatMessage) rendered by the chat template, as token ids."""
         tokenizer = self.llm.tokenizer
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "The model's tokenizer has no chat template, so chat completions "
                            "cannot be formatted; use /v1/completions.", "messages")
-        messages = [m.as_template_input() for m in request.messages]
+        messages = [m.as_template_input() for m in messages]
 
         def render():
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                tokenize=True)
-            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            text = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+            return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
         try:
             return await self._off_loop(render)
@@ -314,28 +325,71 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
         data += [dict(entry, id=a, root=a, parent=server.model_name) for a in server.adapters]
         return {"object": "list", "data": data}
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        """vLLM's: what a client needs to tokenize as the server does (lm-evaluation-harness
+        reads it, then calls /tokenize and /detokenize)."""
+        tokenizer = server.need_tokenizer("tokenizer")
+        info = {name: getattr(tokenizer, name, None) for name in (
+            "eos_token", "bos_token", "pad_token", "unk_token", "chat_template")}
+        info["tokenizer_class"] = type(tokenizer).__name__
+        info["model_max_length"] = llm.max_model_len
+        return {k: v if v is None or isinstance(v, (str, int)) else str(v)
+                for k, v in info.items()}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        if body.model is not None:
+            server.adapter_for(body.model)
+        if body.messages is not None:
+            ids = await server.chat_tokens(body.messages, body.add_generation_prompt,
+                                           bool(body.add_special_tokens))
+        else:
+            tokenizer = server.need_tokenizer("prompt")
+            special = body.add_special_tokens is not False
+            ids = (await server._off_loop(
+                lambda: tokenizer(body.prompt, add_special_tokens=special)))["input_ids"]
+        out = {"count": len(ids), "max_model_len": llm.max_model_len, "tokens": list(ids),
+               "token_strs": None}
+        if body.return_token_strs:
+            out["token_strs"] = server.llm.tokenizer.convert_ids_to_tokens(list(ids))
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        if body.model is not None:
+            server.adapter_for(body.model)
+        tokenizer = server.need_tokenizer("tokens")
+        bad = [t for t in body.tokens if not 0 <= t < llm.vocab_size]
+        if bad:
+            raise APIError(400, f"tokens must be token ids in [0, {llm.vocab_size}); got "
+                           f"{bad[:5]}.", "tokens")
+        return {"prompt": await server._off_loop(tokenizer.decode, body.tokens)}
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         server.check_open()
         adapter = server.adapter_for(body.model)
         server.check_stops(body.stops())
-        params = body.sampling_params(body.max_tokens or 16, body.logprobs,
-                                      server.timeout_for(body.timeout))
+        params = body.sampling_params(body.engine_max_tokens, body.logprobs,
+                                      server.timeout_for(body.timeout), body.prompt_logprobs)
         raw = body.prompts()
         prompts = [await server.tokens(p, "prompt") for p in raw]
+        echo = [await server.prompt_text(r, p) for r, p in zip(raw, prompts)] \
+            if body.echo else None
         tenant = request.state.tenant
         streams = server.start(prompts, params, adapter, body.priority,
                                server.salt_for(tenant, body.cache_salt), "prompt")
         rid = new_id("cmpl")
         if body.stream:
-            return EventStream(completion_events(server, body, rid, streams, params, tenant),
-                                streams)
+            return EventStream(completion_events(server, body, rid, streams, params, tenant,
+                                                 echo), streams)
         results = await server.collect(streams, request)
         if results is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
         for out in results:
             server.metrics.finished(out, tenant)
-        return completion_response(rid, body.model, results, body.n, server.pieces)
+        return completion_response(rid, body.model, results, body, server.pieces, echo)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
@@ -343,7 +397,7 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
         adapter = server.adapter_for(body.model)
         server.check_stops(body.stops())
         top = body.logprob_count()
-        prompt = await server.chat_tokens(body)
+        prompt = await server.chat_tokens(body.messages)
         max_tokens = body.max_completion_tokens or body.max_tokens or \
             server.default_max_tokens(len(prompt))
         params = body.sampling_params(max_tokens, top, server.timeout_for(body.timeout))

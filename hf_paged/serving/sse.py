@@ -18,8 +18,11 @@ from fastapi.responses import StreamingResponse
 
 from ..engine.async_llm import RequestStream
 from ..errors import describe
-from ..outputs import RequestOutput
-from .protocol import chat_logprobs, completion_logprobs, error_body, usage
+from ..outputs import CompletionOutput, RequestOutput
+from .protocol import (
+    chat_logprobs, completion_logprobs, echoed, error_body, joined_logprobs, piece_length,
+    usage,
+)
 
 
 def _sse(data: Any) -> str:
@@ -91,9 +94,12 @@ async def _merged(streams: list[RequestStream]):
             task.cancel()
 
 
-async def completion_events(server, body, rid, streams, params, tenant):
+async def completion_events(server, body, rid, streams, params, tenant, echo=None):
+    """echo: per prompt, its text, sent (with its logprobs) before a choice's first text."""
     created, n = int(time.time()), body.n
     deltas = _Deltas(params)
+    scoring = body.max_tokens == 0  # the prompt alone: the sampled token is dropped
+    offsets: dict[int, int] = {}  # per choice, the text offset of its next token
     prompt_tokens = completion_tokens = cached = 0
     errors = []
     async with contextlib.aclosing(_merged(streams)) as merged:
@@ -103,20 +109,34 @@ async def completion_events(server, body, rid, streams, params, tenant):
                 continue
             for c in out.outputs:
                 index = i * n + c.index
-                chars_before = deltas.sent.get(index, [0, 0, False])[1]
-                delta = deltas.next(index, c)
-                if delta is None:
-                    continue
-                start, text = delta
-                choice = {"index": index, "text": text, "finish_reason": c.finish_reason,
-                          "logprobs": None if c.logprobs is None else
-                          completion_logprobs(c, start, server.pieces, chars_before)}
+                first = index not in deltas.sent
+                if scoring:  # one chunk per choice, once its request ends
+                    if not (c.finished and first):
+                        continue
+                    deltas.sent[index] = [0, 0, True]
+                    c = CompletionOutput(c.index, finish_reason="length",
+                                         logprobs=None if c.logprobs is None else [])
+                    start, text = 0, ""
+                else:
+                    delta = deltas.next(index, c)
+                    if delta is None:
+                        continue
+                    start, text = delta
+                head, head_lps = echoed(out, echo[i], server.pieces, body.logprobs is not None) \
+                    if echo is not None and first else ("", None)
+                lps = None
+                if c.logprobs is not None:  # text offsets go on from the last chunk's
+                    at = offsets.get(index, len(echo[i]) if echo is not None else 0)
+                    lps = completion_logprobs(c, start, server.pieces, at)
+                    offsets[index] = at + sum(piece_length(t) for t in lps["tokens"])
+                choice = {"index": index, "text": head + text, "finish_reason": c.finish_reason,
+                          "logprobs": joined_logprobs(head_lps, lps)}
                 yield _sse({"id": rid, "object": "text_completion", "created": created,
                             "model": body.model, "choices": [choice]})
             if out.finished:
                 server.metrics.finished(out, tenant)
                 prompt_tokens += len(out.prompt_token_ids)
-                completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+                completion_tokens += 0 if scoring else sum(len(c.token_ids) for c in out.outputs)
                 cached += out.num_cached_tokens
                 if out.error:
                     errors.append(out.error if len(streams) == 1 else f"prompt {i}: {out.error}")

@@ -1,0 +1,193 @@
+"""The OpenAI surface beyond completions and chat, on a loopback server: `echo` with
+prompt log-probabilities (what lm-evaluation-harness's loglikelihood tasks send), the
+`max_tokens=0` scoring call, streaming echo, and /tokenize and /detokenize. Log-probabilities
+are compared with one stock forward of the same model."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import httpx
+import openai
+import pytest
+import torch
+
+from hf_paged.server import build_app
+from conftest import make_model
+from test_server import ServerThread, tokenizer_with_template
+
+KEY = "k"
+
+
+@pytest.fixture(scope="module")
+def served():
+    model = make_model("llama_gqa", max_position_embeddings=512)
+    tok = tokenizer_with_template()
+    app = build_app(model, tok, served_model_name="tiny", api_key=KEY, block_size=4,
+                    num_blocks=256, max_num_seqs=8, max_num_batched_tokens=16)
+    with ServerThread(app) as server:
+        server.model, server.tok = model, tok
+        server.client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+        server.http = httpx.Client(base_url=server.url,
+                                   headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+        yield server
+
+
+def stock_logprobs(model, ids):
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+
+
+def check_prompt_part(served, ids, lp_obj, k):
+    """The echoed prompt's logprobs: first null, then each token's own and its top k."""
+    lp = stock_logprobs(served.model, ids)
+    n = len(ids)
+    assert lp_obj["token_logprobs"][0] is None and lp_obj["top_logprobs"][0] is None
+    assert lp_obj["tokens"][:n] == [served.tok.convert_ids_to_tokens(t) for t in ids] or \
+        len(lp_obj["tokens"]) >= n
+    for p in range(1, n):
+        want = lp[p - 1, ids[p]].item()
+        assert math.isclose(lp_obj["token_logprobs"][p], want, abs_tol=1e-4), p
+        top = lp_obj["top_logprobs"][p]
+        best = lp[p - 1].topk(k).values.tolist()
+        assert math.isclose(max(top.values()), max(best[0], want), abs_tol=1e-4)
+        assert len(top) in (k, k + 1)  # the prompt token, and the k best (it may be one)
+
+
+def test_echo_scores_the_prompt_like_lm_eval(served):
+    """lm-eval's loglikelihood request: token ids, echo, logprobs=1, max_tokens=1; it
+    reads token_logprobs[ctxlen:-1] and compares each with max(top_logprobs)."""
+    ids = [5, 9, 14, 3, 22, 40, 7, 61, 33, 12, 18]
+    body = dict(model="tiny", prompt=[ids, ids[:6]], echo=True, logprobs=1, max_tokens=1,
+                temperature=0, seed=1234)
+    r = served.http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [c["index"] for c in out["choices"]] == [0, 1]
+    for choice, prompt in zip(out["choices"], (ids, ids[:6])):
+        lps = choice["logprobs"]
+        assert len(lps["token_logprobs"]) == len(prompt) + 1  # the prompt, then one token
+        check_prompt_part(served, prompt, lps, 1)
+        greedy = stock_logprobs(served.model, prompt)[-1]
+        assert math.isclose(lps["token_logprobs"][-1], greedy.max().item(), abs_tol=1e-4)
+        prompt_text = served.tok.decode(prompt)
+        assert choice["text"].startswith(prompt_text)
+        offsets = lps["text_offset"]
+        assert offsets == sorted(offsets) and offsets[0] == 0
+        assert offsets[len(prompt)] == len(prompt_text)
+        # lm-eval's greedy check: a greedy continuation's token is the top one.
+        assert lps["token_logprobs"][-1] == max(lps["top_logprobs"][-1].values())
+    assert out["usage"]["completion_tokens"] == 2
+
+
+def test_max_tokens_zero_returns_the_prompt_alone(served):
+    prompt = "w5 w6 w7 w8"
+    ids = served.tok(prompt)["input_ids"]
+    out = served.client.completions.create(model="tiny", prompt=prompt, echo=True, logprobs=3,
+                                           max_tokens=0)
+    choice = out.choices[0]
+    assert choice.text == prompt and choice.finish_reason == "length"
+    assert len(choice.logprobs.token_logprobs) == len(ids)
+    check_prompt_part(served, ids, choice.logprobs.model_dump(), 3)
+    assert out.usage.completion_tokens == 0 and out.usage.prompt_tokens == len(ids)
+    plain = served.client.completions.create(model="tiny", prompt=prompt, max_tokens=0)
+    assert plain.choices[0].text == "" and plain.choices[0].logprobs is None
+
+
+def test_streamed_echo_adds_up_to_the_whole(served):
+    prompt = "w20 w21 w22"
+    whole = served.client.completions.create(model="tiny", prompt=prompt, echo=True,
+                                             logprobs=2, max_tokens=5, temperature=0)
+    chunks = list(served.client.completions.create(model="tiny", prompt=prompt, echo=True,
+                                                   logprobs=2, max_tokens=5, temperature=0,
+                                                   stream=True))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text and text.startswith(prompt)
+    tokens = [t for c in chunks if c.choices and c.choices[0].logprobs
+              for t in c.choices[0].logprobs.token_logprobs]
+    assert tokens == whole.choices[0].logprobs.token_logprobs
+    offsets = [o for c in chunks if c.choices and c.choices[0].logprobs
+               for o in c.choices[0].logprobs.text_offset]
+    assert offsets == whole.choices[0].logprobs.text_offset
+    scoring = list(served.client.completions.create(model="tiny", prompt=prompt, echo=True,
+                                                    max_tokens=0, stream=True))
+    assert [c.choices[0].text for c in scoring if c.choices] == [prompt]
+
+
+def test_echo_without_logprobs_and_with_n(served):
+    out = served.client.completions.create(model="tiny", prompt="w9 w8", echo=True,
+                                           max_tokens=3, n=2, temperature=0.9, seed=3)
+    assert all(c.text.startswith("w9 w8") and c.logprobs is None for c in out.choices)
+
+
+def test_tokenize_and_detokenize(served):
+    prompt = "w5 w6 w7"
+    r = served.http.post("/tokenize", json={"model": "tiny", "prompt": prompt,
+                                            "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got["tokens"] == served.tok(prompt)["input_ids"] and got["count"] == len(got["tokens"])
+    assert got["max_model_len"] == 512
+    assert got["token_strs"] == served.tok.convert_ids_to_tokens(got["tokens"])
+    messages = [{"role": "user", "content": "w5 w6"}]
+    chat = served.http.post("/tokenize", json={"messages": messages}).json()
+    want = served.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    assert chat["tokens"] == list(want["input_ids"] if hasattr(want, "keys") else want)
+    back = served.http.post("/detokenize", json={"model": "tiny", "tokens": got["tokens"]})
+    assert back.status_code == 200 and back.json()["prompt"] == served.tok.decode(got["tokens"])
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/tokenize", {"model": "tiny"}, "prompt"),
+    ("/tokenize", {"prompt": "w5", "messages": [{"role": "user", "content": "x"}]}, "prompt"),
+    ("/tokenize", {"model": "nope", "prompt": "w5"}, "model"),
+    ("/detokenize", {"tokens": [1, 10**7]}, "tokens"),
+    ("/detokenize", {"tokens": "w5"}, "tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "w5", "echo": True, "logprobs": 21},
+     "logprobs"),
+])
+def test_bad_extras_get_400s(served, path, body, param):
+    r = served.http.post(path, json=body)
+    assert r.status_code in (400, 404), r.text
+    assert r.json()["error"]["param"] == param
+    assert served.http.post("/tokenize", json={"prompt": "w5"}).status_code == 200
+
+
+def test_extras_need_the_key(served):
+    r = httpx.post(served.url + "/tokenize", json={"prompt": "w5"}, timeout=30)
+    assert r.status_code == 401
+    assert json.loads(r.text)["error"]
+
+
+def test_lm_eval_local_completions_scores_like_stock(served):
+    """lm-evaluation-harness's `local-completions` model with the server's own tokenizer
+    (/tokenizer_info, /tokenize, /detokenize): loglikelihoods equal one stock forward's,
+    greedy flags too, and generate_until returns the greedy text."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    lm = LocalCompletionsAPI(model="tiny", base_url=served.url + "/v1/completions",
+                             tokenizer_backend="remote", auth_token=KEY,
+                             header={"Authorization": f"Bearer {KEY}"}, num_concurrent=2,
+                             max_retries=1, batch_size=2)
+    pairs = [("w5 w6 w7", " w8 w9"), ("w10 w11 w12 w13", " w14"), ("w3", " w4 w5 w6"),
+             ("w20 w21", " w22")]
+    results = lm.loglikelihood([Instance("loglikelihood", {}, pair, i)
+                                for i, pair in enumerate(pairs)], disable_tqdm=True)
+    tok = served.tok
+    for (context, continuation), (score, greedy) in zip(pairs, results):
+        whole = tok(context + continuation, add_special_tokens=False)["input_ids"]
+        ctx = len(tok(context, add_special_tokens=False)["input_ids"])
+        lp = stock_logprobs(served.model, whole)
+        want = [lp[p - 1, whole[p]].item() for p in range(ctx, len(whole))]
+        assert math.isclose(score, sum(want), abs_tol=1e-3)
+        assert greedy == all(lp[p - 1].argmax().item() == whole[p]
+                             for p in range(ctx, len(whole)))
+    [text] = lm.generate_until([Instance("generate_until", {}, (
+        "w5 w6 w7", {"until": ["zzz"], "max_gen_toks": 4}), 0)], disable_tqdm=True)
+    ids = tok("w5 w6 w7", add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        new = served.model.generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False,
+                                    pad_token_id=0)[0, len(ids):].tolist()
+    assert text == tok.decode(new, skip_special_tokens=True)
