@@ -260,6 +260,30 @@ def python_calls(model, counts=(64, 256), prompt_len=16, new_tokens=64):
     return rows
 
 
+def throughput(model, counts=(64, 256), prompt_len=16, new_tokens=64, runs=5, **options):
+    """`LLM.generate` output tokens/s (best of `runs`) of the host-overhead workload. The
+    engine options this checkout's LLM takes only (run it on another checkout with
+    PYTHONPATH=that/checkout, interleaved, to compare versions)."""
+    rows = []
+    for count in counts:
+        rng = random.Random(count)
+        prompts = [[rng.randrange(3, model.config.vocab_size) for _ in range(prompt_len)]
+                   for _ in range(count)]
+        llm = LLM(model, max_num_seqs=count, max_num_batched_tokens=count * prompt_len,
+                  kv_cache_bytes=_bytes_per_token(model) * count * (prompt_len + new_tokens + 32),
+                  **options)
+        params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+        best = float("inf")
+        for _ in range(runs):
+            start = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            best = min(best, time.perf_counter() - start)
+        rows.append(dict(requests=count, tokens_per_s=round(count * new_tokens / best)))
+        print(f"  {count:4d} requests x {new_tokens} tokens: {rows[-1]['tokens_per_s']:8,d} "
+              f"output tokens/s (best of {runs})", flush=True)
+    return rows
+
+
 def tiny_llama(device="cpu", dtype=torch.float32):
     """The host-overhead model: hidden 64, 2 layers (its forward is cheap)."""
     return random_llama(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=1000,
@@ -318,7 +342,9 @@ def main():
                                    "async_scheduling=True"),
             ("--host-overhead", "only the host-overhead report: time per step outside the "
                                 "forward, per sequence, at 64/128/256 sequences, tiny and 168M "
-                                "models")):
+                                "models"),
+            ("--throughput", "only LLM.generate tokens/s of the host-overhead workload (tiny "
+                             "model, 64 and 256 requests; PYTHONPATH=other/checkout to compare)")):
         parser.add_argument(flag, action="store_true", help=text)
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
@@ -326,6 +352,13 @@ def main():
     if args.python_calls:
         print("Python calls outside the forward, tiny Llama:", flush=True)
         rows = python_calls(tiny_llama(dtype=dtype, device=args.device))
+        if args.out:
+            Path(args.out).write_text(json.dumps(rows, indent=2))
+        return
+    if args.throughput:
+        print(f"LLM.generate, tiny Llama, hf_paged from {Path(hf_paged.__file__).parent}:",
+              flush=True)
+        rows = throughput(tiny_llama(dtype=dtype, device=args.device), **overlap)
         if args.out:
             Path(args.out).write_text(json.dumps(rows, indent=2))
         return
