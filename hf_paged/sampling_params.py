@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json as _json
 import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -16,6 +17,65 @@ GREEDY_BELOW = 1e-5
 # Repetition penalties beyond these turn logits into infinities (and the softmax into NaN).
 REPETITION_PENALTY_RANGE = (1e-4, 1e4)
 SEED_RANGE = (-2**63, 2**64 - 1)  # what torch.Generator.manual_seed takes
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on a completion's text (vLLM's names; give exactly one):
+
+    json:        a JSON schema (dict or JSON string): the text is a JSON value it validates
+    regex:       the text matches this regular expression in full
+    choice:      the text is one of these strings
+    grammar:     the text is in the language of this EBNF grammar (GBNF, root rule `root`)
+    json_object: the text is a JSON object (any)
+
+    Decoding masks, at each step, the tokens no completion of the constraint can start
+    with; EOS is allowed exactly when the text so far is complete. Needs the `structured`
+    extra (xgrammar) and a tokenizer."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self):
+        given = [name for name in ("json", "regex", "choice", "grammar")
+                 if getattr(self, name) is not None] + (["json_object"] if self.json_object
+                                                        else [])
+        if len(given) != 1:
+            raise InvalidRequestError("StructuredOutputsParams takes exactly one of json, "
+                                      f"regex, choice, grammar, json_object; got {given}.",
+                                      "structured_outputs")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise InvalidRequestError("structured_outputs.json must be a JSON schema (an "
+                                      f"object or a JSON string); got {type(self.json).__name__}.",
+                                      "structured_outputs")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                raise InvalidRequestError(f"structured_outputs.{name} must be a non-empty "
+                                          f"string; got {value!r:.100}.", "structured_outputs")
+        if self.choice is not None:
+            if not (isinstance(self.choice, (list, tuple)) and self.choice
+                    and all(isinstance(c, str) and c for c in self.choice)):
+                raise InvalidRequestError("structured_outputs.choice must be a list of "
+                                          f"non-empty strings; got {self.choice!r:.100}.",
+                                          "structured_outputs")
+            object.__setattr__(self, "choice", list(self.choice))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, text) naming the constraint (one compiled grammar per distinct key)."""
+        if self.json is not None:
+            text = self.json if isinstance(self.json, str) else _json.dumps(self.json,
+                                                                            sort_keys=True)
+            return "json", text
+        if self.json_object:
+            return "json_object", ""
+        if self.choice is not None:
+            return "choice", _json.dumps(self.choice)
+        return ("regex", self.regex) if self.regex is not None else ("grammar", self.grammar)
 
 
 @dataclass
@@ -41,6 +101,8 @@ class SamplingParams:
                         this many most likely tokens at each step, plus the sampled one's
     prompt_logprobs:    the same for every prompt token after the first (the first has none),
                         given the tokens before it: `RequestOutput.prompt_logprobs`
+    structured_outputs: a `StructuredOutputsParams` constraint on the text (JSON schema,
+                        regex, choice, grammar); each completion follows it
     cache_salt:         prefix-cache namespace: prompts with different salts never share
                         cached blocks (one salt per tenant), as vLLM's `cache_salt`
     timeout:            seconds from arrival after which the request ends ("timeout"),
@@ -65,6 +127,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     cache_salt: str | None = None
     timeout: float | None = None
     _resolved: bool = field(default=False, repr=False, compare=False)
@@ -99,6 +162,18 @@ class SamplingParams:
                    "an integer in [0, 20]", none=True)
         _check(self.timeout, "timeout", float, lambda v: v > 0, "a number of seconds > 0",
                none=True)
+        if isinstance(self.structured_outputs, dict):
+            unknown = set(self.structured_outputs) - {f.name for f in fields(
+                StructuredOutputsParams)}
+            if unknown:
+                raise InvalidRequestError(f"structured_outputs: unknown fields {sorted(unknown)}.",
+                                          "structured_outputs")
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):
+            raise InvalidRequestError("SamplingParams.structured_outputs must be a "
+                                      "StructuredOutputsParams; got "
+                                      f"{type(self.structured_outputs).__name__}.",
+                                      "structured_outputs")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidRequestError(
                 f"SamplingParams.stop must be non-empty strings; got {self.stop!r:.200}.", "stop")

@@ -22,6 +22,7 @@ import heapq
 import itertools
 import logging
 import os
+import threading
 import time
 from dataclasses import replace
 
@@ -42,6 +43,7 @@ from .request import EngineRequest
 from .runner import RUNNER_OPTIONS, DeviceStep, Forward, ModelRunner, StepLogits, positive
 from .sampler import Sampler
 from .stats import EngineStats
+from .structured import Grammars
 
 logger = logging.getLogger("hf_paged")
 
@@ -125,6 +127,8 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self.prompt_tokens = 0
         self.debug = os.environ.get(DEBUG_ENV_VAR) == "1"
+        self.grammars: Grammars | None = None  # structured outputs' compiled constraints
+        self._grammars_lock = threading.Lock()
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int],
@@ -186,6 +190,12 @@ class LLMEngine:
         follow = self.tokenizer is not None and (self.incremental_text or bool(params.stop))
         arrival = time.monotonic()
         logprobs = params.logprobs is not None
+        matchers = None
+        if params.structured_outputs is not None:  # compiled here, not in the step loop
+            grammars = self._grammars()
+            compiled = grammars.compile(params.structured_outputs)
+            matchers = [grammars.matcher(compiled, params.structured_outputs)
+                        for _ in range(params.n)]
         return EngineRequest(
             request_id, text, prompt, params, priority, adapter,
             namespace(adapter, params.cache_salt),
@@ -194,7 +204,13 @@ class LLMEngine:
              for i in range(params.n)],
             generators, stop_ids, RequestMetrics(arrival),
             [IncrementalText(self.tokenizer) for _ in range(params.n)] if follow else None,
-            None if params.timeout is None else arrival + params.timeout)
+            None if params.timeout is None else arrival + params.timeout, matchers=matchers)
+
+    def _grammars(self) -> Grammars:
+        with self._grammars_lock:  # made once, by the first request that needs it
+            if self.grammars is None:
+                self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
+            return self.grammars
 
     def add_prepared(self, request: EngineRequest) -> None:
         """Queues a request made by `prepare_request`."""

@@ -123,7 +123,7 @@ class OutputProcessor:
         if len(seq.output) < params.min_tokens and request.stop_ids:
             suppress = sorted(request.stop_ids)
         return SampleRow(params, seq.prompt, seq.output, request.generators[completion],
-                         suppress)
+                         suppress, request.matchers[completion] if request.matchers else None)
 
     def record(self, items: list, owners: list[tuple], result: SampleResult,
                errors: dict[int, str], touched: dict) -> None:

@@ -42,6 +42,7 @@ class EngineRequest:
     error: str | None = None
     unfinished: int = -1  # completions still running (counted down by _ended)
     prompt_logprobs: list | None = None  # per prompt token (prompt_logprobs.record fills it)
+    matchers: list | None = None  # per completion, its structured-output constraint's state
 
     def __post_init__(self):
         self.unfinished = sum(1 for c in self.completions if not c.finished)
@@ -69,6 +70,8 @@ class EngineRequest:
         finish_reason, stop_reason and text then set), else None."""
         out, params = self.completions[k], self.params
         token = seq.output[-1]
+        if self.matchers is not None and not self.matchers[k].accept(token):
+            raise ValueError(f"token {token} breaks its structured-output constraint")
         before = 0
         if self.texts is not None:  # the text grows with each token (held back while a
             before = len(out.text)  # character is incomplete)
@@ -87,6 +90,8 @@ class EngineRequest:
                 at, out.stop_reason = min(hits)
                 out.text = out.text[:at]  # cut before the stop string
                 return self._ended(k, "stop", flush=False)
+        if self.matchers is not None and self.matchers[k].done:  # (ended by an EOS it took)
+            return self._ended(k, "stop")
         if len(seq.output) >= seq.max_tokens:
             return self._ended(k, "length")
         return None

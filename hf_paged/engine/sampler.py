@@ -20,6 +20,7 @@ import torch
 
 from ..errors import describe
 from ..sampling_params import SamplingParams
+from .structured import Matcher, mask_rows
 
 logger = logging.getLogger("hf_paged")
 
@@ -37,11 +38,13 @@ class SampleRow:
     output: list[int]
     generator: torch.Generator | None = None
     suppress: list[int] | None = None  # token ids masked at this step (min_tokens)
+    grammar: Matcher | None = None  # its completion's structured-output constraint
 
     def __post_init__(self):  # read per row per step: plain attributes, not properties
         self.greedy = self.params.greedy
-        self.penalized = self.params.penalized
         self.logprobs = self.params.logprobs is not None
+        # Logits changed before sampling: penalties, or a constraint's mask.
+        self.penalized = self.params.penalized or self.grammar is not None
 
 
 @dataclass
@@ -164,7 +167,8 @@ class Sampler:
                        done=(result, errors))
 
     def penalize(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        """Penalties and min-tokens masking, in place: [S, V] float32 -> the same."""
+        """Penalties, min-tokens masking and structured-output masks, in place: [S, V]
+        float32 -> the same."""
         vocab, device = logits.shape[1], logits.device
         rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
         if rep:
@@ -195,6 +199,9 @@ class Sampler:
             ids = _padded([rows[i].suppress for i in masked], vocab, device)
             ext = torch.cat([logits[idx], logits.new_zeros(len(masked), 1)], 1)
             logits[idx] = ext.scatter(1, ids, float("-inf"))[:, :vocab]
+        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+        if constrained:
+            mask_rows(logits, constrained, [rows[i].grammar for i in constrained])
         return logits
 
     def warp(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:

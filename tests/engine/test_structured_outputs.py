@@ -1,0 +1,174 @@
+"""Structured outputs in the engine: every completion of a JSON schema, regex, choice, EBNF
+grammar or JSON-object constraint is in its language, ends with EOS exactly when complete,
+and greedy output equals stock `generate` with xgrammar's own logits processor, token for
+token; alone, in batches, with n > 1, async scheduling, preemption and prompt logprobs."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import jsonschema
+import pytest
+import torch
+import xgrammar
+from xgrammar.contrib.hf import LogitsProcessor
+
+from hf_paged import LLM, InvalidRequestError, LLMEngine, SamplingParams
+from hf_paged.sampling_params import StructuredOutputsParams as S
+from conftest import EOS, make_byte_tokenizer, make_model
+
+VOCAB = 320
+SCHEMA = {"type": "object",
+          "properties": {"ok": {"type": "boolean"},
+                         "n": {"type": "integer", "minimum": 0, "maximum": 99},
+                         "tag": {"enum": ["a", "bé", "c"]},
+                         "name": {"type": "string", "maxLength": 6}},
+          "required": ["ok", "n", "tag", "name"], "additionalProperties": False}
+GRAMMAR = 'root ::= expr\nexpr ::= num | "(" expr "+" expr ")"\nnum ::= [0-9]'
+_cache: dict = {}
+
+
+def setup(kind="llama_gqa"):
+    if kind not in _cache:
+        _cache[kind] = (make_model(kind, vocab_size=VOCAB, eos_token_id=EOS),
+                        make_byte_tokenizer(300))
+    return _cache[kind]
+
+
+def in_language(spec: S, text: str) -> bool:
+    if spec.json is not None or spec.json_object:
+        value = json.loads(text)
+        if spec.json is not None:
+            jsonschema.validate(value, spec.json)
+        return spec.json is not None or isinstance(value, dict)
+    if spec.regex is not None:
+        return re.fullmatch(spec.regex, text) is not None
+    if spec.choice is not None:
+        return text in spec.choice
+    return re.fullmatch(r"[0-9]|\(.*\+.*\)", text) is not None and \
+        text.count("(") == text.count(")") == text.count("+")
+
+
+SPECS = [S(json=SCHEMA), S(regex=r"[0-9]{2,4}-(yes|no)"), S(choice=["café", "naïve", "x"]),
+         S(grammar=GRAMMAR), S(json_object=True)]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=["json", "regex", "choice", "grammar", "object"])
+def test_every_completion_is_in_the_language(spec):
+    model, tok = setup()
+    llm = LLM(model, tok, block_size=4, num_blocks=1024, max_num_seqs=16)
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=200, structured_outputs=spec)
+    outs = llm.generate(["hello", "the quick fox", "日本"], params, use_tqdm=False)
+    for out in outs:
+        assert out.error is None
+        for c in out.outputs:
+            if c.finish_reason == "stop":  # ended by EOS: complete
+                assert c.token_ids[-1] == EOS
+                assert in_language(spec, c.text), c.text
+            else:  # cut at max_tokens: a prefix of the language, never a wrong token
+                assert c.finish_reason == "length"
+
+
+def stock_constrained(model, tok, prompt_ids, compiled, max_tokens):
+    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens,
+                         do_sample=False, pad_token_id=0, eos_token_id=EOS,
+                         logits_processor=[LogitsProcessor(compiled)])
+    return out[0, len(prompt_ids):].tolist()
+
+
+@pytest.mark.parametrize("kind", ["llama_gqa", "mistral_sw", "falcon_mq"])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_greedy_equals_stock_with_xgrammar(kind, async_scheduling):
+    """The engine's masks against xgrammar's Transformers logits processor on the same
+    model: the same tokens, EOS included, for every constraint in one batch."""
+    model, tok = setup(kind)
+    info = xgrammar.TokenizerInfo.from_huggingface(tok, vocab_size=VOCAB, stop_token_ids=[EOS])
+    compiler = xgrammar.GrammarCompiler(info)
+    compiled = [compiler.compile_json_schema(json.dumps(SCHEMA), any_whitespace=False),
+                compiler.compile_regex(r"[0-9]{2,4}-(yes|no)"),
+                compiler.compile_grammar(GRAMMAR)]
+    specs = [S(json=SCHEMA), S(regex=r"[0-9]{2,4}-(yes|no)"), S(grammar=GRAMMAR)]
+    prompts = [tok(p)["input_ids"] for p in ("hello wörld", "the fox", "café")]
+    llm = LLM(model, tok, block_size=4, num_blocks=1024, max_num_batched_tokens=16,
+              max_num_seqs=8, async_scheduling=async_scheduling)
+    params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=s) for s in specs]
+    jobs = [(p, i) for p in prompts for i in range(3)]
+    outs = llm.generate([p for p, _ in jobs], [params[i] for _, i in jobs], use_tqdm=False)
+    for (prompt, i), out in zip(jobs, outs):
+        assert out.outputs[0].token_ids == stock_constrained(model, tok, prompt, compiled[i], 40)
+
+
+def test_preemption_and_prompt_logprobs_keep_constraints():
+    model, tok = setup()
+    spec = S(json=SCHEMA)
+    params = SamplingParams(temperature=0, max_tokens=60, structured_outputs=spec,
+                            prompt_logprobs=1)
+    prompts = [tok(p)["input_ids"] for p in ("hello wörld café", "the quick brown fox", "テスト")]
+    roomy = LLM(model, tok, block_size=4, num_blocks=1024).generate(prompts, params,
+                                                                     use_tqdm=False)
+    for mode in ("recompute", "swap"):
+        engine = LLMEngine(model, tok, block_size=4, num_blocks=24, max_num_seqs=3,
+                           max_num_batched_tokens=8, preemption_mode=mode,
+                           admission_headroom=0)
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, params)
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        assert engine.stats().num_preemptions > 0
+        for i, ref in enumerate(roomy):
+            assert done[str(i)].outputs[0].token_ids == ref.outputs[0].token_ids
+            got, want = done[str(i)].prompt_logprobs, ref.prompt_logprobs
+            assert got[0] is None and len(got) == len(want)
+            for g, w in zip(got[1:], want[1:]):
+                assert g.keys() == w.keys()
+                assert all(abs(g[t] - w[t]) < 1e-4 for t in w)
+
+
+def test_constraints_compile_once_and_bad_ones_are_refused():
+    model, tok = setup()
+    engine = LLMEngine(model, tok, block_size=4, num_blocks=256)
+    params = SamplingParams(max_tokens=4, structured_outputs=S(json=SCHEMA))
+    engine.add_request("a", "hello", params)
+    engine.add_request("b", "fox", SamplingParams(max_tokens=4, structured_outputs=S(
+        json=json.dumps(SCHEMA, sort_keys=True))))
+    assert engine.grammars.compiles == 1
+    for bad in (S(regex="(unclosed"), S(grammar="root ::= missing_rule"),
+                S(json='{"type": "object", "properties": 5}')):
+        with pytest.raises(InvalidRequestError, match="structured_outputs") as err:
+            engine.add_request("bad", "hello", SamplingParams(structured_outputs=bad))
+        assert err.value.param == "structured_outputs"
+    assert set(engine.requests) == {"a", "b"}
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({}, "exactly one"),
+    ({"regex": "a", "choice": ["b"]}, "exactly one"),
+    ({"choice": []}, "choice"),
+    ({"choice": ["a", 3]}, "choice"),
+    ({"regex": ""}, "regex"),
+    ({"json": 5}, "json"),
+])
+def test_params_are_checked(kwargs, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        S(**kwargs)
+    with pytest.raises(InvalidRequestError, match="structured_outputs"):
+        SamplingParams(structured_outputs={"jsn": {}})
+
+
+def test_needs_a_tokenizer_and_names_the_extra(monkeypatch):
+    model, tok = setup()
+    engine = LLMEngine(model, None, block_size=4, num_blocks=64)
+    with pytest.raises(InvalidRequestError, match="tokenizer"):
+        engine.add_request("a", [5, 6], SamplingParams(structured_outputs=S(regex="a+")))
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # as if the extra were not installed
+    engine = LLMEngine(model, tok, block_size=4, num_blocks=64)
+    with pytest.raises(InvalidRequestError, match=r"hf-paged\[structured\]"):
+        engine.add_request("a", [5, 6], SamplingParams(structured_outputs=S(regex="a+")))
+    assert not engine.requests
