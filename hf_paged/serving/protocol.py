@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ..engine.detokenizer import TokenPieces
 from ..errors import APIError, InvalidRequestError
 from ..outputs import CompletionOutput, RequestOutput
-from ..sampling_params import SamplingParams
+from ..sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class StreamOptions(BaseModel):
@@ -43,6 +43,28 @@ def _check_unicode(data: Any) -> None:
             todo += [(field, k) for k in value] + [(field, v) for v in value.values()]
         elif isinstance(value, list):
             todo += [(field, v) for v in value]
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: "text", "json_object", or "json_schema" with a schema
+    (always enforced; `strict` is accepted and changes nothing)."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+# vLLM's older names of the structured_outputs fields, still sent by many clients.
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+          "guided_grammar": "grammar"}
 
 
 class _Sampling(BaseModel):
@@ -78,6 +100,49 @@ class _Sampling(BaseModel):
     priority: int = 0
     cache_salt: str | None = Field(None, min_length=1)  # vLLM's: a prefix-cache namespace
     timeout: float | None = Field(None, gt=0)  # seconds until the request ends ("timeout")
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's StructuredOutputsParams fields
+    guided_json: Union[dict[str, Any], str, None] = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    @property
+    def constraint_field(self) -> str:
+        """The field the request's structured-output constraint came from."""
+        given = [name for name in ("response_format", "structured_outputs", *GUIDED)
+                 if getattr(self, name) is not None]
+        return given[0] if given else "structured_outputs"
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The constraint of `response_format`, `structured_outputs` or a `guided_*` field
+        (one of them at most); APIError 400 naming the field if it is malformed."""
+        sources = {}
+        fmt = self.response_format
+        if fmt is not None and fmt.type != "text":
+            if fmt.type == "json_object":
+                sources["response_format"] = {"json_object": True}
+            elif fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise APIError(400, "response_format: a json_schema response format needs "
+                               "json_schema.schema.", "response_format")
+            else:
+                sources["response_format"] = {"json": fmt.json_schema.schema_}
+        if self.structured_outputs is not None:
+            sources["structured_outputs"] = self.structured_outputs
+        for name, key in GUIDED.items():
+            if getattr(self, name) is not None:
+                sources[name] = {key: getattr(self, name)}
+        if len(sources) > 1:
+            raise APIError(400, f"Give one structured-output constraint; got {sorted(sources)}.",
+                           sorted(sources)[0])
+        if not sources:
+            return None
+        (field, fields), = sources.items()
+        known = {"json", "regex", "choice", "grammar", "json_object"}
+        try:
+            return StructuredOutputsParams(**{k: v for k, v in fields.items() if k in known})
+        except InvalidRequestError as err:
+            raise APIError(400, f"{field}: {err}", field) from err
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -97,7 +162,8 @@ class _Sampling(BaseModel):
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs, timeout=timeout)
+                prompt_logprobs=prompt_logprobs, structured_outputs=self.structured(),
+                timeout=timeout)
         except InvalidRequestError as err:
             raise APIError(400, str(err), err.param) from err
 
