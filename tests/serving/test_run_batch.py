@@ -1,0 +1,189 @@
+"""`hf-paged run-batch`: a file of OpenAI batch requests run through the server's endpoints
+in-process. Good lines equal stock greedy `generate`, bad lines become error lines in their
+place, output keeps input order, and the CLI exits 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_paged.server import build_app
+from hf_paged.serving import batch, cli
+from conftest import make_model
+from test_server import tokenizer_with_template
+
+PROMPTS = ["w5 w6 w7 w8 w9", "w10 w11", "w40 w41 w42 w43", "w20 w20 w21"]
+CHATS = [[{"role": "user", "content": "w5 w6"}],
+         [{"role": "system", "content": "w10 w11"}, {"role": "user", "content": "w30 w31 w32"}]]
+
+
+@pytest.fixture(scope="module")
+def llama_and_tok():
+    return make_model("llama_gqa"), tokenizer_with_template()
+
+
+def stock(model, tok, ids: list[int], max_tokens: int) -> str:
+    out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
+                         pad_token_id=0)
+    return tok.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
+
+
+def batch_file(model_name: str):
+    """(input lines, what each output line must be): ("ok", expected text) for a good
+    line, ("error", error code, HTTP status or None) for a bad one."""
+    lines, expect = [], []
+
+    def request(custom_id, url, body, *want):
+        lines.append(json.dumps({"custom_id": custom_id, "method": "POST", "url": url,
+                                 "body": body}))
+        expect.append((custom_id, *want))
+
+    for i, prompt in enumerate(PROMPTS):
+        request(f"cmpl-{i}", "/v1/completions", {"model": model_name, "prompt": prompt,
+                                                 "max_tokens": 4 + 2 * i, "temperature": 0},
+                "ok", ("completion", prompt, 4 + 2 * i))
+        if i == 1:
+            lines.append("")  # blank lines are skipped: no output line
+            lines.append("{not json")
+            expect.append((None, "error", "invalid_json_line", None))
+    for i, messages in enumerate(CHATS):
+        request(f"chat-{i}", "/v1/chat/completions",
+                {"model": model_name, "messages": messages, "max_tokens": 6, "temperature": 0},
+                "ok", ("chat", messages, 6))
+    lines.append(json.dumps({"method": "POST", "url": "/v1/completions",
+                             "body": {"model": model_name, "prompt": "w5"}}))
+    expect.append((None, "error", "missing_custom_id", None))
+    request("bad-url", "/v1/embeddings", {"model": model_name, "input": "w5"},
+            "error", "invalid_url", None)
+    request("bad-temperature", "/v1/completions",
+            {"model": model_name, "prompt": "w5", "temperature": 5}, "error",
+            "invalid_request_error", 400)
+    request("stream", "/v1/chat/completions",
+            {"model": model_name, "messages": CHATS[0], "stream": True}, "error",
+            "stream_not_supported", None)
+    request("unknown-model", "/v1/completions", {"model": "nobody", "prompt": "w5"},
+            "error", "model_not_found", 404)
+    request("last", "/v1/completions", {"model": model_name, "prompt": PROMPTS[0],
+                                        "max_tokens": 3, "temperature": 0},
+            "ok", ("completion", PROMPTS[0], 3))
+    return lines, expect
+
+
+def check(records: list[dict], expect, model, tok) -> None:
+    assert len(records) == len(expect)
+    assert len({r["id"] for r in records}) == len(records)
+    for record, (custom_id, kind, *want) in zip(records, expect):
+        assert record["custom_id"] == custom_id and record["id"].startswith("batch_req_")
+        if kind == "ok":
+            assert record["error"] is None, record
+            response = record["response"]
+            assert response["status_code"] == 200
+            body = response["body"]
+            assert response["request_id"] == body["id"]
+            api, prompt, max_tokens = want[0]
+            if api == "completion":
+                text = body["choices"][0]["text"]
+                ids = tok(prompt)["input_ids"]
+            else:
+                text = body["choices"][0]["message"]["content"]
+                ids = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+                ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            assert text == stock(model, tok, ids, max_tokens), custom_id
+            assert body["usage"]["prompt_tokens"] == len(ids)
+        else:
+            code, status = want
+            assert record["error"]["code"] == code, record
+            assert record["error"]["message"]
+            if status is None:
+                assert record["response"] is None
+            else:
+                assert record["response"]["status_code"] == status
+                assert record["response"]["body"]["error"]["message"] == \
+                    record["error"]["message"]
+
+
+def test_run_batch_in_process(llama_and_tok):
+    model, tok = llama_and_tok
+    lines, expect = batch_file("tiny")
+    app = build_app(model, tok, served_model_name="tiny", block_size=4, num_blocks=200,
+                    max_num_seqs=3, max_num_batched_tokens=16)
+    written = []
+    # Fewer slots than lines: lines wait for a slot, and finish out of order.
+    assert batch.run_batch(app, lines, max_concurrency=4, write=written.append) == []
+    check(written, expect, model, tok)
+    assert not app.state.server.llm.is_alive  # the app's lifespan shut its engine down
+    app = build_app(model, tok, served_model_name="tiny", block_size=4, num_blocks=200)
+    check(batch.run_batch(app, lines), expect, model, tok)
+
+
+def test_cli_run_batch(llama_and_tok, tmp_path):
+    """`python -m hf_paged.serving.cli run-batch -i IN -o OUT FOLDER`: the model is asked
+    for by its folder (the default served name); the run exits 0 despite the bad lines."""
+    model, tok = llama_and_tok
+    folder = tmp_path / "model"
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    lines, expect = batch_file(str(folder))
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    done = subprocess.run(
+        [sys.executable, "-m", "hf_paged.serving.cli", "run-batch", "-i",
+         str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), str(folder),
+         "--block-size", "4", "--num-blocks", "200", "--max-num-seqs", "4",
+         "--max-concurrency", "5"],
+        env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "run-batch: 100%" in done.stderr  # the progress bar
+    records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    check(records, expect, model, tok)
+
+
+def test_cli_help_and_server_only_options(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["run-batch", "--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    assert "--input-file" in text and "--max-concurrency" in text and "--lora" in text
+    assert "--port" not in text and "--api-key" not in text
+    with pytest.raises(SystemExit) as exit_:
+        batch.main(["-i", "in.jsonl", "-o", "out.jsonl", "model", "--port", "9000"])
+    assert exit_.value.code == 2
+    assert "--port is an option of hf-paged serve" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert "run-batch -i REQUESTS.jsonl" in capsys.readouterr().out
+
+
+def test_a_request_that_fails_while_running_or_cannot_be_sent_is_an_error_line():
+    """A 200 whose body has an error (finish_reason "error") keeps its response and gets the
+    error; a transport failure is an error line without a response."""
+    import asyncio
+
+    import httpx
+
+    class Client:
+        async def post(self, url, json):
+            if json["prompt"] == "boom":
+                raise RuntimeError("no route")
+            return httpx.Response(200, json={
+                "id": "cmpl-1", "choices": [{"text": "", "finish_reason": "error"}],
+                "error": {"message": "the engine step failed", "type": "server_error",
+                          "param": None, "code": None}})
+
+    def line(prompt):
+        return json.dumps({"custom_id": prompt, "method": "POST", "url": "/v1/completions",
+                           "body": {"model": "m", "prompt": prompt}})
+
+    failed = asyncio.run(batch._send(Client(), 1, line("w5")))
+    assert failed["response"]["status_code"] == 200
+    assert failed["response"]["request_id"] == "cmpl-1"
+    assert failed["error"] == {"code": "server_error", "message": "the engine step failed"}
+    lost = asyncio.run(batch._send(Client(), 2, line("boom")))
+    assert lost["custom_id"] == "boom" and lost["response"] is None
+    assert lost["error"] == {"code": "internal_error", "message": "RuntimeError: no route"}
