@@ -18,6 +18,7 @@ from ..engine.detokenizer import TokenPieces
 from ..errors import APIError, InvalidRequestError
 from ..outputs import CompletionOutput, RequestOutput
 from ..sampling_params import SamplingParams, StructuredOutputsParams
+from .tools import ToolMode, check_tools, forced_schema
 
 
 class StreamOptions(BaseModel):
@@ -148,8 +149,9 @@ class _Sampling(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        timeout: float | None = None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        timeout: float | None = None, prompt_logprobs: int | None = None,
+                        constraint: StructuredOutputsParams | None = None) -> SamplingParams:
+        """constraint: the structured output, when not the request's own (forced tools)."""
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported.", "logit_bias")
         if self.stream_options is not None and not self.stream:
@@ -162,7 +164,8 @@ class _Sampling(BaseModel):
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs, structured_outputs=self.structured(),
+                prompt_logprobs=prompt_logprobs,
+                structured_outputs=constraint or self.structured(),
                 timeout=timeout)
         except InvalidRequestError as err:
             raise APIError(400, str(err), err.param) from err
@@ -208,6 +211,8 @@ class ChatMessage(BaseModel):
     content: Union[str, list[dict[str, Any]], None] = None
 
     def as_template_input(self) -> dict:
+        """The message as chat templates read it (an assistant's `tool_calls`, a tool
+        result's `tool_call_id` and `name` kept)."""
         content = self.content
         if isinstance(content, list):  # content parts: only text is understood
             texts = []
@@ -217,7 +222,11 @@ class ChatMessage(BaseModel):
                                    "supported (text only).", "messages")
                 texts.append(str(part.get("text", "")))
             content = "".join(texts)
-        return {"role": self.role, "content": content or ""}
+        message = {"role": self.role, "content": content or ""}
+        for name in ("tool_calls", "tool_call_id", "name"):
+            if (self.model_extra or {}).get(name) is not None:
+                message[name] = self.model_extra[name]
+        return message
 
 
 class ChatCompletionRequest(_Sampling):
@@ -225,6 +234,25 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: bool = True
+
+    def tool_mode(self, parser: str) -> ToolMode | None:
+        """How answers become tool calls (None: they do not); APIError 400 for bad tools."""
+        check_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
+        choice = self.tool_choice or ("auto" if self.tools else "none")
+        if choice == "none":
+            return None
+        return ToolMode(parser, choice, self.parallel_tool_calls)
+
+    def forced_tool_schema(self, mode: ToolMode | None) -> dict | None:
+        if mode is None or not mode.forced:
+            return None
+        if self.constraint_field != "structured_outputs" or self.structured_outputs:
+            raise APIError(400, f"tool_choice {mode.choice!r} constrains the answer already; "
+                           f"drop {self.constraint_field}.", "tool_choice")
+        return forced_schema(self.tools, mode.choice, mode.parallel)
 
     def logprob_count(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -242,6 +270,7 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool | None = None  # (default: True for a prompt, False for messages)
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    tools: list[dict[str, Any]] | None = None  # rendered with the messages
 
     @model_validator(mode="after")
     def _one_input(self):
@@ -382,13 +411,22 @@ def completion_response(request_id: str, model: str, results: list[RequestOutput
 
 
 def chat_response(request_id: str, model: str, result: RequestOutput, pieces: TokenPieces,
-                  top: int) -> dict:
+                  top: int, tools: ToolMode | None = None, raw_text=None) -> dict:
+    """tools: how answers become tool calls; raw_text(out): its text with special tokens."""
     choices = []
     for out in result.outputs:
+        message = {"role": "assistant", "content": out.text}
+        finish = out.finish_reason
+        if tools is not None and out.finished:
+            content, calls = tools.answer(out.text, raw_text(out))
+            if calls:
+                message = {"role": "assistant", "content": content,
+                           "tool_calls": [c.as_openai() for c in calls]}
+                finish = "tool_calls"
         choices.append({
-            "index": out.index, "message": {"role": "assistant", "content": out.text},
+            "index": out.index, "message": message,
             "logprobs": chat_logprobs(out, 0, pieces, top) if out.logprobs is not None else None,
-            "finish_reason": out.finish_reason, "stop_reason": out.stop_reason})
+            "finish_reason": finish, "stop_reason": out.stop_reason})
     completion_tokens = sum(len(o.token_ids) for o in result.outputs)
     body = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
             "model": model, "choices": choices,

@@ -34,6 +34,7 @@ from ..engine.async_llm import AsyncLLM, RequestStream
 from ..engine.detokenizer import TokenPieces
 from ..engine import BASE
 from ..errors import InvalidRequestError, RequestRejectedError, describe
+from ..sampling_params import StructuredOutputsParams
 from .guard import RequestGuard
 from .metrics import ServerMetrics
 from .protocol import (
@@ -41,6 +42,7 @@ from .protocol import (
     chat_response, completion_response, new_id,
 )
 from .sse import EventStream, chat_events, completion_events
+from .tools import PARSERS, auto_parser, template_messages
 
 logger = logging.getLogger("hf_paged")
 SHUTDOWN_MESSAGE = "the server is shutting down"
@@ -81,6 +83,7 @@ class _Server:
         self.executor = ThreadPoolExecutor(4, thread_name_prefix="hf-paged-tokenize")
         self.draining = False
         self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop, once started
+        self.tool_parser = "hermes"  # the format of the model's own tool calls
 
     # -- checks, before anything is queued --------------------------------------------------
     def check_open(self) -> None:
@@ -138,18 +141,29 @@ class _Server:
         tokenizer = self.llm.tokenizer
         return "" if tokenizer is None else await self._off_loop(tokenizer.decode, ids)
 
+    def raw_text(self, out) -> str:
+        """A completion's text with special tokens (tool-call markers may be special), its
+        ending EOS left out."""
+        ids = out.token_ids
+        if out.finish_reason == "stop" and out.stop_reason is None and ids:
+            ids = ids[:-1]
+        return self.llm.tokenizer.decode(ids, skip_special_tokens=False)
+
     async def chat_tokens(self, messages: list, add_generation_prompt: bool = True,
-                          add_special_tokens: bool = False) -> list[int]:
-        """Chat messages (ChatMessage) rendered by the chat template, as token ids."""
+                          add_special_tokens: bool = False, tools: list | None = None
+                          ) -> list[int]:
+        """Chat messages (ChatMessage) rendered by the chat template (with `tools`, if
+        any), as token ids."""
         tokenizer = self.llm.tokenizer
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "The model's tokenizer has no chat template, so chat completions "
                            "cannot be formatted; use /v1/completions.", "messages")
-        messages = [m.as_template_input() for m in messages]
+        messages = template_messages([m.as_template_input() for m in messages])
 
         def render():
             text = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+                messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                tokenize=False)
             return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
         try:
@@ -248,7 +262,8 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
               served_model_name: str | None = None, api_key: str | list[str] | None = None,
               max_waiting_requests: int | None = None, limits: ServerLimits | None = None,
               salt_by_api_key: bool = True, metrics_without_auth: bool = False,
-              max_unread_outputs: int = 256, **engine_options) -> FastAPI:
+              max_unread_outputs: int = 256, tool_call_parser: str = "auto",
+              **engine_options) -> FastAPI:
     """The ASGI app serving `model` (a loaded model, a PEFT model with LoRA adapters, or a
     folder), or an existing `llm` (which the app then does not shut down). Adapters of a
     PEFT model are served under their names, the base model under `served_model_name` (by
@@ -257,7 +272,8 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
     api_key: one key or several (one tenant each); with keys, every path but /health needs
     one (/metrics too, unless `metrics_without_auth`), and each tenant's prompts are cached
     apart (`salt_by_api_key`). limits: see `ServerLimits` (`max_waiting_requests` sets its
-    max_waiting_sequences)."""
+    max_waiting_sequences). tool_call_parser: the format of the model's tool calls
+    (hermes, llama3_json, mistral; auto: read from the chat template)."""
     owned = llm is None
     if owned:
         llm = AsyncLLM(model, tokenizer, max_unread_outputs=max_unread_outputs, **engine_options)
@@ -268,7 +284,12 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
     if any(not isinstance(k, str) or not k for k in keys):
         raise ValueError("API keys must be non-empty strings.")
     name = served_model_name or llm.model_name
+    if tool_call_parser != "auto" and tool_call_parser not in PARSERS:
+        raise ValueError(f"tool_call_parser must be 'auto' or one of {PARSERS}; got "
+                         f"{tool_call_parser!r}.")
     server = _Server(llm, name, llm.adapters, limits, salt_by_api_key and bool(keys))
+    server.tool_parser = tool_call_parser if tool_call_parser != "auto" else \
+        auto_parser(getattr(llm.tokenizer, "chat_template", None))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -346,7 +367,7 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
             server.adapter_for(body.model)
         if body.messages is not None:
             ids = await server.chat_tokens(body.messages, body.add_generation_prompt,
-                                           bool(body.add_special_tokens))
+                                           bool(body.add_special_tokens), body.tools)
         else:
             tokenizer = server.need_tokenizer("prompt")
             special = body.add_special_tokens is not False
@@ -401,10 +422,14 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
         adapter = server.adapter_for(body.model)
         server.check_stops(body.stops())
         top = body.logprob_count()
-        prompt = await server.chat_tokens(body.messages)
+        tools = body.tool_mode(server.tool_parser)
+        forced = body.forced_tool_schema(tools)
+        prompt = await server.chat_tokens(body.messages, tools=body.tools)
         max_tokens = body.max_completion_tokens or body.max_tokens or \
             server.default_max_tokens(len(prompt))
-        params = body.sampling_params(max_tokens, top, server.timeout_for(body.timeout))
+        params = body.sampling_params(max_tokens, top, server.timeout_for(body.timeout),
+                                      constraint=None if forced is None else
+                                      StructuredOutputsParams(json=forced))
         tenant = request.state.tenant
         streams = server.start([prompt], params, adapter, body.priority,
                                server.salt_for(tenant, body.cache_salt), "messages",
@@ -412,11 +437,12 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
         rid = new_id("chatcmpl")
         if body.stream:
             return EventStream(chat_events(server, body, rid, streams[0], params, top or 0,
-                                             tenant), streams)
+                                             tenant, tools), streams)
         results = await server.collect(streams, request)
         if results is None:
             return Response(status_code=499)
         server.metrics.finished(results[0], tenant)
-        return chat_response(rid, body.model, results[0], server.pieces, top or 0)
+        return chat_response(rid, body.model, results[0], server.pieces, top or 0, tools,
+                             server.raw_text)
 
     return app

@@ -23,6 +23,7 @@ from .protocol import (
     chat_logprobs, completion_logprobs, echoed, error_body, joined_logprobs, piece_length,
     usage,
 )
+from .tools import marker
 
 
 def _sse(data: Any) -> str:
@@ -51,8 +52,9 @@ class _Deltas:
     While a completion may still end on a stop string, the last characters that could be
     the start of one are held back (the final text is cut before the stop string)."""
 
-    def __init__(self, params):
-        self.hold = max((len(s) for s in params.stop), default=1) - 1
+    def __init__(self, params, hold: int = 0):
+        """hold: characters to hold back anyway (a tool-call marker's start)."""
+        self.hold = max(max((len(s) for s in params.stop), default=1) - 1, hold)
         self.sent: dict[int, list] = {}
 
     def next(self, index: int, c) -> tuple[int, str] | None:
@@ -149,20 +151,44 @@ async def completion_events(server, body, rid, streams, params, tenant, echo=Non
     yield "data: [DONE]\n\n"
 
 
-async def chat_events(server, body, rid, stream, params, top, tenant):
+def _tool_choice(server, tools, c, sent: list) -> dict:
+    """The last chunk of a held answer: what is left of its content, then its calls."""
+    content, calls = tools.answer(c.text, server.raw_text(c))
+    delta: dict = {}
+    rest = (content or "")[sent[1]:] if calls else c.text[sent[1]:]
+    if rest:
+        delta["content"] = rest
+    if calls:
+        delta["tool_calls"] = [call.as_openai(i) for i, call in enumerate(calls)]
+    sent[:] = [len(c.token_ids), len(c.text), True]
+    return {"index": c.index, "delta": delta, "logprobs": None,
+            "finish_reason": "tool_calls" if calls else c.finish_reason}
+
+
+async def chat_events(server, body, rid, stream, params, top, tenant, tools=None):
+    """tools (a ToolMode): an answer that turns out to be a tool call is held back once
+    its marker shows, and sent as `tool_calls` deltas when it ends."""
     head = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
             "model": body.model}
-    deltas = _Deltas(params)
+    deltas = _Deltas(params, len(marker(tools.parser)) - 1 if tools is not None else 0)
+    held: set[int] = set()  # choices whose answer may be a tool call
     last: RequestOutput | None = None
     error = None
     try:
         async for out in stream:
             last = out
             for c in out.outputs:
-                if c.index not in deltas.sent:  # the role first, as OpenAI streams it
+                if c.index not in deltas.sent and c.index not in held:  # the role first
                     yield _sse(dict(head, choices=[{"index": c.index, "delta": {
                         "role": "assistant", "content": ""}, "logprobs": None,
                         "finish_reason": None}]))
+                    deltas.sent.setdefault(c.index, [0, 0, False])
+                if tools is not None and (c.index in held or tools.holds(server.raw_text(c))):
+                    held.add(c.index)
+                    if c.finished:
+                        yield _sse(dict(head, choices=[_tool_choice(server, tools, c,
+                                                                    deltas.sent[c.index])]))
+                    continue
                 delta = deltas.next(c.index, c)
                 if delta is None:
                     continue

@@ -1,0 +1,222 @@
+"""Tool calls in chat: the tools go to the chat template, and the model's answer is parsed
+back into OpenAI `tool_calls`.
+
+With `tool_choice="auto"` the model writes calls in its own format, found by a parser:
+
+  hermes       <tool_call>{"name": ..., "arguments": {...}}</tool_call>, any number (Hermes,
+               Qwen 2.5 / 3)
+  llama3_json  {"name": ..., "parameters": {...}} as the whole answer, calls separated by
+               ";", an optional <|python_tag|> first (Llama 3.1 / 3.2 JSON tool calling)
+  mistral      [TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...] (Mistral)
+
+`auto_parser` picks one from the chat template. With `tool_choice="required"` or a named
+function the answer is instead constrained (structured outputs) to JSON that is the calls
+themselves, so its arguments always parse and match the function's schema: for a named
+function, its arguments object; for "required", a list of {"name", "parameters"} objects
+(one at most without parallel_tool_calls).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from ..errors import APIError
+
+PARSERS = ("hermes", "llama3_json", "mistral")
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text
+
+    def as_openai(self, index: int | None = None) -> dict:
+        call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+        return call if index is None else {"index": index, **call}
+
+
+def auto_parser(chat_template: str | None) -> str:
+    """The parser a chat template's own tool-call format needs (hermes if none is seen)."""
+    template = chat_template or ""
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
+    if "<tool_call>" in template:
+        return "hermes"
+    if "<|python_tag|>" in template or "ipython" in template:
+        return "llama3_json"
+    return "hermes"
+
+
+def check_tools(tools: list | None, tool_choice, parallel: bool | None) -> None:
+    """APIError 400 for tools or a tool_choice OpenAI would refuse."""
+    names = []
+    for i, tool in enumerate(tools or []):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not (isinstance(tool, dict) and tool.get("type") == "function" and isinstance(fn, dict)
+                and isinstance(fn.get("name"), str) and fn["name"]):
+            raise APIError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": "
+                           "{\"name\": ..., \"parameters\": {...}}}.", "tools")
+        if not isinstance(fn.get("parameters", {}), dict):
+            raise APIError(400, f"tools[{i}].function.parameters must be a JSON schema object.",
+                           "tools")
+        names.append(fn["name"])
+    if isinstance(tool_choice, dict):
+        name = (tool_choice.get("function") or {}).get("name")
+        if tool_choice.get("type") != "function" or name not in names:
+            raise APIError(400, f"tool_choice names a function the request's tools do not "
+                           f"have; it has {names}.", "tool_choice")
+    elif tool_choice not in (None, "none", "auto", "required"):
+        raise APIError(400, "tool_choice must be 'none', 'auto', 'required' or "
+                       "{\"type\": \"function\", \"function\": {\"name\": ...}}.", "tool_choice")
+    elif tool_choice == "required" and not names:
+        raise APIError(400, "tool_choice 'required' needs tools.", "tool_choice")
+
+
+def _parameters(tool: dict) -> dict:
+    return tool["function"].get("parameters") or {"type": "object", "properties": {}}
+
+
+def forced_schema(tools: list, tool_choice, parallel: bool) -> dict | None:
+    """The JSON schema an answer must follow for `tool_choice` (None: not forced)."""
+    if isinstance(tool_choice, dict):
+        name = tool_choice["function"]["name"]
+        return _parameters(next(t for t in tools if t["function"]["name"] == name))
+    if tool_choice != "required":
+        return None
+    call = {"anyOf": [{"type": "object",
+                       "properties": {"name": {"const": t["function"]["name"]},
+                                      "parameters": _parameters(t)},
+                       "required": ["name", "parameters"], "additionalProperties": False}
+                      for t in tools]}
+    schema = {"type": "array", "items": call, "minItems": 1}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+def forced_calls(text: str, tool_choice) -> list[ToolCall]:
+    """The calls of an answer constrained by `forced_schema`."""
+    value = json.loads(text)
+    if isinstance(tool_choice, dict):
+        return [ToolCall(tool_choice["function"]["name"], json.dumps(value, ensure_ascii=False))]
+    return [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """OpenAI messages as chat templates read them: an assistant's tool-call arguments as
+    objects (templates write them with `tojson`), not JSON strings."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if calls:
+            m = dict(m, tool_calls=[_template_call(c) for c in calls])
+        out.append(m)
+    return out
+
+
+def _template_call(call: dict) -> dict:
+    fn = dict(call.get("function") or {})
+    if isinstance(fn.get("arguments"), str):
+        try:
+            fn["arguments"] = json.loads(fn["arguments"])
+        except json.JSONDecodeError:
+            pass  # (a template may take it as text)
+    return dict(call, function=fn)
+
+
+# -- parsing a model's own format -------------------------------------------------------------
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+
+
+def _call_of(obj, arguments_key: str) -> ToolCall | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get(arguments_key, obj.get("arguments", {}))
+    return ToolCall(obj["name"], args if isinstance(args, str) else
+                    json.dumps(args, ensure_ascii=False))
+
+
+def _json_calls(text: str, arguments_key: str) -> list[ToolCall] | None:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    items = value if isinstance(value, list) else [value]
+    calls = [_call_of(item, arguments_key) for item in items]
+    return None if not calls or None in calls else calls
+
+
+def parse(parser: str, text: str) -> tuple[str, list[ToolCall]]:
+    """(content, calls) of an answer in `parser`'s format; an answer with no complete call
+    is all content. `text` is decoded with special tokens (markers may be special)."""
+    if parser == "hermes":
+        calls = []
+        for match in _HERMES.finditer(text):
+            found = _json_calls(match.group(1), "arguments")
+            if found is None:
+                return text, []
+            calls += found
+        if not calls:
+            return text, []
+        return text[:text.index("<tool_call>")].strip(), calls
+    if parser == "mistral":
+        if "[TOOL_CALLS]" not in text:
+            return text, []
+        head, _, body = text.partition("[TOOL_CALLS]")
+        calls = _json_calls(body.strip(), "arguments")
+        return (text, []) if calls is None else (head.strip(), calls)
+    if parser == "llama3_json":
+        body = text.strip().removeprefix("<|python_tag|>").strip()
+        if not body.startswith("{"):
+            return text, []
+        calls = []
+        for part in body.split(";"):
+            found = _json_calls(part.strip(), "parameters")
+            if found is None:
+                return text, []
+            calls += found
+        return "", calls
+    raise ValueError(f"unknown tool-call parser {parser!r}; known: {PARSERS}")
+
+
+def marker(parser: str) -> str:
+    """Text whose start a stream holds back: it may begin a tool call."""
+    return {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3_json": "{"}[parser]
+
+
+@dataclass
+class ToolMode:
+    """How a chat request's answers become tool calls."""
+
+    parser: str
+    choice: object  # "auto", "required" or {"type": "function", "function": {"name": ...}}
+    parallel: bool
+
+    @property
+    def forced(self) -> bool:
+        return self.choice != "auto"
+
+    def answer(self, text: str, raw: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls) of a finished answer: `text` as the client would see it, `raw`
+        decoded with special tokens (its EOS left out)."""
+        if self.forced:
+            try:
+                return None, forced_calls(text, self.choice)
+            except (json.JSONDecodeError, KeyError, TypeError):
+                return text, []  # cut short by max_tokens: not a call
+        content, calls = parse(self.parser, raw)
+        if not calls:
+            return text, []
+        return content or None, calls if self.parallel else calls[:1]
+
+    def holds(self, raw: str) -> bool:
+        """While streaming: the answer so far may be a call (stop sending it as content)."""
+        if self.forced:
+            return True
+        if self.parser == "llama3_json":
+            return raw.lstrip().startswith(("{", "<|python_tag|>"))
+        return marker(self.parser) in raw

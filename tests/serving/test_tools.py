@@ -1,0 +1,190 @@
+"""Tool calls: the parsers of each model family's format, `tool_choice` required / named
+(forced by a schema: arguments always parse and validate), `auto` parsed from what the
+model writes (made to write a call with a regex constraint), streaming deltas, parallel
+calls, tool messages fed back through the chat template, and bad tools as 400s."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from hf_paged.server import build_app
+from hf_paged.serving.tools import auto_parser, parse
+from conftest import EOS, make_byte_tokenizer, make_model
+from test_server import ServerThread
+
+KEY = "k"
+TEMPLATE = (
+    "{%- if tools %}<|system|>tools: {{ tools | tojson }}\n{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and m.tool_calls %}<|assistant|>"
+    "{%- for c in m.tool_calls %}<tool_call>{\"name\": \"{{ c.function.name }}\", "
+    "\"arguments\": {{ c.function.arguments | tojson }}}</tool_call>{% endfor %}\n"
+    "{%- elif m.role == 'tool' %}<|tool|>{{ m.tool_call_id }}: {{ m.content }}\n"
+    "{%- else %}<|{{ m.role }}|>{{ m.content }}\n{% endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|assistant|>{% endif %}")
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "the weather of a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 8},
+        "unit": {"enum": ["c", "f"]}}, "required": ["city", "unit"],
+        "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {
+        "zone": {"type": "integer", "minimum": -12, "maximum": 12}}, "required": ["zone"],
+        "additionalProperties": False}}}
+TOOLS = [WEATHER, TIME]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+MESSAGES = [{"role": "user", "content": "weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def served():
+    tok = make_byte_tokenizer(300)
+    tok.chat_template = TEMPLATE
+    model = make_model("llama_gqa", vocab_size=320, eos_token_id=EOS,
+                       max_position_embeddings=4096)
+    app = build_app(model, tok, served_model_name="tiny", api_key=KEY, block_size=16,
+                    num_blocks=512, max_num_seqs=16)
+    with ServerThread(app) as server:
+        server.tok = tok
+        server.client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+        server.http = httpx.Client(base_url=server.url,
+                                   headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+        yield server
+
+
+def check_calls(calls, names=None):
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert names is None or call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+# -- parsers ------------------------------------------------------------------------------------
+def test_hermes_parser():
+    text = ('Let me look.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+            '</tool_call>\n<tool_call>{"name": "get_time", "arguments": {"zone": 1}}</tool_call>')
+    content, calls = parse("hermes", text)
+    assert content == "Let me look."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"}), ("get_time", {"zone": 1})]
+    assert parse("hermes", "no call here") == ("no call here", [])
+    assert parse("hermes", "<tool_call>{not json</tool_call>")[1] == []
+
+
+def test_llama3_and_mistral_parsers():
+    content, calls = parse("llama3_json", '<|python_tag|>{"name": "get_time", "parameters": '
+                                          '{"zone": 2}}; {"name": "get_weather", "parameters": '
+                                          '{"city": "Oslo"}}')
+    assert content == "" and [c.name for c in calls] == ["get_time", "get_weather"]
+    assert json.loads(calls[0].arguments) == {"zone": 2}
+    assert parse("llama3_json", "Hello {there}")[1] == []
+    content, calls = parse("mistral", 'ok [TOOL_CALLS] [{"name": "get_weather", "arguments": '
+                                      '{"city": "Rome"}}]')
+    assert content == "ok" and calls[0].name == "get_weather"
+    assert auto_parser(TEMPLATE) == "hermes"
+    assert auto_parser("{{ '[TOOL_CALLS]' }}") == "mistral"
+    assert auto_parser("<|python_tag|>{{ x }}") == "llama3_json"
+
+
+# -- forced calls -----------------------------------------------------------------------------
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_calls_always_parse_and_validate(served, parallel):
+    out = served.client.chat.completions.create(
+        model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required", n=2,
+        parallel_tool_calls=parallel, max_tokens=1500, temperature=0.8, seed=5)
+    ended = [c for c in out.choices if c.finish_reason == "tool_calls"]
+    # A random model may go on adding parallel calls until max_tokens; one call always ends.
+    assert ended and (parallel or len(ended) == len(out.choices))
+    for choice in out.choices:
+        if choice.finish_reason == "tool_calls":
+            check_calls(choice.message.tool_calls, SCHEMAS)
+        else:
+            assert choice.finish_reason == "length" and parallel
+        if not parallel:
+            assert len(choice.message.tool_calls) == 1
+
+
+def test_named_function_and_streaming(served):
+    kw = dict(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=200, temperature=0,
+              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    whole = served.client.chat.completions.create(**kw).choices[0]
+    assert whole.finish_reason == "tool_calls"
+    check_calls(whole.message.tool_calls, ["get_weather"])
+    chunks = [c for c in served.client.chat.completions.create(**kw, stream=True) if c.choices]
+    deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert [d.function.name for d in deltas] == ["get_weather"] and deltas[0].index == 0
+    assert deltas[0].function.arguments == whole.message.tool_calls[0].function.arguments
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+# -- auto: what the model writes --------------------------------------------------------------
+CALL = ('Sure.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}'
+        '</tool_call>')
+
+
+def _regex(text: str) -> str:
+    return "".join("\\" + ch if ch in r".^$*+?{}[]\|()" else ch for ch in text)
+
+
+def test_auto_parses_the_models_own_calls(served):
+    kw = dict(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=200, temperature=0,
+              extra_body={"structured_outputs": {"regex": _regex(CALL)}})
+    choice = served.client.chat.completions.create(**kw).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Sure."
+    assert json.loads(choice.message.tool_calls[0].function.arguments) == {"city": "Paris",
+                                                                         "unit": "c"}
+    chunks = [c for c in served.client.chat.completions.create(**kw, stream=True) if c.choices]
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    calls = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert content == "Sure." and "<tool_call>" not in content
+    assert calls[0].function.name == "get_weather"
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    plain = served.client.chat.completions.create(
+        model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=5, temperature=0,
+        extra_body={"structured_outputs": {"regex": "abc"}})
+    assert plain.choices[0].message.content == "abc" and not plain.choices[0].message.tool_calls
+    none = served.client.chat.completions.create(**kw | {"tool_choice": "none"})
+    assert none.choices[0].message.content == CALL and not none.choices[0].message.tool_calls
+
+
+def test_tool_results_go_back_through_the_template(served):
+    messages = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    got = served.http.post("/tokenize", json={"messages": messages, "tools": TOOLS}).json()
+    rendered = served.tok.apply_chat_template(
+        [messages[0], dict(messages[1], tool_calls=[{"id": "call_1", "type": "function",
+                                                      "function": {"name": "get_weather",
+                                                                   "arguments": {"city": "Paris"}}}]),
+         messages[2]], tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    assert '"arguments": {"city": "Paris"}' in rendered and "call_1: sunny" in rendered
+    assert got["tokens"] == served.tok(rendered, add_special_tokens=False)["input_ids"]
+    out = served.client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS,
+                                                max_tokens=4)
+    assert out.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function"}]}, "tools"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "tool_choice"),
+])
+def test_bad_tools_are_400s(served, body, param):
+    r = served.http.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES,
+                                                       "max_tokens": 5, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
