@@ -52,6 +52,7 @@ class PrefixCache:
         self._block_of: dict[bytes, int] = {}
         self._key_of: dict[int, bytes] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self._salt_of: dict[int, bytes] = {}  # a cached block's namespace
         self.queried_tokens = 0
         self.hit_tokens = 0
 
@@ -82,13 +83,25 @@ class PrefixCache:
         for b in blocks:
             self._evictable.pop(b, None)
 
-    def register(self, block: int, key: bytes) -> None:
-        """A sequence filled `block`, whose content has `key`. Keeps the first block seen
-        for a key (another with the same content stays private to its sequence)."""
+    def register(self, block: int, key: bytes, salt: bytes = b"") -> None:
+        """A sequence of namespace `salt` filled `block`, whose content has `key`. Keeps
+        the first block seen for a key (another with the same content stays private to its
+        sequence)."""
         if self.enabled and key not in self._block_of and block not in self._key_of:
             self.pool.incref([block])
             self._block_of[key] = block
             self._key_of[block] = key
+            self._salt_of[block] = salt
+
+    def forget(self, prefix: bytes) -> int:
+        """Drops the blocks of every namespace starting with `prefix` (an unloaded adapter's):
+        never found again; a block nobody holds is freed. Returns how many."""
+        dropped = [b for b, salt in self._salt_of.items() if salt.startswith(prefix)]
+        for block in dropped:
+            self._evictable.pop(block, None)
+            del self._block_of[self._key_of.pop(block)], self._salt_of[block]
+        self.pool.decref(dropped)  # the cache's own reference
+        return len(dropped)
 
     def released(self, blocks: Iterable[int]) -> None:
         """Sequences dropped their references on `blocks`: cached ones held by nobody else
@@ -103,7 +116,7 @@ class PrefixCache:
         evicted = 0
         while evicted < count and self._evictable:
             block, _ = self._evictable.popitem(last=False)
-            del self._block_of[self._key_of.pop(block)]
+            del self._block_of[self._key_of.pop(block)], self._salt_of[block]
             self.pool.decref([block])
             evicted += 1
         return evicted

@@ -432,7 +432,7 @@ class Scheduler:
             table, group_keys = tables.tables[seq.row], self._group_keys(keys, g)
             for i in range(seq.registered, full):
                 if table[i] != FREED:
-                    self.prefix.register(table[i], group_keys[i])
+                    self.prefix.register(table[i], group_keys[i], seq.salt)
         seq.registered = full
 
     @staticmethod

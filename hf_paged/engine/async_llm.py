@@ -38,6 +38,14 @@ logger = logging.getLogger("hf_paged")
 
 
 
+def _settle(future: asyncio.Future, result, error) -> None:
+    if not future.done():  # (its caller may have gone)
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+
 class RequestStream:
     """The outputs of one request, in order, as an async iterator (the last `finished`).
     `abort()` ends the request at the next step; iterating then yields its last output."""
@@ -128,8 +136,8 @@ class AsyncLLM:
 
     @property
     def adapters(self) -> list[str]:
-        """The PEFT model's LoRA adapter names (empty for a plain model)."""
-        return list(self.engine.adapters)
+        """The LoRA adapters that take requests (empty for a plain model)."""
+        return self.engine.lora.live
 
     @property
     def max_model_len(self) -> int:
@@ -216,6 +224,27 @@ class AsyncLLM:
         (a server shutting down). Safe from any thread."""
         self._post("fail_all", message)
 
+    async def call(self, fn):
+        """fn(engine) on the stepping thread, between steps; its result (or exception)."""
+        if self._dead:
+            raise EngineDeadError("the engine was shut down.")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._post("call", (fn, future, loop))
+        return await future
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Loads the LoRA adapter in folder `path` as `name` between steps (the folder is
+        read on the stepping thread: keep adapters small, or load them at start)."""
+        await self.call(lambda engine: engine.lora.load(name, path))
+
+    async def unload_adapter(self, name: str, poll_s: float = 0.05) -> None:
+        """Stops `name` taking requests, waits for the ones it has, then deletes it."""
+        await self.call(lambda engine: engine.lora.begin_unload(name))
+        while await self.call(lambda engine: engine.lora.in_use(name)):
+            await asyncio.sleep(poll_s)
+        await self.call(lambda engine: engine.lora.finish_unload(name))
+
     def _post(self, kind: str, payload) -> None:
         with self._inbox_lock:
             self._inbox.append((kind, payload))
@@ -282,6 +311,13 @@ class AsyncLLM:
                 self.engine.abort(*payload)
             elif kind == "fail_all":
                 self._deliver(self.engine.fail_all(payload))
+            elif kind == "call":
+                fn, future, loop = payload
+                try:
+                    result, error = fn(self.engine), None
+                except Exception as err:  # noqa: BLE001 (the caller's to handle)
+                    result, error = None, err
+                loop.call_soon_threadsafe(_settle, future, result, error)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

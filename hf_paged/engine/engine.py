@@ -38,6 +38,7 @@ from ..sampling_params import SamplingParams, generation_defaults
 from .debug import check_isolation
 from .detokenizer import IncrementalText
 from . import prompt_logprobs
+from .adapters import BASE, RuntimeAdapters
 from .output import InFlight, OutputProcessor
 from .request import EngineRequest
 from .runner import RUNNER_OPTIONS, DeviceStep, Forward, ModelRunner, StepLogits, positive
@@ -48,7 +49,6 @@ from .structured import Grammars
 logger = logging.getLogger("hf_paged")
 
 DEBUG_ENV_VAR = "HF_PAGED_DEBUG"  # "1": check every step's tables and slots (isolation)
-BASE = "__base__"  # the adapter name of a PEFT model's base model (PEFT's own name for it)
 
 
 class LLMEngine:
@@ -127,6 +127,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self.prompt_tokens = 0
         self.debug = os.environ.get(DEBUG_ENV_VAR) == "1"
+        self.lora = RuntimeAdapters(self)  # adapters loaded and unloaded at runtime
         self.grammars: Grammars | None = None  # structured outputs' compiled constraints
         self._grammars_lock = threading.Lock()
 
@@ -155,9 +156,9 @@ class LLMEngine:
         `add_prepared` then queues it."""
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError(f"request ids are non-empty strings; got {request_id!r}.")
-        if adapter is not None and adapter not in self.adapters + [BASE]:
+        if adapter is not None and adapter not in self.lora.live + [BASE]:
             raise InvalidRequestError(f"unknown adapter {adapter!r}; the model has "
-                                      f"{self.adapters}.", "model")
+                                      f"{self.lora.live}.", "model")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError(f"priority must be an integer; got {priority!r}.",
                                       "priority")

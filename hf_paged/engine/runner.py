@@ -33,6 +33,7 @@ from ..kv.metadata import DeviceBlockTable, ForwardMetadata, build_metadata, to_
 from ..kv.placement import group_layers
 from ..kv.pool import KVPool, block_bytes
 from ..utils import cdiv
+from .adapters import BASE
 
 logger = logging.getLogger("hf_paged")
 
@@ -192,6 +193,9 @@ class ModelRunner:
         """See `LLMEngine` for the options. max_num_seqs: rows of the device block table
         (default 256 on CUDA, 64 elsewhere)."""
         self.model, base, self.adapters = unwrap(model)
+        # A request without an adapter runs the model as given (a PEFT model: its active
+        # adapter), or the base model once a plain model was wrapped to load adapters.
+        self.none_means_base = False
         reason = unsupported_reason(base)
         if reason is not None:
             raise UnsupportedModelError(f"The engine cannot serve this model: {reason}.")
@@ -345,9 +349,12 @@ class ModelRunner:
             check(metas)
         want = f.last + f.prompt_rows if f.prompt_rows else f.last
         keep = to_device(want or [len(f.ids) - 1], self._index_device)
-        extra = {}
-        if f.adapter is not None:  # PEFT picks the adapter per batch row; the batch is one row
-            extra["adapter_names"] = [f.adapter]
+        extra, model = {}, self.model if self.compiled is None else self.compiled
+        adapter = BASE if f.adapter is None and self.none_means_base else f.adapter
+        if not self.adapters:  # (all unloaded: the base model, without PEFT in the way)
+            model = self.base if self.compiled is None else model
+        elif adapter is not None:  # PEFT picks the adapter per batch row; the batch is one
+            extra["adapter_names"] = [adapter]
         paged_kv = self.access.forward(meta, group_metas=metas)
         with torch.inference_mode(), paged_attention(self.base), self._tracing():
             ids = to_device(f.ids, self.device)
@@ -355,7 +362,6 @@ class ModelRunner:
                 previous = f.previous
                 ids[to_device(f.fill_at, self.device)] = previous[
                     to_device(f.fill_from, previous.device)].to(self.device)
-            model = self.model if self.compiled is None else self.compiled
             out = model(input_ids=ids[None],
                         position_ids=to_device(f.positions, self.device)[None],
                         past_key_values=paged_kv, use_cache=True, logits_to_keep=keep,

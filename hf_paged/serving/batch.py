@@ -49,7 +49,8 @@ DEFAULT_MAX_CONCURRENCY = 256
 # `hf-paged serve` options that only make sense for a listening server: hidden from
 # run-batch's help, and refused if given.
 SERVER_ONLY = ("host", "port", "api_key", "salt_by_api_key", "metrics_without_auth",
-               "max_waiting_requests", "max_unread_outputs", "shutdown_grace", "log_level")
+               "max_waiting_requests", "max_unread_outputs", "shutdown_grace", "log_level",
+               "enable_runtime_lora")
 
 
 class LineError(Exception):
@@ -245,7 +246,7 @@ def main(argv=None) -> None:
     # The engine is ours, not the app's, to ask after the run whether it is still alive.
     llm = AsyncLLM(model, tokenizer, **serve.engine_options(args))
     app = build_app(llm=llm, served_model_name=args.served_model_name or args.model,
-                    limits=limits)
+                    limits=limits, tool_call_parser=args.tool_call_parser)
     out = sys.stdout if args.output_file == "-" else open(args.output_file, "w",
                                                           encoding="utf-8")
     try:

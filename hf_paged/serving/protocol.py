@@ -260,31 +260,6 @@ class ChatCompletionRequest(_Sampling):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class TokenizeRequest(BaseModel):
-    """vLLM's /tokenize: a prompt, or chat messages rendered by the chat template."""
-
-    model_config = ConfigDict(extra="ignore")
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool | None = None  # (default: True for a prompt, False for messages)
-    add_generation_prompt: bool = True
-    return_token_strs: bool = False
-    tools: list[dict[str, Any]] | None = None  # rendered with the messages
-
-    @model_validator(mode="after")
-    def _one_input(self):
-        if (self.prompt is None) == (self.messages is None):
-            raise APIError(400, "Give either prompt or messages.", "prompt")
-        return self
-
-
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    model: str | None = None
-    tokens: list[int]
-
-
 # -- responses ------------------------------------------------------------------------------------
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"

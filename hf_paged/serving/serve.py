@@ -35,6 +35,9 @@ def parser() -> argparse.ArgumentParser:
                    help="the model name clients ask for (default: the model argument)")
     p.add_argument("--lora", action="append", default=[], metavar="NAME=ADAPTER_DIR",
                    help="serve a PEFT LoRA adapter, unmerged, as model NAME (repeatable)")
+    p.add_argument("--tool-call-parser", default="auto",
+                   choices=["auto", "hermes", "llama3_json", "mistral"],
+                   help="the format of the model's tool calls (auto: from its chat template)")
     s = p.add_argument_group("security and limits")
     s.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every path but /health; "
@@ -42,6 +45,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--salt-by-api-key", action=argparse.BooleanOptionalAction, default=True,
                    help="cache each key's prompts apart: tenants never share prefix-cache "
                         "blocks (on)")
+    s.add_argument("--enable-runtime-lora", action="store_true",
+                   help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (clients "
+                        "then name folders the server reads: off by default)")
     s.add_argument("--metrics-without-auth", action="store_true",
                    help="serve /metrics without a key (for a scraper inside the network)")
     s.add_argument("--max-waiting-requests", type=int, default=512,
@@ -163,7 +169,9 @@ def main(argv=None) -> None:
     app = build_app(model, tokenizer, served_model_name=args.served_model_name or args.model,
                     api_key=args.api_key, limits=limits, salt_by_api_key=args.salt_by_api_key,
                     metrics_without_auth=args.metrics_without_auth,
-                    max_unread_outputs=args.max_unread_outputs, **engine_options(args))
+                    max_unread_outputs=args.max_unread_outputs,
+                    tool_call_parser=args.tool_call_parser,
+                    runtime_lora=args.enable_runtime_lora, **engine_options(args))
     # SIGINT/SIGTERM: uvicorn stops accepting; open requests get --shutdown-grace seconds,
     # then end with an error (streams: an error event and [DONE]). uvicorn then re-raises
     # the signal to the handler it found: exit 0, the shutdown was clean.

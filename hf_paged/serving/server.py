@@ -35,11 +35,12 @@ from ..engine.detokenizer import TokenPieces
 from ..engine import BASE
 from ..errors import InvalidRequestError, RequestRejectedError, describe
 from ..sampling_params import StructuredOutputsParams
+from .extras import add_routes
 from .guard import RequestGuard
 from .metrics import ServerMetrics
 from .protocol import (
-    APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-    chat_response, completion_response, new_id,
+    APIError, ChatCompletionRequest, CompletionRequest, chat_response, completion_response,
+    new_id,
 )
 from .sse import EventStream, chat_events, completion_events
 from .tools import PARSERS, auto_parser, template_messages
@@ -72,9 +73,9 @@ class ServerLimits:
 class _Server:
     """What the endpoints share: the engine, model names, tenants, limits and metrics."""
 
-    def __init__(self, llm: AsyncLLM, model_name: str, adapters: list[str],
-                 limits: ServerLimits, salt_by_api_key: bool):
-        self.llm, self.model_name, self.adapters = llm, model_name, list(adapters)
+    def __init__(self, llm: AsyncLLM, model_name: str, limits: ServerLimits,
+                 salt_by_api_key: bool, runtime_lora: bool = False):
+        self.llm, self.model_name, self.runtime_lora = llm, model_name, runtime_lora
         self.limits, self.salt_by_api_key = limits, salt_by_api_key
         self.metrics = ServerMetrics(llm.stats, model_name)
         self.pieces = TokenPieces(llm.tokenizer)
@@ -91,10 +92,15 @@ class _Server:
             raise APIError(503, "The server is shutting down.", None, "server_busy",
                            headers={"Retry-After": "5"})
 
+    @property
+    def adapters(self) -> list[str]:
+        """The LoRA adapters served under their names (those being unloaded excluded)."""
+        return self.llm.adapters
+
     def adapter_for(self, model: str) -> str | None:
         """The engine adapter of a request's `model`; APIError 404 for an unknown one."""
-        if model == self.model_name:
-            return BASE if self.adapters else None
+        if model == self.model_name:  # the base model, whatever adapters come and go
+            return BASE
         if model in self.adapters:
             return model
         raise APIError(404, f"The model `{model}` does not exist; this server has "
@@ -121,7 +127,7 @@ class _Server:
             return asked
         return json.dumps([tenant, asked])
 
-    async def _off_loop(self, fn, *args):
+    async def off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     def need_tokenizer(self, param: str):
@@ -131,7 +137,7 @@ class _Server:
 
     async def tokens(self, prompt, param: str) -> list[int]:
         if isinstance(prompt, str):
-            return (await self._off_loop(self.need_tokenizer(param), prompt))["input_ids"]
+            return (await self.off_loop(self.need_tokenizer(param), prompt))["input_ids"]
         return list(prompt)
 
     async def prompt_text(self, prompt, ids: list[int]) -> str:
@@ -139,7 +145,7 @@ class _Server:
         if isinstance(prompt, str):
             return prompt
         tokenizer = self.llm.tokenizer
-        return "" if tokenizer is None else await self._off_loop(tokenizer.decode, ids)
+        return "" if tokenizer is None else await self.off_loop(tokenizer.decode, ids)
 
     def raw_text(self, out) -> str:
         """A completion's text with special tokens (tool-call markers may be special), its
@@ -167,7 +173,7 @@ class _Server:
             return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
         try:
-            return await self._off_loop(render)
+            return await self.off_loop(render)
         except Exception as err:  # noqa: BLE001 (a template that rejects these messages)
             raise APIError(400, f"The chat template could not format these messages: "
                            f"{describe(err)}", "messages") from err
@@ -263,7 +269,7 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
               max_waiting_requests: int | None = None, limits: ServerLimits | None = None,
               salt_by_api_key: bool = True, metrics_without_auth: bool = False,
               max_unread_outputs: int = 256, tool_call_parser: str = "auto",
-              **engine_options) -> FastAPI:
+              runtime_lora: bool = False, **engine_options) -> FastAPI:
     """The ASGI app serving `model` (a loaded model, a PEFT model with LoRA adapters, or a
     folder), or an existing `llm` (which the app then does not shut down). Adapters of a
     PEFT model are served under their names, the base model under `served_model_name` (by
@@ -273,7 +279,9 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
     one (/metrics too, unless `metrics_without_auth`), and each tenant's prompts are cached
     apart (`salt_by_api_key`). limits: see `ServerLimits` (`max_waiting_requests` sets its
     max_waiting_sequences). tool_call_parser: the format of the model's tool calls
-    (hermes, llama3_json, mistral; auto: read from the chat template)."""
+    (hermes, llama3_json, mistral; auto: read from the chat template). runtime_lora:
+    serve /v1/load_lora_adapter and /v1/unload_lora_adapter (off: loading files from a
+    path a client names is a privilege)."""
     owned = llm is None
     if owned:
         llm = AsyncLLM(model, tokenizer, max_unread_outputs=max_unread_outputs, **engine_options)
@@ -287,7 +295,7 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
     if tool_call_parser != "auto" and tool_call_parser not in PARSERS:
         raise ValueError(f"tool_call_parser must be 'auto' or one of {PARSERS}; got "
                          f"{tool_call_parser!r}.")
-    server = _Server(llm, name, llm.adapters, limits, salt_by_api_key and bool(keys))
+    server = _Server(llm, name, limits, salt_by_api_key and bool(keys), runtime_lora)
     server.tool_parser = tool_call_parser if tool_call_parser != "auto" else \
         auto_parser(getattr(llm.tokenizer, "chat_template", None))
 
@@ -349,46 +357,7 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
         data += [dict(entry, id=a, root=a, parent=server.model_name) for a in server.adapters]
         return {"object": "list", "data": data}
 
-    @app.get("/tokenizer_info")
-    async def tokenizer_info():
-        """vLLM's: what a client needs to tokenize as the server does (lm-evaluation-harness
-        reads it, then calls /tokenize and /detokenize)."""
-        tokenizer = server.need_tokenizer("tokenizer")
-        info = {name: getattr(tokenizer, name, None) for name in (
-            "eos_token", "bos_token", "pad_token", "unk_token", "chat_template")}
-        info["tokenizer_class"] = type(tokenizer).__name__
-        info["model_max_length"] = llm.max_model_len
-        return {k: v if v is None or isinstance(v, (str, int)) else str(v)
-                for k, v in info.items()}
-
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest):
-        if body.model is not None:
-            server.adapter_for(body.model)
-        if body.messages is not None:
-            ids = await server.chat_tokens(body.messages, body.add_generation_prompt,
-                                           bool(body.add_special_tokens), body.tools)
-        else:
-            tokenizer = server.need_tokenizer("prompt")
-            special = body.add_special_tokens is not False
-            ids = (await server._off_loop(
-                lambda: tokenizer(body.prompt, add_special_tokens=special)))["input_ids"]
-        out = {"count": len(ids), "max_model_len": llm.max_model_len, "tokens": list(ids),
-               "token_strs": None}
-        if body.return_token_strs:
-            out["token_strs"] = server.llm.tokenizer.convert_ids_to_tokens(list(ids))
-        return out
-
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest):
-        if body.model is not None:
-            server.adapter_for(body.model)
-        tokenizer = server.need_tokenizer("tokens")
-        bad = [t for t in body.tokens if not 0 <= t < llm.vocab_size]
-        if bad:
-            raise APIError(400, f"tokens must be token ids in [0, {llm.vocab_size}); got "
-                           f"{bad[:5]}.", "tokens")
-        return {"prompt": await server._off_loop(tokenizer.decode, body.tokens)}
+    add_routes(app, server)  # /tokenize, /detokenize, /tokenizer_info, runtime LoRA
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

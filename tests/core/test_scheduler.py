@@ -319,3 +319,25 @@ def test_rejections_are_named():
         sched.check_fits(0, 10)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         Scheduler(pool, 8, 4, 64)
+
+
+def test_prefix_cache_forgets_a_namespace():
+    """An unloaded adapter's blocks: held ones stay with their holder but are never found
+    again; unheld ones are freed; other namespaces keep theirs."""
+    from hf_paged.core.block_pool import BlockPool
+    from hf_paged.core.prefix_cache import PrefixCache, namespace
+
+    pool = BlockPool(8, 4)
+    cache = PrefixCache(pool)
+    a, b, keep = pool.allocate(3)
+    cache.register(a, b"ka", namespace("lora-a", "tenant"))
+    cache.register(b, b"kb", namespace("lora-a"))
+    cache.register(keep, b"kk", namespace("lora-ab"))
+    pool.decref([b, keep])  # their sequences ended: only the cache holds them
+    cache.released([b, keep])
+    assert cache.forget(namespace("lora-a")[:-1]) == 2
+    assert cache.lookup([b"ka"]) == [] and cache.lookup([b"kb"]) == []
+    assert cache.lookup([b"kk"]) == [keep]
+    assert pool.refcount(a) == 1 and pool.refcount(b) == 0 and b in pool.free_blocks()
+    cache.released([a])  # its holder lets go later: nothing left to do for the cache
+    assert cache.num_evictable == 1

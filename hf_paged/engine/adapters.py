@@ -1,0 +1,92 @@
+"""LoRA adapters loaded and unloaded while the engine runs (vLLM's runtime LoRA updates).
+
+`load` adds a PEFT LoRA adapter from a folder: into the PEFT model the engine serves, or,
+for a plain model, by wrapping it in one (requests without an adapter then keep running on
+the base model). `unload` is two-phased: the adapter first stops taking new requests; it
+is deleted, and its prefix-cache blocks dropped (a later adapter of the same name must not
+find them), only once no request of it is left. Everything here runs between steps on the
+engine's thread; a forward never sees an adapter change under it.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..core.prefix_cache import namespace
+from ..errors import InvalidRequestError
+
+BASE = "__base__"  # the adapter name of a PEFT model's base model (PEFT's own name for it)
+
+
+class RuntimeAdapters:
+    """The engine's adapters, changeable at runtime."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.unloading: set[str] = set()  # adapters taking no new requests
+
+    def _check(self) -> None:
+        runner = self.engine.runner
+        if runner.compiled is not None:
+            raise InvalidRequestError("adapters cannot be loaded or unloaded under compile=True "
+                                      "(the compiled forward holds the model as it was).",
+                                      "lora_name")
+        if runner.tp_size > 1:
+            raise InvalidRequestError("adapters cannot be loaded or unloaded under tensor "
+                                      "parallelism.", "lora_name")
+
+    def load(self, name: str, path: str) -> None:
+        """Loads the LoRA adapter in folder `path` as `name`. InvalidRequestError (nothing
+        changed) for a name in use, a missing folder or an adapter that is not LoRA-style."""
+        self._check()
+        runner = self.engine.runner
+        if not isinstance(name, str) or not name or name == BASE:
+            raise InvalidRequestError(f"lora_name must be a non-empty string other than "
+                                      f"{BASE!r}; got {name!r}.", "lora_name")
+        if name in runner.adapters:
+            raise InvalidRequestError(f"The adapter {name!r} is already loaded.", "lora_name")
+        if not os.path.isfile(os.path.join(str(path), "adapter_config.json")):
+            raise InvalidRequestError(f"lora_path {path!r} is not a PEFT adapter folder (no "
+                                      "adapter_config.json).", "lora_path")
+        from peft import PeftConfig, PeftModel
+
+        config = PeftConfig.from_pretrained(path)
+        if getattr(config, "is_prompt_learning", False) or config.peft_type != "LORA":
+            raise InvalidRequestError(f"The engine loads LoRA adapters; {path!r} is "
+                                      f"{config.peft_type}.", "lora_path")
+        try:
+            if hasattr(runner.model, "load_adapter") and hasattr(runner.model, "peft_config"):
+                runner.model.load_adapter(path, adapter_name=name)
+            else:  # a plain model: wrapped, its requests without an adapter stay on the base
+                runner.model = PeftModel.from_pretrained(runner.model, path, adapter_name=name)
+                runner.model.eval()
+                runner.none_means_base = True
+        except Exception as err:  # noqa: BLE001 (shapes that do not fit this model, ...)
+            raise InvalidRequestError(f"The adapter {name!r} could not be loaded from "
+                                      f"{path!r}: {err}", "lora_path") from err
+        runner.adapters.append(name)
+        self.engine.model = runner.model
+
+    def begin_unload(self, name: str) -> None:
+        """`name` takes no new requests; the ones it has finish."""
+        self._check()
+        if name not in self.engine.runner.adapters or name in self.unloading:
+            raise InvalidRequestError(f"The adapter {name!r} is not loaded; loaded: "
+                                      f"{self.live}.", "lora_name")
+        self.unloading.add(name)
+
+    def in_use(self, name: str) -> bool:
+        return any(r.adapter == name and not r.finished for r in self.engine.requests.values())
+
+    def finish_unload(self, name: str) -> None:
+        """Deletes `name` (no request of it left) and drops its prefix-cache blocks."""
+        runner = self.engine.runner
+        runner.model.delete_adapter(name)
+        runner.adapters.remove(name)
+        self.unloading.discard(name)
+        self.engine.scheduler.prefix.forget(namespace(name)[:-1])  # every salt of it
+
+    @property
+    def live(self) -> list[str]:
+        """Adapters that take requests."""
+        return [a for a in self.engine.runner.adapters if a not in self.unloading]

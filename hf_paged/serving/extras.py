@@ -1,0 +1,124 @@
+"""The server's endpoints around generation, in vLLM's shapes: /tokenize, /detokenize and
+/tokenizer_info (clients count tokens against the context; lm-evaluation-harness tokenizes
+through them), and /v1/load_lora_adapter, /v1/unload_lora_adapter (adapters at runtime,
+served only when the server was started to allow it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import PlainTextResponse
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ..errors import APIError, InvalidRequestError
+from .protocol import ChatMessage
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages rendered by the chat template."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # (default: True for a prompt, False for messages)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+    tools: list[dict[str, Any]] | None = None  # rendered with the messages
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "Give either prompt or messages.", "prompt")
+        return self
+
+
+class LoraAdapterRequest(BaseModel):
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter body."""
+
+    model_config = ConfigDict(extra="ignore")
+    lora_name: str = Field(min_length=1)
+    lora_path: str | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[int]
+
+
+def _check_runtime_lora(server) -> None:
+    if not server.runtime_lora:
+        raise APIError(404, "Loading adapters at runtime is off; start the server with "
+                       "--enable-runtime-lora.", None, "not_found_error")
+
+
+async def _lora(change) -> None:
+    """Awaits an adapter change; its InvalidRequestError is the client's 400."""
+    try:
+        await change
+    except InvalidRequestError as err:
+        raise APIError(400, str(err), err.param) from err
+
+
+def add_routes(app: FastAPI, server) -> None:
+    """The endpoints, on `server` (the app's `_Server`)."""
+    llm = server.llm
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoraAdapterRequest):
+        _check_runtime_lora(server)
+        if body.lora_path is None:
+            raise APIError(400, "lora_path: the adapter's folder is needed.", "lora_path")
+        await _lora(llm.load_adapter(body.lora_name, body.lora_path))
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added "
+                                 "successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: LoraAdapterRequest):
+        _check_runtime_lora(server)
+        await _lora(llm.unload_adapter(body.lora_name))
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed "
+                                 "successfully.")
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        """vLLM's: what a client needs to tokenize as the server does (lm-evaluation-harness
+        reads it, then calls /tokenize and /detokenize)."""
+        tokenizer = server.need_tokenizer("tokenizer")
+        info = {name: getattr(tokenizer, name, None) for name in (
+            "eos_token", "bos_token", "pad_token", "unk_token", "chat_template")}
+        info["tokenizer_class"] = type(tokenizer).__name__
+        info["model_max_length"] = llm.max_model_len
+        return {k: v if v is None or isinstance(v, (str, int)) else str(v)
+                for k, v in info.items()}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        if body.model is not None:
+            server.adapter_for(body.model)
+        if body.messages is not None:
+            ids = await server.chat_tokens(body.messages, body.add_generation_prompt,
+                                           bool(body.add_special_tokens), body.tools)
+        else:
+            tokenizer = server.need_tokenizer("prompt")
+            special = body.add_special_tokens is not False
+            ids = (await server.off_loop(
+                lambda: tokenizer(body.prompt, add_special_tokens=special)))["input_ids"]
+        out = {"count": len(ids), "max_model_len": llm.max_model_len, "tokens": list(ids),
+               "token_strs": None}
+        if body.return_token_strs:
+            out["token_strs"] = server.llm.tokenizer.convert_ids_to_tokens(list(ids))
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        if body.model is not None:
+            server.adapter_for(body.model)
+        tokenizer = server.need_tokenizer("tokens")
+        bad = [t for t in body.tokens if not 0 <= t < llm.vocab_size]
+        if bad:
+            raise APIError(400, f"tokens must be token ids in [0, {llm.vocab_size}); got "
+                           f"{bad[:5]}.", "tokens")
+        return {"prompt": await server.off_loop(tokenizer.decode, body.tokens)}

@@ -1,0 +1,144 @@
+"""LoRA adapters loaded and unloaded while the server runs (/v1/load_lora_adapter,
+/v1/unload_lora_adapter): each adapter's greedy text equals stock PEFT `generate` with it,
+the base model's equals the plain model's, an unload waits for the adapter's requests in
+flight, its prefix-cache blocks are dropped (a new adapter of the same name never reuses
+them), bad loads are 400s, and the endpoints are off unless enabled."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, TaskType, get_peft_model
+
+from hf_paged import LLMEngine
+from hf_paged.errors import InvalidRequestError
+from hf_paged.server import build_app
+from conftest import make_model, make_tokenizer
+from test_server import ServerThread
+
+PROMPT = [5, 9, 14, 3, 22, 40, 7, 61, 33, 12, 18, 4, 27]
+TOKENIZER = make_tokenizer()
+
+
+def save_adapter(folder, seed):
+    model = make_model("llama_gqa")
+    torch.manual_seed(seed)  # (after make_model, which seeds its own weights)
+    peft = get_peft_model(model, LoraConfig(
+        task_type=TaskType.CAUSAL_LM, r=4, lora_alpha=1, target_modules="all-linear",
+        init_lora_weights=False))
+    peft.save_pretrained(folder)  # the default adapter's files in `folder`
+    return str(folder)
+
+
+def stock(prompt, folder=None, n=6):
+    """The greedy text of the plain model, or of it with the adapter in `folder`."""
+    model = make_model("llama_gqa")
+    if folder is not None:
+        model = PeftModel.from_pretrained(model, folder).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                             pad_token_id=0)
+    return TOKENIZER.decode(out[0, len(prompt):].tolist(), skip_special_tokens=True)
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    root = tmp_path_factory.mktemp("loras")
+    return {name: save_adapter(root / name, seed) for name, seed in (("a", 1), ("b", 2))}
+
+
+@pytest.fixture()
+def served():
+    app = build_app(make_model("llama_gqa"), TOKENIZER, served_model_name="base",
+                    block_size=4, num_blocks=256, max_num_seqs=8, runtime_lora=True)
+    with ServerThread(app) as server:
+        server.http = httpx.Client(base_url=server.url, timeout=120)
+        yield server
+
+
+def text_of(server, model, n=6):
+    r = server.http.post("/v1/completions", json={"model": model, "prompt": PROMPT,
+                                                  "max_tokens": n, "temperature": 0})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def test_load_serve_unload_and_reload(served, adapters):
+    http = served.http
+    assert http.post("/v1/load_lora_adapter", json={"lora_name": "a",
+                                                    "lora_path": adapters["a"]}).status_code == 200
+    assert http.post("/v1/load_lora_adapter", json={"lora_name": "b",
+                                                    "lora_path": adapters["b"]}).status_code == 200
+    assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["base", "a", "b"]
+    assert len({stock(PROMPT), stock(PROMPT, adapters["a"]), stock(PROMPT, adapters["b"])}) == 3
+    assert text_of(served, "a") == stock(PROMPT, adapters["a"])
+    assert text_of(served, "b") == stock(PROMPT, adapters["b"])
+    assert text_of(served, "base") == stock(PROMPT)
+    r = http.post("/v1/unload_lora_adapter", json={"lora_name": "a"})
+    assert r.status_code == 200, r.text
+    assert http.post("/v1/completions", json={"model": "a", "prompt": PROMPT}).status_code == 404
+    # A new "a" with b's weights: the old a's cached prompt blocks must not be found.
+    assert http.post("/v1/load_lora_adapter", json={"lora_name": "a",
+                                                    "lora_path": adapters["b"]}).status_code == 200
+    assert text_of(served, "a") == stock(PROMPT, adapters["b"])
+    for name in ("a", "b"):
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": name}).status_code == 200
+    assert text_of(served, "base") == stock(PROMPT)
+    assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["base"]
+
+
+def test_unload_waits_for_requests_in_flight(served, adapters):
+    http = served.http
+    assert http.post("/v1/load_lora_adapter", json={"lora_name": "b",
+                                                    "lora_path": adapters["b"]}).status_code == 200
+
+    async def main():
+        async with httpx.AsyncClient(base_url=served.url, timeout=120) as client:
+            long = asyncio.create_task(client.post("/v1/completions", json={
+                "model": "b", "prompt": PROMPT, "max_tokens": 40, "temperature": 0,
+                "ignore_eos": True}))
+            await asyncio.sleep(0.3)
+            unload = await client.post("/v1/unload_lora_adapter", json={"lora_name": "b"})
+            return await long, unload
+
+    finished, unload = asyncio.run(main())
+    assert unload.status_code == 200
+    choice = finished.json()["choices"][0]
+    assert choice["finish_reason"] == "length" and finished.json()["usage"][
+        "completion_tokens"] == 40
+    assert http.post("/v1/completions", json={"model": "b", "prompt": PROMPT}).status_code == 404
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"lora_name": "x", "lora_path": "/nonexistent/folder"}, "lora_path"),
+    ({"lora_name": "x"}, "lora_path"),
+    ({"lora_name": ""}, "lora_name"),
+    ({"lora_name": "__base__", "lora_path": "."}, "lora_name"),
+])
+def test_bad_loads_are_400s(served, body, param):
+    r = served.http.post("/v1/load_lora_adapter", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    r = served.http.post("/v1/unload_lora_adapter", json={"lora_name": "never_loaded"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name"
+    assert text_of(served, "base") == stock(PROMPT)
+
+
+def test_runtime_lora_is_off_by_default(adapters):
+    app = build_app(make_model("llama_gqa"), None, served_model_name="base", block_size=4,
+                    num_blocks=64)
+    with ServerThread(app) as server:
+        r = httpx.post(server.url + "/v1/load_lora_adapter",
+                       json={"lora_name": "a", "lora_path": adapters["a"]}, timeout=30)
+        assert r.status_code == 404
+        assert "--enable-runtime-lora" in r.json()["error"]["message"]
+
+
+def test_engine_refuses_under_compile(adapters):
+    engine = LLMEngine(make_model("llama_gqa"), block_size=4, num_blocks=64, compile="eager")
+    with pytest.raises(InvalidRequestError, match="compile"):
+        engine.lora.load("a", adapters["a"])
+    assert engine.adapters == []
