@@ -224,6 +224,11 @@ class AsyncLLM:
         (a server shutting down). Safe from any thread."""
         self._post("fail_all", message)
 
+    def compile_constraint(self, spec) -> None:
+        """Compiles a structured-output constraint ahead of `prepare` (any thread: a server
+        runs it off its event loop, and `prepare` then finds it compiled)."""
+        self.engine.compile_constraint(spec)
+
     async def call(self, fn):
         """fn(engine) on the stepping thread, between steps; its result (or exception)."""
         if self._dead:

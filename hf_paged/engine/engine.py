@@ -207,6 +207,10 @@ class LLMEngine:
             [IncrementalText(self.tokenizer) for _ in range(params.n)] if follow else None,
             None if params.timeout is None else arrival + params.timeout, matchers=matchers)
 
+    def compile_constraint(self, spec) -> None:
+        """Compiles a StructuredOutputsParams now (thread-safe; cached for its requests)."""
+        self._grammars().compile(spec)
+
     def _grammars(self) -> Grammars:
         with self._grammars_lock:  # made once, by the first request that needs it
             if self.grammars is None:

@@ -185,6 +185,15 @@ class _Server:
                    - llm.block_size)
 
     # -- running -----------------------------------------------------------------------------
+    async def compile_constraint(self, params, field: str) -> None:
+        """A request's structured-output constraint compiled on a worker thread (a large
+        schema takes a while), so that `start` finds it ready."""
+        if params.structured_outputs is not None:
+            try:
+                await self.off_loop(self.llm.compile_constraint, params.structured_outputs)
+            except InvalidRequestError as err:
+                raise APIError(400, str(err), field) from err
+
     def start(self, prompts: list[list[int]], params, adapter, priority: int,
               cache_salt: str | None, field: str,
               constraint_field: str = "structured_outputs") -> list[RequestStream]:
@@ -367,6 +376,7 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
         params = body.sampling_params(body.engine_max_tokens, body.logprobs,
                                       server.timeout_for(body.timeout), body.prompt_logprobs)
         raw = body.prompts()
+        await server.compile_constraint(params, body.constraint_field)
         prompts = [await server.tokens(p, "prompt") for p in raw]
         echo = [await server.prompt_text(r, p) for r, p in zip(raw, prompts)] \
             if body.echo else None
@@ -399,6 +409,8 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
         params = body.sampling_params(max_tokens, top, server.timeout_for(body.timeout),
                                       constraint=None if forced is None else
                                       StructuredOutputsParams(json=forced))
+        await server.compile_constraint(params, body.constraint_field if forced is None
+                                        else "tool_choice")
         tenant = request.state.tenant
         streams = server.start([prompt], params, adapter, body.priority,
                                server.salt_for(tenant, body.cache_salt), "messages",
