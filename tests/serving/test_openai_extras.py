@@ -191,3 +191,39 @@ def test_lm_eval_local_completions_scores_like_stock(served):
         new = served.model.generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False,
                                     pad_token_id=0)[0, len(ids):].tolist()
     assert text == tok.decode(new, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("backend", ["huggingface", "remote"])
+def test_lm_eval_matches_its_own_hf_backend(tmp_path, backend):
+    """The same model folder scored by lm-eval's `hf` backend (Transformers, in process)
+    and by `local-completions` against `hf-paged serve` on it: per-sample log-likelihoods
+    within 1e-4, the same greedy flags, and the same generate_until strings."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    folder = tmp_path / "model"
+    make_model("llama_gqa", max_position_embeddings=512).save_pretrained(folder)
+    tokenizer_with_template().save_pretrained(folder)
+    pairs = [("w5 w6 w7", " w8"), ("w5 w6 w7", " w9 w10"), ("w40 w41 w42 w43 w44", " w45"),
+             ("w3", " w4 w5 w6 w7"), ("w60 w61", " w62")]
+    requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+    gen = [Instance("generate_until", {}, (ctx, {"until": ["w90"], "max_gen_toks": 5,
+                                                 "do_sample": False}), i)
+           for i, ctx in enumerate(["w5 w6 w7", "w30 w31"])]
+    hf = HFLM(pretrained=str(folder), device="cpu", dtype="float32", batch_size=2)
+    want = hf.loglikelihood(requests, disable_tqdm=True)
+    want_text = hf.generate_until(gen, disable_tqdm=True)
+    app = build_app(str(folder), served_model_name="m", block_size=4, num_blocks=256,
+                    max_num_seqs=8, max_num_batched_tokens=16)
+    with ServerThread(app) as server:
+        extra = {"tokenizer": str(folder)} if backend == "huggingface" else {}
+        api = LocalCompletionsAPI(model="m", base_url=server.url + "/v1/completions",
+                                  tokenizer_backend=backend, num_concurrent=2, max_retries=1,
+                                  batch_size=3, **extra)
+        got = api.loglikelihood(requests, disable_tqdm=True)
+        got_text = api.generate_until(gen, disable_tqdm=True)
+    for (score, greedy), (ref, ref_greedy) in zip(got, want):
+        assert math.isclose(score, ref, abs_tol=1e-4), (score, ref)
+        assert greedy == ref_greedy
+    assert got_text == want_text
