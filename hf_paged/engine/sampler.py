@@ -43,8 +43,7 @@ class SampleRow:
     def __post_init__(self):  # read per row per step: plain attributes, not properties
         self.greedy = self.params.greedy
         self.logprobs = self.params.logprobs is not None
-        # Logits changed before sampling: penalties, or a constraint's mask.
-        self.penalized = self.params.penalized or self.grammar is not None
+        self.penalized = self.params.penalized
 
 
 @dataclass
@@ -121,6 +120,9 @@ class Sampler:
         logits = logits.float()
         want_logprobs = [i for i, r in enumerate(rows) if r.logprobs]
         raw = torch.log_softmax(logits, -1) if want_logprobs else None
+        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+        if constrained:  # in place: masking again (rows sampled apart) changes nothing
+            mask_rows(logits, constrained, [rows[i].grammar for i in constrained])
         if any([r.penalized or r.suppress for r in rows]):  # (a list: faster than a generator)
             logits = self.penalize(logits.clone(), rows)  # the caller's logits stay as given
         greedy = [r.greedy for r in rows]
@@ -167,8 +169,7 @@ class Sampler:
                        done=(result, errors))
 
     def penalize(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        """Penalties, min-tokens masking and structured-output masks, in place: [S, V]
-        float32 -> the same."""
+        """Penalties and min-tokens masking, in place: [S, V] float32 -> the same."""
         vocab, device = logits.shape[1], logits.device
         rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
         if rep:
@@ -199,9 +200,6 @@ class Sampler:
             ids = _padded([rows[i].suppress for i in masked], vocab, device)
             ext = torch.cat([logits[idx], logits.new_zeros(len(masked), 1)], 1)
             logits[idx] = ext.scatter(1, ids, float("-inf"))[:, :vocab]
-        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
-        if constrained:
-            mask_rows(logits, constrained, [rows[i].grammar for i in constrained])
         return logits
 
     def warp(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:

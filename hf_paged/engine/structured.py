@@ -41,10 +41,13 @@ class Grammars:
     (any thread may call `compile`; matchers belong to the engine's thread)."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_ids: set[int]):
+        """vocab_size: the model's logits; ids past the tokenizer's are never allowed (a
+        mask over the tokenizer's alone costs a tenth where a head is padded wide)."""
         if tokenizer is None:
             raise InvalidRequestError("structured outputs need the engine's tokenizer (the "
                                       "constraint is on text).", "structured_outputs")
         xgr = _xgrammar()
+        vocab_size = min(vocab_size, max(len(tokenizer), max(eos_ids, default=0) + 1))
         # The model's own EOS ids end a completion (a tokenizer may name another one).
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=sorted(eos_ids) or None)
@@ -94,15 +97,16 @@ class Grammars:
 
     def matcher(self, compiled, spec: StructuredOutputsParams) -> "Matcher":
         json_text = spec.json is not None or spec.json_object
-        return Matcher(_xgrammar().GrammarMatcher(compiled),
+        return Matcher(_xgrammar().GrammarMatcher(compiled), self.vocab_size,
                        self._json_safe if json_text else None)
 
 
 class Matcher:
     """One completion's place in its constraint."""
 
-    def __init__(self, matcher, allowed: torch.Tensor | None = None):
+    def __init__(self, matcher, vocab: int, allowed: torch.Tensor | None = None):
         self._m, self._allowed = matcher, allowed  # [words] int32: tokens it may ever take
+        self.vocab, self.words = vocab, -(-vocab // 32)  # its tokens, and bitmask words
 
     def accept(self, token: int) -> bool:
         """Advances past `token`; False if the constraint does not allow it there."""
@@ -119,15 +123,30 @@ class Matcher:
             bitmask[row] &= self._allowed
 
 
+@torch.inference_mode()  # (a forward's logits are inference tensors: changed in place)
 def mask_rows(logits: torch.Tensor, rows: list[int], matchers: list[Matcher]) -> None:
     """In place: logits [S, V] float32; `rows[j]` may only take the tokens `matchers[j]`
-    allows next (the others become -inf). The bitmask is built on the host (int32
-    words, bit b of word w is token 32 w + b) and unpacked on the logits' device."""
-    vocab = logits.shape[1]
-    bitmask = torch.zeros(len(rows), -(-vocab // 32), dtype=torch.int32)
+    allows next (the others become -inf). The bitmask is built on the host (int32 words,
+    bit b of word w is token 32 w + b, over the grammars' vocabulary), then unpacked:
+    by numpy on a CPU, on the device on a GPU (only the packed words travel)."""
+    vocab, device = logits.shape[1], logits.device
+    bitmask = torch.zeros(len(rows), matchers[0].words, dtype=torch.int32)
     for j, matcher in enumerate(matchers):
         matcher.fill(bitmask, j)
-    bits = bitmask.to(logits.device, non_blocking=True)
-    allowed = ((bits[:, :, None] >> _BITS.to(logits.device)) & 1).bool().flatten(1)[:, :vocab]
-    index = torch.tensor(rows, device=logits.device)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    if device.type == "cpu":
+        allowed = torch.from_numpy(numpy.unpackbits(bitmask.numpy().view(numpy.uint8), axis=1,
+                                                     bitorder="little").view(bool))
+    else:
+        bits = bitmask.to(device, non_blocking=True)
+        allowed = ((bits[:, :, None] >> _BITS.to(device)) & 1).bool().flatten(1)
+    known = min(matchers[0].vocab, vocab)
+    blocked = ~allowed[:, :known]  # (bits past the grammars' vocabulary are not tokens)
+    if len(rows) == logits.shape[0]:  # every row (the usual case): in place
+        logits[:, :known].masked_fill_(blocked, float("-inf"))
+        logits[:, known:] = float("-inf")  # ids the tokenizer does not have: never
+        return
+    index = torch.tensor(rows, device=device)
+    part = logits[index]
+    part[:, :known].masked_fill_(blocked, float("-inf"))
+    part[:, known:] = float("-inf")
+    logits[index] = part
