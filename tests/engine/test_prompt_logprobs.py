@@ -13,6 +13,7 @@ import torch
 
 from hf_paged import LLM, LLMEngine, SamplingParams
 from conftest import VOCAB, make_model
+from test_engine import run_engine
 
 KINDS = ["llama_gqa", "mistral_sw", "falcon_alibi"]
 _models: dict = {}
@@ -106,13 +107,7 @@ def test_prompt_logprobs_through_preemption(mode):
     ref = roomy.generate(ps, params, use_tqdm=False)
     engine = LLMEngine(model, block_size=4, num_blocks=30, max_num_seqs=8,
                        max_num_batched_tokens=16, preemption_mode=mode, admission_headroom=0)
-    for i, p in enumerate(ps):
-        engine.add_request(str(i), p, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
+    done = run_engine(engine, ps, params)
     assert engine.stats().num_preemptions > 0
     for i, p in enumerate(ps):
         out = done[str(i)]

@@ -18,6 +18,7 @@ from xgrammar.contrib.hf import LogitsProcessor
 from hf_paged import LLM, InvalidRequestError, LLMEngine, SamplingParams
 from hf_paged.sampling_params import StructuredOutputsParams as S
 from conftest import EOS, make_byte_tokenizer, make_model
+from test_engine import run_engine
 
 VOCAB = 320
 SCHEMA = {"type": "object",
@@ -112,13 +113,7 @@ def test_preemption_and_prompt_logprobs_keep_constraints():
         engine = LLMEngine(model, tok, block_size=4, num_blocks=24, max_num_seqs=3,
                            max_num_batched_tokens=8, preemption_mode=mode,
                            admission_headroom=0)
-        for i, p in enumerate(prompts):
-            engine.add_request(str(i), p, params)
-        done = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out
+        done = run_engine(engine, prompts, params)
         assert engine.stats().num_preemptions > 0
         for i, ref in enumerate(roomy):
             assert done[str(i)].outputs[0].token_ids == ref.outputs[0].token_ids

@@ -5,6 +5,7 @@ field. A random model with a byte-level tokenizer: whatever it samples must pars
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from typing import Literal
@@ -29,18 +30,27 @@ TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% en
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
-@pytest.fixture(scope="module")
-def served():
+@contextlib.contextmanager
+def byte_level_server(template: str, context: int = 1024, block_size: int = 8):
+    """A random Llama with a byte-level tokenizer (any text is a token sequence) and
+    `template`, served on loopback as "tiny", with an `openai` client and an httpx one."""
     tok = make_byte_tokenizer(300)
-    tok.chat_template = TEMPLATE
+    tok.chat_template = template
     model = make_model("llama_gqa", vocab_size=320, eos_token_id=EOS,
-                       max_position_embeddings=1024)
-    app = build_app(model, tok, served_model_name="tiny", api_key=KEY, block_size=8,
+                       max_position_embeddings=context)
+    app = build_app(model, tok, served_model_name="tiny", api_key=KEY, block_size=block_size,
                     num_blocks=512, max_num_seqs=16)
     with ServerThread(app) as server:
+        server.tok = tok
         server.client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
         server.http = httpx.Client(base_url=server.url,
                                    headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+        yield server
+
+
+@pytest.fixture(scope="module")
+def served():
+    with byte_level_server(TEMPLATE) as server:
         yield server
 
 

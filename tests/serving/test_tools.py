@@ -7,17 +7,12 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import jsonschema
-import openai
 import pytest
 
-from hf_paged.server import build_app
 from hf_paged.serving.tools import auto_parser, parse
-from conftest import EOS, make_byte_tokenizer, make_model
-from test_server import ServerThread
+from test_structured_server import byte_level_server
 
-KEY = "k"
 TEMPLATE = (
     "{%- if tools %}<|system|>tools: {{ tools | tojson }}\n{% endif %}"
     "{%- for m in messages %}"
@@ -44,17 +39,7 @@ MESSAGES = [{"role": "user", "content": "weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def served():
-    tok = make_byte_tokenizer(300)
-    tok.chat_template = TEMPLATE
-    model = make_model("llama_gqa", vocab_size=320, eos_token_id=EOS,
-                       max_position_embeddings=4096)
-    app = build_app(model, tok, served_model_name="tiny", api_key=KEY, block_size=16,
-                    num_blocks=512, max_num_seqs=16)
-    with ServerThread(app) as server:
-        server.tok = tok
-        server.client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
-        server.http = httpx.Client(base_url=server.url,
-                                   headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+    with byte_level_server(TEMPLATE, context=4096, block_size=16) as server:
         yield server
 
 
