@@ -240,7 +240,7 @@ class ChatCompletionRequest(_Sampling):
 
     def tool_mode(self, parser: str) -> ToolMode | None:
         """How answers become tool calls (None: they do not); APIError 400 for bad tools."""
-        check_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
+        check_tools(self.tools, self.tool_choice)
         choice = self.tool_choice or ("auto" if self.tools else "none")
         if choice == "none":
             return None

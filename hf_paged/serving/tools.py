@@ -51,7 +51,7 @@ def auto_parser(chat_template: str | None) -> str:
     return "hermes"
 
 
-def check_tools(tools: list | None, tool_choice, parallel: bool | None) -> None:
+def check_tools(tools: list | None, tool_choice) -> None:
     """APIError 400 for tools or a tool_choice OpenAI would refuse."""
     names = []
     for i, tool in enumerate(tools or []):
