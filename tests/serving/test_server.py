@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import LlamaForCausalLM
 
 from hf_paged.server import build_app
-from conftest import free_port, make_tokenizer, wait_healthy
+from conftest import free_port, make_model, make_tokenizer, wait_healthy
 from test_engine import long_model
 
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }} </s> {% endfor %}"
@@ -64,7 +64,8 @@ def tokenizer_with_template():
 
 
 def lora_model():
-    base = long_model("llama_gqa")
+    # A model of its own: the engine tests wrap the shared one in adapters of theirs.
+    base = make_model("llama_gqa", sliding_window=24, max_position_embeddings=1400)
     model = get_peft_model(LlamaForCausalLM(base.config), LoraConfig(
         task_type=TaskType.CAUSAL_LM, r=4, target_modules="all-linear", init_lora_weights=False),
         adapter_name="tuned")
@@ -141,7 +142,8 @@ def test_streamed_completion_with_stop_and_logprobs(served):
     ids = served.tok(prompt)["input_ids"]
     text, _ = stock_text(served, ids, 12, eos_token_id=None)
     words = text.split()
-    stop = words[3]
+    # A word first seen at position 3 or later: the text up to it has 3 words at least.
+    stop = next(w for i, w in enumerate(words) if i >= 3 and w not in words[:i])
     kw = dict(model="tiny", prompt=prompt, max_tokens=12, temperature=0, stop=[stop],
               logprobs=2, extra_body={"ignore_eos": True})
     whole = served.client.completions.create(**kw)
