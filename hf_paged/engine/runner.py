@@ -349,11 +349,13 @@ class ModelRunner:
             check(metas)
         want = f.last + f.prompt_rows if f.prompt_rows else f.last
         keep = to_device(want or [len(f.ids) - 1], self._index_device)
-        extra, model = {}, self.model if self.compiled is None else self.compiled
+        # With no adapter loaded (none ever, or all unloaded) the base model runs, without
+        # PEFT in the way.
+        model = self.compiled if self.compiled is not None else \
+            self.model if self.adapters else self.base
+        extra = {}
         adapter = BASE if f.adapter is None and self.none_means_base else f.adapter
-        if not self.adapters:  # (all unloaded: the base model, without PEFT in the way)
-            model = self.base if self.compiled is None else model
-        elif adapter is not None:  # PEFT picks the adapter per batch row; the batch is one
+        if self.adapters and adapter is not None:  # PEFT picks the adapter per batch row
             extra["adapter_names"] = [adapter]
         paged_kv = self.access.forward(meta, group_metas=metas)
         with torch.inference_mode(), paged_attention(self.base), self._tracing():

@@ -330,6 +330,12 @@ def echoed(result: RequestOutput, prompt_text: str, pieces: TokenPieces,
     return prompt_text, token_logprobs(result.prompt_token_ids, entries, pieces, 0)
 
 
+def scored_only(out: CompletionOutput) -> CompletionOutput:
+    """A completion of `max_tokens=0`: the token the engine sampled is dropped."""
+    return CompletionOutput(out.index, finish_reason="length",
+                            logprobs=None if out.logprobs is None else [])
+
+
 def joined_logprobs(first: dict | None, second: dict | None) -> dict | None:
     """Two logprobs objects back to back (the second's text offsets already count the
     first's text)."""
@@ -368,8 +374,7 @@ def completion_response(request_id: str, model: str, results: list[RequestOutput
         for out in result.outputs:
             text, lps = out.text, None
             if scoring:
-                text, out = "", CompletionOutput(out.index, finish_reason="length",
-                                                 logprobs=None if out.logprobs is None else [])
+                text, out = "", scored_only(out)
             if out.logprobs is not None:
                 lps = completion_logprobs(out, 0, pieces, len(head))
             completion_tokens += len(out.token_ids)

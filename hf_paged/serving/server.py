@@ -195,8 +195,7 @@ class _Server:
                 raise APIError(400, str(err), field) from err
 
     def start(self, prompts: list[list[int]], params, adapter, priority: int,
-              cache_salt: str | None, field: str,
-              constraint_field: str = "structured_outputs") -> list[RequestStream]:
+              cache_salt: str | None, field: str) -> list[RequestStream]:
         """Checks every prompt, admits them together, then queues them (no await between
         the admission and the queueing: concurrent requests cannot overshoot the bound)."""
         prepared = []
@@ -209,8 +208,6 @@ class _Server:
                 raise APIError(400, str(err), field, code="context_length_exceeded") from err
             except InvalidRequestError as err:
                 param = field if err.param in (None, "prompt") else err.param
-                if param == "structured_outputs":  # named as the request named it
-                    param = constraint_field
                 raise APIError(400, str(err), param) from err
         new = sum(r.params.n for r in prepared)
         bound = self.limits.max_waiting_sequences
@@ -382,8 +379,7 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
             if body.echo else None
         tenant = request.state.tenant
         streams = server.start(prompts, params, adapter, body.priority,
-                               server.salt_for(tenant, body.cache_salt), "prompt",
-                               body.constraint_field)
+                               server.salt_for(tenant, body.cache_salt), "prompt")
         rid = new_id("cmpl")
         if body.stream:
             return EventStream(completion_events(server, body, rid, streams, params, tenant,
@@ -413,8 +409,7 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
                                         else "tool_choice")
         tenant = request.state.tenant
         streams = server.start([prompt], params, adapter, body.priority,
-                               server.salt_for(tenant, body.cache_salt), "messages",
-                               body.constraint_field)
+                               server.salt_for(tenant, body.cache_salt), "messages")
         rid = new_id("chatcmpl")
         if body.stream:
             return EventStream(chat_events(server, body, rid, streams[0], params, top or 0,

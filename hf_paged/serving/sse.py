@@ -18,10 +18,10 @@ from fastapi.responses import StreamingResponse
 
 from ..engine.async_llm import RequestStream
 from ..errors import describe
-from ..outputs import CompletionOutput, RequestOutput
+from ..outputs import RequestOutput
 from .protocol import (
     chat_logprobs, completion_logprobs, echoed, error_body, joined_logprobs, piece_length,
-    usage,
+    scored_only, usage,
 )
 from .tools import marker
 
@@ -116,8 +116,7 @@ async def completion_events(server, body, rid, streams, params, tenant, echo=Non
                     if not (c.finished and first):
                         continue
                     deltas.sent[index] = [0, 0, True]
-                    c = CompletionOutput(c.index, finish_reason="length",
-                                         logprobs=None if c.logprobs is None else [])
+                    c = scored_only(c)
                     start, text = 0, ""
                 else:
                     delta = deltas.next(index, c)
