@@ -219,6 +219,20 @@ class BlockTables:
         self.tables[row], self.lengths[row], self.freed[row] = [], 0, 0
         return blocks
 
+    def truncate_row(self, row: int, length: int) -> list[int]:
+        """Keeps the first `length` tokens of `row` (at most it holds, and past any blocks
+        it released), dropping its blocks past them; returns those blocks."""
+        table, keep = self.tables[row], cdiv(length, self.block_size)
+        if not self.freed[row] * self.block_size <= length <= self.lengths[row]:
+            raise ValueError(f"truncate_row: row {row} holds {self.lengths[row]} tokens "
+                             f"(the first {self.freed[row]} block(s) released); cannot keep "
+                             f"{length}.")
+        dropped = _live(table[keep:])
+        self.num_held -= self.pool.decref(dropped)
+        del table[keep:]
+        self.lengths[row] = length
+        return dropped
+
     def assign(self, row: int, blocks: Sequence[int], length: int, incref: bool = True) -> None:
         """Fills the empty `row` with `blocks` (already holding `length` tokens): a cached
         prefix or a sibling's blocks (a reference is taken on each), or blocks just

@@ -195,6 +195,9 @@ class GroupedTables:
     def free_row(self, row: int) -> list[int]:
         return [b for tables in self.by_group for b in tables.free_row(row)]
 
+    def truncate_row(self, row: int, length: int) -> list[int]:
+        return [b for tables in self.by_group for b in tables.truncate_row(row, length)]
+
     def assign(self, row: int, blocks: Sequence[Sequence[int]], length: int,
                incref: bool = True) -> list[tuple[int, int, int]]:
         """Fills the empty `row` of each group g with `blocks[g]` (see

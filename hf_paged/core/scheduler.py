@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass, field
 
 from .block_pool import BlockPool
 from .block_table import FREED, blocks_to_add
@@ -37,39 +36,7 @@ from .kv_groups import GroupedTables, KVGroups
 from ..errors import RequestRejectedError
 from .prefix_cache import PrefixCache, block_key
 from .sequence import Sequence, SeqStatus
-
-
-@dataclass(slots=True)
-class Scheduled:
-    """One sequence's share of a step."""
-
-    seq: Sequence
-    start: int  # tokens already cached (the context before this step)
-    count: int  # tokens computed this step
-    sample: bool  # the step reaches the sequence's last token: a new token is sampled
-    forks: int = 0  # siblings its sampled token starts (n - 1 once its prompt is computed)
-
-    @classmethod
-    def of(cls, seq: Sequence, count: int) -> "Scheduled":
-        sample = count == seq.to_compute
-        return cls(seq, seq.num_computed, count, sample, seq.forks if sample else 0)
-
-
-@dataclass
-class Step:
-    """What the engine does for one step, in order: swaps and copies, table entries, then
-    one forward over `scheduled` (in batch order)."""
-
-    scheduled: list[Scheduled] = field(default_factory=list)
-    entries: list[tuple[int, int, int]] = field(default_factory=list)  # (row, col, block)
-    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (pool block, CPU block)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (CPU block, pool block)
-    preempted: list[Sequence] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.count for s in self.scheduled)
+from .step import Scheduled, Step
 
 
 class Scheduler:
@@ -189,8 +156,11 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not running or budget == 0:
                 continue
-            row, done = seq.row, seq.num_computed
-            todo = len(seq.prompt) + len(seq.output) + seq.pending - done
+            row, done, draft = seq.row, seq.num_computed, seq.draft
+            todo = len(seq.prompt) + len(seq.output) + seq.pending + len(draft) - done
+            if draft and todo > budget:  # a short budget verifies fewer drafts
+                todo -= len(draft[budget - 1:])
+                del draft[budget - 1:]
             count = todo if todo < budget else budget
             if count == 1 and lengths is not None and lengths[row] % bs \
                     and refcounts[tables[row][-1]] == 1:
@@ -201,6 +171,10 @@ class Scheduler:
                     room = available - reserved
                     if need <= room:
                         break
+                    if draft:  # short of blocks: no drafts rather than a preemption
+                        todo = count = todo - len(draft)
+                        draft.clear()
+                        continue
                     fit = self._row_fits(row, room)
                     if fit >= 1:  # a prompt still prefilling takes a smaller chunk
                         count = min(count, fit)
@@ -218,7 +192,8 @@ class Scheduler:
                 reserved += need
                 budget -= count
                 sample = count == todo
-                scheduled.append(Scheduled(seq, done, count, sample, seq.forks if sample else 0))
+                scheduled.append(Scheduled(seq, done, count, sample, seq.forks if sample else 0,
+                                           tuple(draft) if draft else ()))
         if not step.preempted:  # nothing was short of blocks: admit swapped, then waiting
             budget, reserved = self._admit(step, counts, budget, reserved)
         needed = self.tables.blocks_needed(counts)
@@ -309,6 +284,7 @@ class Scheduler:
         seq.preemptions += 1
         self.running.remove(seq)
         step.preempted.append(seq)
+        seq.draft.clear()
         tables, length = self.tables.row_tables(seq.row), self.tables.lengths[seq.row]
         live = [b for t in tables for b in t if b != FREED]
         if (self.preemption_mode == "swap" and self.cpu_pool is not None
@@ -344,9 +320,21 @@ class Scheduler:
             seq = item.seq
             if seq.row is None or seq.status is finished:
                 continue
-            seq.num_computed = computed = item.start + item.count
+            # A speculating sequence's drafts count once verified (`accept`).
+            seq.num_computed = computed = item.start + item.count - len(item.draft)
             if computed // bs > seq.registered:
                 self._register_full_blocks(seq)
+
+    def accept(self, seq: Sequence, accepted: int) -> None:
+        """After `after_step`: a speculating sequence keeps the K/V of its first `accepted`
+        drafts; the slots of the others are given back (blocks past them freed), so nothing
+        stale is ever read or cached."""
+        if seq.row is None or seq.finished:
+            return
+        seq.num_computed += accepted
+        self.prefix.released(self.tables.truncate_row(seq.row, seq.num_computed))
+        if seq.num_computed // self.block_size > seq.registered:
+            self._register_full_blocks(seq)
 
     def fork(self, parent: Sequence, children: list[Sequence]) -> None:
         """`children` continue `parent` (same prompt, rows reserved at admission), sharing

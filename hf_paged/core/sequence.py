@@ -47,6 +47,10 @@ class Sequence:
     finish_reason: str | None = None
     adapter: str | None = None  # the PEFT adapter that runs it (None: the model as it is)
     pending: int = 0  # 1: a sampled token not appended yet (async scheduling)
+    # Speculative decoding: tokens proposed to follow its newest one, verified (and kept or
+    # dropped) by the step that computes them; never part of `output` until then.
+    draft: list[int] = field(default_factory=list)
+    speculation: object = None  # the engine's speculation state for it (opaque)
     sampling: object = None  # the engine's sampling row for it, once it has sampled (opaque)
     # Prompt log-probabilities: the logits of prompt positions from here on are wanted (None:
     # none are); a prefix-cache hit may not cover them.

@@ -41,8 +41,9 @@ from . import prompt_logprobs
 from .adapters import BASE, RuntimeAdapters
 from .output import InFlight, OutputProcessor
 from .request import EngineRequest
-from .runner import RUNNER_OPTIONS, DeviceStep, Forward, ModelRunner, StepLogits, positive
+from .runner import DeviceStep, Forward, ModelRunner, StepLogits, engine_options, step_budget
 from .sampler import Sampler
+from .speculative import Speculator
 from .stats import EngineStats
 from .structured import Grammars
 
@@ -76,6 +77,8 @@ class LLMEngine:
       async_scheduling:  plan and launch step N+1 before the host reads step N's sampled
                          tokens, which feed it on the device (False): the same tokens,
                          with outputs and stop checks a step later
+      speculative_config: speculative decoding, as vLLM's dict (speculative.py): e.g.
+                         {"method": "ngram", "num_speculative_tokens": 4}; the same tokens
     """
 
     def __init__(self, model, tokenizer=None, *, block_size: int = 16,
@@ -85,7 +88,7 @@ class LLMEngine:
                  preemption_mode: str = "recompute", swap_space_bytes: int | None = None,
                  max_model_len: int | None = None, backend: str = "auto",
                  compile: bool | str = False, admission_headroom: float = 1.0,
-                 async_scheduling: bool = False):
+                 async_scheduling: bool = False, speculative_config=None):
         self.runner = runner = ModelRunner(
             model, block_size=block_size, num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes,
             gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
@@ -105,6 +108,7 @@ class LLMEngine:
                                    None if self.cpu_pool is None else self.cpu_pool.blocks,
                                    runner.groups, admission_headroom)
         self.async_scheduling = async_scheduling
+        self.speculator = Speculator.build(speculative_config, runner, async_scheduling)
         self._in_flight: InFlight | None = None  # the last step's tokens, not landed yet
         self.sampler = Sampler()
         self.vocab_size = base.get_output_embeddings().weight.shape[0]
@@ -285,7 +289,8 @@ class LLMEngine:
             blocks_used=pool.num_used - cached, blocks_cached=cached, blocks_free=pool.num_free,
             block_size=self.block_size, prefix_cache_queried_tokens=s.prefix.queried_tokens,
             prefix_cache_hit_tokens=s.prefix.hit_tokens, prompt_tokens=self.prompt_tokens,
-            generation_tokens=self.generation_tokens)
+            generation_tokens=self.generation_tokens, **(
+                {} if self.speculator is None else self.speculator.counters()))
 
     # -- one step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -306,6 +311,8 @@ class LLMEngine:
             touched[request_id] = request
         self._aborts.clear()
         self._expire(touched, now)  # before scheduling: a request past its deadline never runs
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         plan = self.scheduler.schedule()
         if plan.scheduled:
             self._run(plan, touched, in_flight)
@@ -360,6 +367,13 @@ class LLMEngine:
         sampling = [i for i in plan.scheduled if i.sample and i.seq.status is not finished]
         if sampling:
             rows, owners, index = self.output.sampling_rows(sampling)
+            if self.speculator is not None and any([i.draft for i in sampling]):
+                v = self.speculator.expand(sampling, rows, owners, index)
+                result, errors = self.sampler.sample_isolated(
+                    logits.rows(sampling, v.index, v.offsets), v.rows).collect()
+                self.speculator.record(v, sampling, result, errors, self.output,
+                                       self.scheduler, touched)
+                return
             sampled = self.sampler.sample_isolated(logits.rows(sampling, index), rows)
             if self.async_scheduling:
                 self._in_flight = self.output.hold(sampling, owners, sampled)
@@ -421,29 +435,6 @@ class LLMEngine:
     def worker_loop(self) -> None:
         """Ranks above 0 (which need only a `ModelRunner`): run rank 0's steps."""
         self.runner.worker_loop()
-
-
-def step_budget(runner: ModelRunner, max_num_batched_tokens: int | None,
-                preemption_mode: str = "recompute", admission_headroom: float = 1.0,
-                async_scheduling: bool = False) -> int:
-    """Tokens per step (default 8192 on CUDA, 2048 elsewhere), with the scheduler's options
-    checked: the same check on every tensor-parallel rank, so all fail alike."""
-    tokens = positive("max_num_batched_tokens",
-                      max_num_batched_tokens or (8192 if runner.on_cuda else 2048))
-    if not isinstance(async_scheduling, bool):
-        raise ValueError(f"async_scheduling must be True or False; got {async_scheduling!r}.")
-    if async_scheduling and runner.tp_size > 1:
-        raise ValueError("async_scheduling keeps a step's tokens on the device of one process; "
-                         "under tensor parallelism every rank needs them. Use "
-                         "async_scheduling=False.")
-    Scheduler.check_options(runner.max_num_seqs, tokens, preemption_mode, admission_headroom)
-    return tokens
-
-
-def engine_options(options: dict) -> tuple[dict, dict]:
-    """Splits LLMEngine options into (the model runner's, the scheduler's)."""
-    runner = {k: v for k, v in options.items() if k in RUNNER_OPTIONS}
-    return runner, {k: v for k, v in options.items() if k not in RUNNER_OPTIONS}
 
 
 __all__ = ["BASE", "EngineStats", "LLMEngine", "engine_options", "step_budget"]

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx.experimental import _config as fx_config
 
+from ..core.scheduler import Scheduler
 from ..distributed import tensor_parallel as tp
 from ..distributed.placement import input_device, logits_index_device, model_placement
 from ..errors import UnsupportedModelError
@@ -94,6 +95,13 @@ class Forward:
                 ids.append(None)
                 f._add_token(len(ids) - 1, seq, start, in_flight)
                 positions.append(start)
+            elif item.draft:  # the newest token and its drafts, all of whose logits count
+                first = len(ids)
+                ids.append(None)
+                f._add_token(first, seq, start, in_flight)
+                ids += item.draft
+                positions += range(start, start + count)
+                last += range(first, first + count - 1)
             else:
                 f._want_prompt_logits(len(ids), seq, start, count)
                 ids += seq.tokens(start, start + count)
@@ -149,17 +157,25 @@ class StepLogits:
         self._items.append(items)
         self._parts.append(rows)
 
-    def rows(self, sampling: list, index: list[int]) -> torch.Tensor:
+    def rows(self, sampling: list, index: list[int],
+             offsets: list[int] | None = None) -> torch.Tensor:
         """[R, V]: row r holds the logits of `sampling[index[r]]` (the step's sampling
-        items, in plan order)."""
+        items, in plan order); offsets: row r reads that item's position `offsets[r]` (a
+        speculating item has 1 + len(draft) of them, its drafts' first)."""
         stacked = self._parts[0] if len(self._parts) == 1 else torch.cat(self._parts)
         if len(self._parts) == 1 and len(sampling) == len(index) == stacked.shape[0]:
             # One forward, nobody failed or forked: its sampling rows are `sampling`, in order.
             return stacked
-        where = {id(item): i for i, item in enumerate(
-            item for items in self._items for item in items if item.sample)}
-        return stacked[torch.tensor([where[id(sampling[i])] for i in index],
-                                    device=stacked.device)]
+        where, n = {}, 0
+        for items in self._items:
+            for item in items:
+                if item.sample:
+                    where[id(item)] = n
+                    n += 1 + len(item.draft)
+        gather = [where[id(sampling[i])] for i in index]
+        if offsets is not None:
+            gather = [g + o for g, o in zip(gather, offsets)]
+        return stacked[torch.tensor(gather, device=stacked.device)]
 
 
 def unwrap(model):
@@ -388,3 +404,26 @@ class ModelRunner:
     def worker_loop(self) -> None:
         """Ranks above 0: run the steps rank 0 broadcasts until it stops them."""
         tp.worker_loop(self)
+
+
+def step_budget(runner: ModelRunner, max_num_batched_tokens: int | None,
+                preemption_mode: str = "recompute", admission_headroom: float = 1.0,
+                async_scheduling: bool = False) -> int:
+    """Tokens per step (default 8192 on CUDA, 2048 elsewhere), with the scheduler's options
+    checked: the same check on every tensor-parallel rank, so all fail alike."""
+    tokens = positive("max_num_batched_tokens",
+                      max_num_batched_tokens or (8192 if runner.on_cuda else 2048))
+    if not isinstance(async_scheduling, bool):
+        raise ValueError(f"async_scheduling must be True or False; got {async_scheduling!r}.")
+    if async_scheduling and runner.tp_size > 1:
+        raise ValueError("async_scheduling keeps a step's tokens on the device of one process; "
+                         "under tensor parallelism every rank needs them. Use "
+                         "async_scheduling=False.")
+    Scheduler.check_options(runner.max_num_seqs, tokens, preemption_mode, admission_headroom)
+    return tokens
+
+
+def engine_options(options: dict) -> tuple[dict, dict]:
+    """Splits LLMEngine options into (the model runner's, the scheduler's)."""
+    runner = {k: v for k, v in options.items() if k in RUNNER_OPTIONS}
+    return runner, {k: v for k, v in options.items() if k not in RUNNER_OPTIONS}

@@ -41,6 +41,7 @@ class SampleRow:
     grammar: Matcher | None = None  # its completion's structured-output constraint
 
     def __post_init__(self):  # read per row per step: plain attributes, not properties
+        self.states = None  # a list: the generator's state is added after each draw
         self.greedy = self.params.greedy
         self.logprobs = self.params.logprobs is not None
         self.penalized = self.params.penalized
@@ -246,6 +247,8 @@ class Sampler:
             if row.generator is not None and not row.greedy:
                 noise[i] = torch.empty(vocab, device=device).exponential_(
                     generator=row.generator)
+                if row.states is not None:  # (speculation rewinds past unused draws)
+                    row.states.append(row.generator.get_state())
         return noise
 
     @staticmethod

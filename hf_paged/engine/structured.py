@@ -127,6 +127,33 @@ class Matcher:
         if self._allowed is not None:
             bitmask[row] &= self._allowed
 
+    def allows(self, tokens) -> int:
+        """How many of `tokens`, in order, the constraint takes from here (it stays here)."""
+        n = 0
+        while n < len(tokens) and not self._m.is_terminated() and self._m.accept_token(tokens[n]):
+            n += 1
+        if n:
+            self._m.rollback(n)
+        return n
+
+    def ahead(self, tokens) -> "Matcher":
+        """This matcher as it will be after `tokens` (which it allows), for masking a
+        speculative position: its `fill` takes them, fills, and steps back."""
+        return self if not tokens else _Ahead(self, list(tokens))
+
+
+class _Ahead:
+    def __init__(self, matcher: Matcher, tokens: list[int]):
+        self._matcher, self._tokens = matcher, tokens
+        self.vocab, self.words = matcher.vocab, matcher.words
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        m = self._matcher
+        for token in self._tokens:
+            m.accept(token)
+        m.fill(bitmask, row)
+        m._m.rollback(len(self._tokens))
+
 
 @torch.inference_mode()  # (a forward's logits are inference tensors: changed in place)
 def mask_rows(logits: torch.Tensor, rows: list[int], matchers: list[Matcher]) -> None:
