@@ -111,7 +111,7 @@ class NgramProposer:
     def __init__(self, config: SpeculativeConfig):
         self.low, self.high = config.prompt_lookup_min, config.prompt_lookup_max
 
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
+    def propose(self, seqs: list[Sequence], ks: list[int], running=None) -> list[list[int]]:
         return [self._one(seq, k) for seq, k in zip(seqs, ks)]
 
     def _one(self, seq: Sequence, k: int) -> list[int]:
@@ -219,7 +219,7 @@ class Speculator:
                 ks.append(k)
         if not seqs:
             return
-        for seq, draft in zip(seqs, self.proposer.propose(seqs, ks)):
+        for seq, draft in zip(seqs, self.proposer.propose(seqs, ks, running)):
             grammar = seq.sampling[0].grammar if seq.sampling is not None else None
             if grammar is not None and draft:  # only drafts its constraint allows
                 draft = draft[:grammar.allows(draft)]
