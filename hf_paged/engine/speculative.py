@@ -210,9 +210,11 @@ class Speculator:
             if state.pause:
                 state.pause -= 1
                 continue
-            k = min(self.k, seq.max_tokens - len(seq.output) - 1)
-            # A decode: one sampled token, the newest, is all it has to compute.
-            if (k > 0 and seq.output and not seq.pending and not seq.forks
+            # (a bonus token past max_tokens is dropped: the completion ends before it)
+            k = min(self.k, seq.max_tokens - len(seq.output))
+            # A decode: one sampled token, the newest, is all it has to compute (and it has
+            # sampled before: a sibling just forked has no sampling row yet).
+            if (k > 0 and seq.sampling is not None and not seq.pending and not seq.forks
                     and seq.status is SeqStatus.RUNNING
                     and seq.num_computed == seq.num_tokens - 1):
                 seqs.append(seq)
@@ -220,7 +222,7 @@ class Speculator:
         if not seqs:
             return
         for seq, draft in zip(seqs, self.proposer.propose(seqs, ks, running)):
-            grammar = seq.sampling[0].grammar if seq.sampling is not None else None
+            grammar = seq.sampling[0].grammar
             if grammar is not None and draft:  # only drafts its constraint allows
                 draft = draft[:grammar.allows(draft)]
             seq.draft[:] = draft

@@ -14,6 +14,7 @@ complete, and the completion stops ("stop") when its matcher has accepted it.
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 from collections import OrderedDict
@@ -130,7 +131,8 @@ class Matcher:
     def allows(self, tokens) -> int:
         """How many of `tokens`, in order, the constraint takes from here (it stays here)."""
         n = 0
-        while n < len(tokens) and not self._m.is_terminated() and self._m.accept_token(tokens[n]):
+        while (n < len(tokens) and tokens[n] < self.vocab and not self._m.is_terminated()
+               and self._m.accept_token(tokens[n])):
             n += 1
         if n:
             self._m.rollback(n)
@@ -149,10 +151,10 @@ class _Ahead:
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         m = self._matcher
-        for token in self._tokens:
-            m.accept(token)
+        taken = sum(1 for _ in itertools.takewhile(m.accept, self._tokens))  # (all: `allows`)
         m.fill(bitmask, row)
-        m._m.rollback(len(self._tokens))
+        if taken:
+            m._m.rollback(taken)
 
 
 @torch.inference_mode()  # (a forward's logits are inference tensors: changed in place)

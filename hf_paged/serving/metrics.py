@@ -55,6 +55,21 @@ class _EngineCollector:
         yield self._counter("hf_paged_prefix_cache_hit_tokens",
                             "Prompt tokens served from the prefix cache.",
                             s.prefix_cache_hit_tokens)
+        yield self._counter("hf_paged_spec_decode_num_draft_tokens",
+                            "Speculative decoding: draft tokens verified.",
+                            s.spec_proposed_tokens)
+        yield self._counter("hf_paged_spec_decode_num_accepted_tokens",
+                            "Speculative decoding: draft tokens accepted.",
+                            s.spec_accepted_tokens)
+        yield self._counter("hf_paged_spec_decode_num_drafts",
+                            "Speculative decoding: (sequence, step) verifications.",
+                            s.spec_verifications)
+        yield self._gauge("hf_paged_spec_decode_acceptance_rate",
+                          "Draft tokens accepted / draft tokens verified.",
+                          s.spec_acceptance_rate)
+        yield self._gauge("hf_paged_spec_decode_mean_accepted_length",
+                          "Tokens per speculating sequence and step (accepted drafts + 1).",
+                          s.spec_mean_accepted_length)
 
 
 class ServerMetrics:

@@ -95,8 +95,22 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--async-scheduling", action="store_true",
                    help="plan each step while the last one runs (its tokens stay on the "
                         "device; the same tokens, outputs a step later)")
+    e.add_argument("--speculative-config", type=_json_object, default=None,
+                   help='speculative decoding, as JSON: {"method": "ngram", '
+                        '"num_speculative_tokens": 4} or {"method": "draft_model", '
+                        '"model": DRAFT_DIR, "num_speculative_tokens": 4}')
     p.add_argument("--log-level", default="info", help="uvicorn log level (info)")
     return p
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"expected a JSON object; got {text!r} ({err})")
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object; got {text!r}")
+    return value
 
 
 def _device_map(text: str):
@@ -145,7 +159,8 @@ def engine_options(args) -> dict:
                 preemption_mode=args.preemption_mode, swap_space_bytes=args.swap_space_bytes,
                 admission_headroom=args.admission_headroom,
                 backend=args.backend, compile=args.compile,
-                async_scheduling=args.async_scheduling)
+                async_scheduling=args.async_scheduling,
+                speculative_config=args.speculative_config)
 
 
 def main(argv=None) -> None:
