@@ -317,6 +317,9 @@ def print_table(rows, base="static-dynamic"):
 
 
 def main():
+    if "--speculative" in sys.argv:  # speculative decoding: options of its own
+        import bench_speculative
+        return bench_speculative.main([a for a in sys.argv[1:] if a != "--speculative"])
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model and 16 requests")
     parser.add_argument("--requests", type=int, default=128, help="number of requests (128)")
@@ -343,6 +346,8 @@ def main():
             ("--host-overhead", "only the host-overhead report: time per step outside the "
                                 "forward, per sequence, at 64/128/256 sequences, tiny and 168M "
                                 "models"),
+            ("--speculative", "only speculative decoding, with and without (see "
+                              "bench_speculative.py --help for its options)"),
             ("--throughput", "only LLM.generate tokens/s of the host-overhead workload (tiny "
                              "model, 64 and 256 requests; PYTHONPATH=other/checkout to compare)")):
         parser.add_argument(flag, action="store_true", help=text)

@@ -16,6 +16,10 @@ cap on running sequences (`max_num_seqs`):
    take its next block; otherwise prompts fill the pool and the decodes that follow preempt
    one another (`benchmarks/bench_engine.py --tight`). A lone request is always admitted.
 
+A decode with speculative drafts (`Sequence.draft`) computes them with its newest token;
+the drafts are trimmed first when the token budget or the blocks run short, and `accept`
+later keeps the verified ones and gives back the slots of the rest.
+
 The step is returned as a plan the engine carries out on the device: the scheduled
 sequences with their token counts, block-table entries to write, copy-on-write pairs and
 swaps. `after_step` records what was computed.

@@ -79,6 +79,7 @@ class LLMEngine:
                          with outputs and stop checks a step later
       speculative_config: speculative decoding, as vLLM's dict (speculative.py): e.g.
                          {"method": "ngram", "num_speculative_tokens": 4}; the same tokens
+                         (async_scheduling is then off: proposals follow each step's tokens)
     """
 
     def __init__(self, model, tokenizer=None, *, block_size: int = 16,
@@ -107,8 +108,13 @@ class LLMEngine:
                                    None, enable_prefix_caching, preemption_mode,
                                    None if self.cpu_pool is None else self.cpu_pool.blocks,
                                    runner.groups, admission_headroom)
+        self.speculator = Speculator.build(speculative_config, runner)
+        if async_scheduling and self.speculator is not None:
+            # Proposals follow each step's tokens, so the host must see them first.
+            logger.warning("hf-paged: speculative decoding plans each step after the last "
+                           "one's tokens reach the host; async_scheduling is off")
+            async_scheduling = False
         self.async_scheduling = async_scheduling
-        self.speculator = Speculator.build(speculative_config, runner, async_scheduling)
         self._in_flight: InFlight | None = None  # the last step's tokens, not landed yet
         self.sampler = Sampler()
         self.vocab_size = base.get_output_embeddings().weight.shape[0]

@@ -178,15 +178,11 @@ class Speculator:
         self.proposed = self.accepted = self.verifications = 0
 
     @classmethod
-    def build(cls, value, runner, async_scheduling: bool) -> "Speculator | None":
+    def build(cls, value, runner) -> "Speculator | None":
         """The engine's speculator for a user's `speculative_config` (None: none)."""
         config = SpeculativeConfig.of(value)
         if config is None:
             return None
-        if async_scheduling:
-            raise ValueError("speculative_config needs each step's tokens on the host before "
-                             "the next step is planned (its proposals follow them); use "
-                             "async_scheduling=False with it.")
         if config.method == "ngram":
             return cls(config, NgramProposer(config))
         from .draft import DraftProposer

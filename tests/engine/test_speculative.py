@@ -235,10 +235,15 @@ def test_bad_configs_are_named(config, message):
         LLMEngine(long_model("llama_gqa"), num_blocks=64, speculative_config=config)
 
 
-def test_async_scheduling_is_refused_with_a_reason():
-    with pytest.raises(ValueError, match="async_scheduling=False"):
-        LLMEngine(long_model("llama_gqa"), num_blocks=64, async_scheduling=True,
-                  speculative_config=NGRAM)
+def test_async_scheduling_gives_way_with_a_warning(caplog):
+    """Proposals follow each step's tokens: the engine runs synchronously, saying so."""
+    model = long_model("llama_gqa")
+    prompts = repetitive_prompts(7, 3)
+    engine = LLMEngine(model, num_blocks=64, async_scheduling=True, speculative_config=NGRAM)
+    assert not engine.async_scheduling and "async_scheduling is off" in caplog.text
+    done = run_engine(engine, prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    for i, p in enumerate(prompts):
+        assert done[str(i)].outputs[0].token_ids == stock_greedy(model, p, 16)
 
 
 def test_serve_option_and_metrics():
