@@ -11,6 +11,8 @@ from typing import Any, Mapping
 #: `kernels.backends.select_backend`.
 KNOWN_BACKENDS = ("auto", "torch", "triton", "cuda", "flash_attn")
 BACKEND_ENV_VAR = "HF_PAGED_BACKEND"
+#: K/V storage: the model's dtype, or 8 bits with a scale per token and head (kv/quant.py).
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 def _positive_int(name: str, value: Any, allow_none: bool) -> int | None:
@@ -38,6 +40,8 @@ class PagedCacheConfig:
     num_blocks:   fixed pool size in blocks; the pool is allocated once and reused.
     max_kv_bytes: fixed pool size in bytes (K+V over all layers); converted to blocks.
     backend:      attention backend ("auto" picks the best available one).
+    kv_cache_dtype: "auto" (the model's dtype) or 8-bit blocks: "int8", "fp8_e4m3" ("fp8"),
+                  "fp8_e5m2", each head of each token with a bfloat16 scale of its own.
     Without `num_blocks` and `max_kv_bytes` the pool grows on demand.
     """
 
@@ -45,6 +49,7 @@ class PagedCacheConfig:
     num_blocks: int | None = None
     max_kv_bytes: int | None = None
     backend: str = "auto"
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
         for name in ("block_size", "num_blocks", "max_kv_bytes"):
@@ -55,6 +60,9 @@ class PagedCacheConfig:
                 "cache_config accepts one of 'num_blocks' and 'max_kv_bytes', not both; got "
                 f"num_blocks={self.num_blocks!r} and max_kv_bytes={self.max_kv_bytes!r}."
             )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"cache_config['kv_cache_dtype'] must be one of {KV_CACHE_DTYPES}; "
+                             f"got {self.kv_cache_dtype!r}.")
         if self.backend not in KNOWN_BACKENDS:
             raise ValueError(
                 f"cache_config['backend'] must be one of {KNOWN_BACKENDS}; got {self.backend!r}."

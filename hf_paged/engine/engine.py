@@ -71,6 +71,8 @@ class LLMEngine:
                          while a prompt's first chunk fits
       max_model_len:     the longest sequence (the model's max_position_embeddings)
       backend:           attention backend, as `cache_config["backend"]`
+      kv_cache_dtype:    "auto" (the model's dtype) or 8-bit blocks, "int8", "fp8_e4m3" or
+                         "fp8_e5m2" (a bfloat16 scale per token and head: kv/quant.py)
       compile:           run the model's forward under torch.compile (fullgraph, dynamic
                          shapes; True: Inductor, or a torch.compile backend name): the same
                          tokens as eager, after a first compile of each kind of step
@@ -89,12 +91,14 @@ class LLMEngine:
                  preemption_mode: str = "recompute", swap_space_bytes: int | None = None,
                  max_model_len: int | None = None, backend: str = "auto",
                  compile: bool | str = False, admission_headroom: float = 1.0,
-                 async_scheduling: bool = False, speculative_config=None):
+                 async_scheduling: bool = False, speculative_config=None,
+                 kv_cache_dtype: str = "auto"):
         self.runner = runner = ModelRunner(
             model, block_size=block_size, num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes,
             gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
             max_model_len=max_model_len, preemption_mode=preemption_mode,
-            swap_space_bytes=swap_space_bytes, backend=backend, compile=compile)
+            swap_space_bytes=swap_space_bytes, backend=backend, compile=compile,
+            kv_cache_dtype=kv_cache_dtype)
         base = runner.base
         self.model, self.adapters, self.tokenizer = runner.model, runner.adapters, tokenizer
         self.pool, self.cpu_pool = runner.pool, runner.cpu_pool

@@ -32,6 +32,7 @@ from ..hf.switch import paged_attention
 from ..kernels.dispatch import PoolAccess
 from ..kv.metadata import DeviceBlockTable, ForwardMetadata, build_metadata, to_device
 from ..kv.placement import group_layers
+from ..kv import quant
 from ..kv.pool import KVPool, block_bytes
 from ..utils import cdiv
 from .adapters import BASE
@@ -41,7 +42,7 @@ logger = logging.getLogger("hf_paged")
 # LLMEngine options the runner takes (the rest are the scheduler's).
 RUNNER_OPTIONS = ("block_size", "num_blocks", "kv_cache_bytes", "gpu_memory_utilization",
                   "max_num_seqs", "max_model_len", "preemption_mode", "swap_space_bytes",
-                  "backend", "compile")
+                  "backend", "compile", "kv_cache_dtype")
 
 
 @dataclass
@@ -205,7 +206,8 @@ class ModelRunner:
                  kv_cache_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
                  max_num_seqs: int | None = None, max_model_len: int | None = None,
                  preemption_mode: str = "recompute", swap_space_bytes: int | None = None,
-                 backend: str = "auto", compile: bool | str = False):
+                 backend: str = "auto", compile: bool | str = False,
+                 kv_cache_dtype: str = "auto"):
         """See `LLMEngine` for the options. max_num_seqs: rows of the device block table
         (default 256 on CUDA, 64 elsewhere)."""
         self.model, base, self.adapters = unwrap(model)
@@ -239,7 +241,9 @@ class ModelRunner:
         self.max_model_len = positive("max_model_len", max_model_len
                                       or getattr(text_config, "max_position_embeddings", 2048))
         self.max_num_seqs = positive("max_num_seqs", max_num_seqs or (256 if self.on_cuda else 64))
-        per_layer = block_bytes(1, kv_heads, head_dim, self.block_size, self.dtype, v_head_dim)
+        self.kv_dtype = kv_dtype = quant.kv_cache_dtype(kv_cache_dtype)  # None: the model's
+        per_layer = block_bytes(1, kv_heads, head_dim, self.block_size, self.dtype, v_head_dim,
+                                kv_dtype)
         slots = self.groups.slots  # layers a block holds
         per_block = slots * per_layer
         if num_blocks is not None and self.groups.is_hybrid:  # counted in blocks of all layers
@@ -251,7 +255,7 @@ class ModelRunner:
             blocks = tp.agree_on_min(blocks, self.device)
             self.control = tp.control_group()
         self.pool = KVPool(slots, kv_heads, head_dim, self.block_size, blocks, self.dtype,
-                           placement, growable=False, v_head_dim=v_head_dim)
+                           placement, growable=False, v_head_dim=v_head_dim, kv_dtype=kv_dtype)
         logger.info("hf-paged engine: KV pool of %d blocks x %d tokens (%s)", blocks,
                     self.block_size, ", ".join(
                         f"{blocks * per_layer * len(layers) / 2**20:.1f} MiB on {device}"
@@ -266,7 +270,7 @@ class ModelRunner:
                 swap_blocks = swap_space_bytes // per_block
             self.cpu_pool = KVPool(slots, kv_heads, head_dim, self.block_size,
                                    swap_blocks, self.dtype, placement.on("cpu"), growable=False,
-                                   v_head_dim=v_head_dim)
+                                   v_head_dim=v_head_dim, kv_dtype=kv_dtype)
             if torch.cuda.is_available() and self.on_cuda:
                 self.cpu_pool.pin_memory()
         self.access = PoolAccess(self.pool, backend, num_heads, spec.windows, spec.latent,

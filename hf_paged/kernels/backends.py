@@ -13,6 +13,7 @@ import torch
 
 from . import reference
 from .base import Backend, Capabilities
+from ..kv.quant import is_quantized
 from .torch_backend import TorchBackend
 
 
@@ -20,8 +21,9 @@ class TritonBackend(Backend):
     """Triton kernels: split-KV decode with GQA grouping, extend/prefill, writes, copies."""
 
     name = "triton"
-    # cpu: under TRITON_INTERPRET=1
-    capabilities = Capabilities(softcap=True, sinks=True, devices=("cuda", "cpu"))
+    # cpu: under TRITON_INTERPRET=1; 8-bit pools: writes quantize in PyTorch
+    capabilities = Capabilities(softcap=True, sinks=True, devices=("cuda", "cpu"),
+                                kv_dtypes=(torch.int8, torch.float8_e4m3fn, torch.float8_e5m2))
 
     def __init__(self):
         from . import triton_attention, triton_cache_ops
@@ -30,7 +32,10 @@ class TritonBackend(Backend):
         self._ops = triton_cache_ops
 
     def write_kv(self, k_cache, v_cache, key, value, slot_mapping):
-        self._ops.write_kv(k_cache, v_cache, key, value, slot_mapping)
+        if is_quantized(k_cache):
+            reference.write_kv(k_cache, v_cache, key, value, slot_mapping)
+        else:
+            self._ops.write_kv(k_cache, v_cache, key, value, slot_mapping)
 
     def copy_blocks(self, kv, src, dst):
         self._ops.copy_blocks(kv, src, dst)

@@ -31,6 +31,7 @@ class Capabilities:
     value_dim:     values of another size than keys (a latent KV's pool)
     dtypes:        pool dtypes it runs on     } checked when a backend is chosen for a
     devices:       device types it runs on    } pool (backends.select_backend)
+    kv_dtypes:     8-bit K/V kinds it reads and writes (kv/quant.py; checked by PoolAccess)
     """
 
     hidden_slots: bool = False
@@ -41,6 +42,7 @@ class Capabilities:
     value_dim: bool = False
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
     devices: tuple[str, ...] = ("cuda",)
+    kv_dtypes: tuple[torch.dtype, ...] = ()
 
     def covers(self, meta: ForwardMetadata, caller_mask: bool) -> bool:
         """Whether a forward with this metadata (and a caller's mask or not) is covered."""

@@ -51,6 +51,8 @@ class PoolAccess:
         devices = pool.placement.devices
 
         def select(device):
+            if pool.kv_dtype is not None:
+                return self._select_8bit(backend, device)
             if pool.fused or latent:  # only the reference reads values of their own size
                 if backend not in ("auto", "torch"):
                     raise ValueError(
@@ -76,6 +78,28 @@ class PoolAccess:
             b if isinstance(b, TorchBackend) else None for b in self.backends]
         self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._views_version = -1
+
+    def _select_8bit(self, name: str, device: torch.device) -> Backend:
+        """The backend of an 8-bit pool: one that reads its kind (`Capabilities.kv_dtypes`);
+        "auto" takes Triton on a GPU where it can, else the reference."""
+        kind = self.pool.kv_dtype
+        if name == "auto":
+            if device.type == "cuda":
+                try:
+                    chosen = select_backend("triton", device, self.pool.dtype)
+                    if kind in chosen.capabilities.kv_dtypes:
+                        return chosen
+                except ValueError:
+                    pass
+            return TorchBackend()
+        chosen = select_backend(name, device, self.pool.dtype, self.pool.block_size,
+                                self.num_heads, self.pool.num_kv_heads)
+        if kind not in chosen.capabilities.kv_dtypes:
+            readers = ("torch", "triton")
+            raise ValueError(f"cache_config['backend']={name!r} cannot run here: it does not "
+                             f"read 8-bit K/V blocks ({kind}); the backends that do: "
+                             f"{readers}, or 'auto'.")
+        return chosen
 
     @property
     def backend(self) -> Backend:

@@ -172,7 +172,8 @@ class PagedForward(PagedLayers, Cache):
                 "new one), or its layers are spread over devices and the cache was made "
                 "without placement=hf_paged.model_placement(model)."
             )
-        heads, dim, v_dim = k_cache.shape[2], k_cache.shape[3], v_cache.shape[3]
+        heads, dim, v_dim = k_cache.shape[2], reference.value_dim(k_cache), \
+            reference.value_dim(v_cache)  # (an 8-bit view also holds its scales)
         if (key_states.shape[1] != heads or key_states.shape[-1] != dim
                 or value_states.shape[1] != heads or value_states.shape[-1] != v_dim):
             raise HFPagedError(
@@ -187,8 +188,9 @@ class PagedForward(PagedLayers, Cache):
             value = value.index_select(0, meta.token_index)
         shard = self._shard[layer_idx]
         with torch.no_grad(), self.access.on_device(shard, self._switch):  # plain values
-            self.access.backends[shard].write_kv(k_cache, v_cache, key.to(k_cache.dtype),
-                                                 value.to(v_cache.dtype), meta.slot_mapping)
+            dtype = self.access.pool.dtype  # (an 8-bit pool's write quantizes from it)
+            self.access.backends[shard].write_kv(k_cache, v_cache, key.to(dtype),
+                                                 value.to(dtype), meta.slot_mapping)
 
     def attend(self, query: torch.Tensor, layer_idx: int, scale: float,
                sliding_window: int | None = None,

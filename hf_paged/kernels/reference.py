@@ -5,12 +5,16 @@ NB = pool blocks, bs = block size, nb = block-table columns in use, T = nb * bs)
   k_cache, v_cache:  [NB, bs, Hkv, D]  one layer's pool (values may have their own size Dv)
   block_tables:      [R, nb] int64     physical block of each logical block
   slot_mapping:      [N] int64         flat slot (block * bs + offset) of each new token
+An 8-bit pool's views are [NB, bs, Hkv, D + 2] of its kind (kv/quant.py): writes quantize,
+reads dequantize to the query's dtype after the gather.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from ..kv.quant import dequantize, is_quantized, quantize
 
 
 def write_kv(
@@ -22,6 +26,8 @@ def write_kv(
 ) -> None:
     """Stores new tokens: key/value [N, Hkv, D] go to flat slots `slot_mapping` [N]."""
     for cache, new in ((k_cache, key), (v_cache, value)):
+        if is_quantized(cache):
+            cache, new = cache.view(torch.uint8), quantize(new, cache.dtype)
         nb, bs, h, d = cache.shape
         if cache.is_contiguous():
             cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, new)
@@ -95,9 +101,23 @@ def paged_attention(
     workspace: optional buffers [>= R * nb, bs, Hkv, D] for the gathered K and V.
     softcap, sinks: see `attend`.
     """
-    k = gather_kv(k_cache, block_tables, None if workspace is None else workspace[0])
-    v = gather_kv(v_cache, block_tables, None if workspace is None else workspace[1])
+    k = gather_kv(as_stored(k_cache), block_tables, None if workspace is None else workspace[0])
+    v = gather_kv(as_stored(v_cache), block_tables, None if workspace is None else workspace[1])
+    if is_quantized(k_cache):
+        k, v = (dequantize(k, k_cache.dtype, query.dtype),
+                dequantize(v, v_cache.dtype, query.dtype))
     return attend(query, k, v, mask, scale, softcap, sinks)
+
+
+def as_stored(cache: torch.Tensor) -> torch.Tensor:
+    """A layer's view as its storage holds it: an 8-bit pool's bytes (gathers and copies
+    work on those), any other unchanged."""
+    return cache.view(torch.uint8) if is_quantized(cache) else cache
+
+
+def value_dim(v_cache: torch.Tensor) -> int:
+    """The size of a value head in a layer's V view (an 8-bit one ends with its scale)."""
+    return v_cache.shape[-1] - (2 if is_quantized(v_cache) else 0)
 
 
 def attend(

@@ -13,6 +13,7 @@ import torch
 
 from ..errors import HFPagedError
 from ..kv.metadata import ForwardMetadata
+from ..kv.quant import QMAX
 from ..utils import cdiv
 from . import reference
 from .base import Backend, Capabilities
@@ -23,7 +24,8 @@ class TorchBackend(Backend):
 
     name = "torch"
     capabilities = Capabilities(hidden_slots=True, caller_mask=True, softcap=True, sinks=True,
-                                value_dim=True, devices=("cpu", "cuda"))
+                                value_dim=True, devices=("cpu", "cuda"),
+                                kv_dtypes=tuple(QMAX))
 
     def __init__(self):
         # Gather buffers for K (0) and V (1), reused by every layer
@@ -49,11 +51,12 @@ class TorchBackend(Backend):
         workspace = None
         if not torch.compiler.is_compiling():  # a compiled forward plans its own buffers
             blocks = meta.block_tables.numel()
-            workspace = (self._gather_workspace(blocks, k_cache, 0),
-                         self._gather_workspace(blocks, v_cache, 1))
+            workspace = (self._gather_workspace(blocks, reference.as_stored(k_cache), 0),
+                         self._gather_workspace(blocks, reference.as_stored(v_cache), 1))
         groups = length_groups(meta) if query.shape[2] == 1 and caller_mask is None else None
         if groups is not None:  # decode rows of very different lengths: gather each bucket
-            out = query.new_empty(query.shape[0], 1, query.shape[1], v_cache.shape[-1])
+            out = query.new_empty(query.shape[0], 1, query.shape[1],
+                                  reference.value_dim(v_cache))
             for rows, cols in groups:
                 keys = cols * meta.block_size
                 part = reference.paged_attention(

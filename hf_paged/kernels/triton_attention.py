@@ -6,6 +6,10 @@ Transformers' sliding window `key > query - W`, optional ALiBi `slope * key posi
 optional soft-capping `c * tanh(score / c)` and per-head sink logits in the softmax
 denominator).
 
+An 8-bit pool (kv/quant.py) is read as bytes: each tile's values are converted from their
+kind (`QUANT`: 1 int8, 2 fp8 e4m3, 3 fp8 e5m2) and multiplied by the bfloat16 scale stored
+after each head's D values, then attended in the query's dtype.
+
 On a machine without a GPU these kernels run under `TRITON_INTERPRET=1` (set before this
 module is imported); the interpreter gets bf16 `tl.dot` wrong, so tiles are then cast to
 float32 first (`CAST_FP32`).
@@ -38,23 +42,51 @@ def _dot(a, b, FP32: tl.constexpr):
 
 @triton.jit
 def _load_tile(K, V, TABLE_ROW, stride_kb, stride_kt, head_offset, pos, limit, d, dmask,
-               BS: tl.constexpr, CAST_FP32: tl.constexpr):
+               BS: tl.constexpr, CAST_FP32: tl.constexpr, QUANT: tl.constexpr,
+               D: tl.constexpr):
     """K and V tiles [TILE, D_P] of one KV head at sequence positions `pos` [TILE] of a row.
 
     Each position finds its block in the row's table, so a tile may span several blocks
     (or part of one): the tile size is a speed knob independent of the block size.
-    Positions >= limit read as zeros.
+    Positions >= limit read as zeros. QUANT > 0: K and V are bytes, dequantized here
+    (float32 tiles).
     """
     pmask = pos < limit
     block = tl.load(TABLE_ROW + pos // BS, mask=pmask, other=0).to(tl.int64)
-    offs = block[:, None] * stride_kb + (pos % BS)[:, None] * stride_kt + head_offset + d[None, :]
+    base = block * stride_kb + (pos % BS) * stride_kt + head_offset  # [TILE]
+    offs = base[:, None] + d[None, :]
     kv_mask = pmask[:, None] & dmask[None, :]
-    k = tl.load(K + offs, mask=kv_mask, other=0.0)
-    v = tl.load(V + offs, mask=kv_mask, other=0.0)
-    if CAST_FP32:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
+    if QUANT == 0:
+        k = tl.load(K + offs, mask=kv_mask, other=0.0)
+        v = tl.load(V + offs, mask=kv_mask, other=0.0)
+        if CAST_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+    else:
+        k = _dequant(tl.load(K + offs, mask=kv_mask, other=0), QUANT) * \
+            _scale(K, base + D, pmask)[:, None]
+        v = _dequant(tl.load(V + offs, mask=kv_mask, other=0), QUANT) * \
+            _scale(V, base + D, pmask)[:, None]
     return k, v
+
+
+@triton.jit
+def _dequant(x, QUANT: tl.constexpr):
+    """Bytes of an 8-bit kind -> float32."""
+    if QUANT == 1:
+        return x.to(tl.int8, bitcast=True).to(tl.float32)
+    elif QUANT == 2:
+        return x.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        return x.to(tl.float8e5, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _scale(X, at, mask):
+    """The bfloat16 scales stored (little-endian) at byte offsets `at` -> float32."""
+    lo = tl.load(X + at, mask=mask, other=0).to(tl.uint16)
+    hi = tl.load(X + at + 1, mask=mask, other=0).to(tl.uint16)
+    return (lo | (hi << 8)).to(tl.bfloat16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -65,12 +97,16 @@ def _tanh(x):
 @triton.jit
 def _attend_tile(q, K, V, TABLE_ROW, stride_kb, stride_kt, head_offset, pos, limit, valid,
                  slopes, scale, softcap, m_i, l_i, acc, d, dmask, BS: tl.constexpr,
-                 HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, CAST_FP32: tl.constexpr):
+                 HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, CAST_FP32: tl.constexpr,
+                 QUANT: tl.constexpr, D: tl.constexpr):
     """Scores of queries q [M, D_P] against positions `pos` [TILE] (soft-capped by `softcap`;
     ALiBi: + slopes * pos, slopes broadcastable to [M, 1]), masked by `valid`
     ([M or 1, TILE]), folded into the running softmax (m_i, l_i, acc)."""
     k, v = _load_tile(K, V, TABLE_ROW, stride_kb, stride_kt, head_offset, pos, limit, d, dmask,
-                      BS, CAST_FP32)
+                      BS, CAST_FP32, QUANT, D)
+    if QUANT != 0:  # dequantized in float32: attended in the queries' dtype
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
     s = _dot(q, tl.trans(k), CAST_FP32) * scale
     if HAS_SOFTCAP:
         s = softcap * _tanh(s / softcap)
@@ -104,6 +140,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
     D: tl.constexpr, D_P: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr, CAST_FP32: tl.constexpr, STORE_LSE: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     """Program (row, KV head, split): all GROUP query heads of the KV head at once, so each
     key and value is read once; the split covers `tokens_per_split` visible positions of the
@@ -141,7 +178,7 @@ def _decode_kernel(
         m_i, l_i, acc = _attend_tile(q, K, V, BT + r * stride_btr, stride_kb, stride_kt,
                                      kvh * stride_kh, pos, end, (pos < end)[None, :], slopes,
                                      scale, softcap, m_i, l_i, acc, d, dmask, BS, HAS_ALIBI,
-                                     HAS_SOFTCAP, CAST_FP32)
+                                     HAS_SOFTCAP, CAST_FP32, QUANT, D)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
     o_ptr = O_PART + r * stride_or + heads[:, None] * stride_oh + split * stride_os + d[None, :]
@@ -231,6 +268,7 @@ def decode_attention(
     slopes = alibi_slopes.contiguous() if alibi_slopes is not None else out  # else unused
     sink_logits = sinks.float().contiguous() if sinks is not None else out  # else unused
     query, seq_lens = query.contiguous(), seq_lens.contiguous()
+    quant, k_cache, v_cache = _stored(k_cache, v_cache)
     _decode_kernel[(rows, kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens, slopes, sink_logits, o_part, lse_part,
         query.stride(0), query.stride(1),
@@ -242,7 +280,7 @@ def decode_attention(
         GROUP=group, GROUP_P=_p2(group), BS=bs, TILE=tile, D=dim, D_P=_p2(dim),
         HAS_ALIBI=alibi_slopes is not None, HAS_SOFTCAP=softcap is not None,
         HAS_SINKS=sinks is not None, CAST_FP32=INTERPRETING or query.dtype == torch.float32,
-        STORE_LSE=num_splits > 1, num_warps=num_warps,
+        STORE_LSE=num_splits > 1, QUANT=quant, num_warps=num_warps,
     )
     if num_splits > 1:
         _merge_splits_kernel[(rows, heads)](
@@ -281,7 +319,7 @@ def _extend_kernel(
     q_len, scale, softcap, window,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
     D: tl.constexpr, D_P: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_SINKS: tl.constexpr, CAST_FP32: tl.constexpr,
+    HAS_SINKS: tl.constexpr, CAST_FP32: tl.constexpr, QUANT: tl.constexpr,
 ):
     """Program (row, query head, BLOCK_M query columns) over the positions its queries see,
     TILE at a time."""
@@ -322,7 +360,7 @@ def _extend_kernel(
         m_i, l_i, acc = _attend_tile(q, K, V, BT + r * stride_btr, stride_kb, stride_kt,
                                      kvh * stride_kh, pos, hi, valid, slope, scale, softcap,
                                      m_i, l_i, acc, d, dmask, BS, HAS_ALIBI, HAS_SOFTCAP,
-                                     CAST_FP32)
+                                     CAST_FP32, QUANT, D)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # padding columns come out as zeros
     tl.store(OUT + r * stride_or + cols[:, None] * stride_ot + h * stride_oh + d[None, :],
              out.to(OUT.dtype.element_ty), mask=cmask[:, None] & dmask[None, :])
@@ -356,6 +394,7 @@ def extend_attention(
     slopes = alibi_slopes.contiguous() if alibi_slopes is not None else out  # else unused
     sink_logits = sinks.float().contiguous() if sinks is not None else out  # else unused
     context_lens, seq_lens = context_lens.contiguous(), seq_lens.contiguous()
+    quant, k_cache, v_cache = _stored(k_cache, v_cache)
     _extend_kernel[(rows, heads, triton.cdiv(q_len, block_m))](
         query, k_cache, v_cache, block_tables, query_pos, context_lens, seq_lens, slopes,
         sink_logits, out,
@@ -366,7 +405,18 @@ def extend_attention(
         q_len, scale, softcap or 0.0, sliding_window or 0,
         GROUP=heads // kv_heads, BLOCK_M=block_m, BS=bs, TILE=tile, D=dim, D_P=_p2(dim),
         HAS_ALIBI=alibi_slopes is not None, HAS_SOFTCAP=softcap is not None,
-        HAS_SINKS=sinks is not None, CAST_FP32=cast_fp32,
+        HAS_SINKS=sinks is not None, CAST_FP32=cast_fp32, QUANT=quant,
         num_warps=num_warps,
     )
     return out
+
+
+_QUANT = {torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
+
+
+def _stored(k_cache: torch.Tensor, v_cache: torch.Tensor):
+    """(QUANT, K, V): an 8-bit pool's views as bytes and their kind's code; others as given."""
+    quant = _QUANT.get(k_cache.dtype, 0)
+    if quant:
+        return quant, k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    return 0, k_cache, v_cache

@@ -13,13 +13,18 @@ from ..core.block_pool import BlockPool
 from ..config import PagedCacheConfig
 from ..errors import KVCacheExhaustedError, KVPoolAllocationError
 from .metadata import to_device
+from .quant import kv_cache_dtype, stored_dim
 from ..kv.placement import Placement
 
 
 def block_bytes(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
-                dtype: torch.dtype, v_head_dim: int | None = None) -> int:
+                dtype: torch.dtype, v_head_dim: int | None = None,
+                kv_dtype: torch.dtype | None = None) -> int:
     """Bytes of one block's K and V over `num_layers` layers (values of `v_head_dim`, by
-    default the keys' size)."""
+    default the keys' size); kv_dtype: an 8-bit kind (kv/quant.py) stores each head in
+    D + 2 bytes instead of D elements of `dtype`."""
+    if kv_dtype is not None:
+        return num_layers * num_kv_heads * 2 * stored_dim(head_dim, kv_dtype) * block_size
     return (num_layers * num_kv_heads * (head_dim + (v_head_dim or head_dim)) * block_size
             * torch.tensor([], dtype=dtype).element_size())
 
@@ -61,7 +66,9 @@ class KVPool:
     `placement.layers[s]`: one shard for a model on one device, one per device for a model
     spread by `device_map`. Block b is block b in every shard. Keys and values of different
     sizes (a latent KV) share one tensor `[L_s, 1, NB, bs, Hkv, Dk + Dv]` instead, each
-    layer's K and V being views of its last dimension (`layer_views`).
+    layer's K and V being views of its last dimension (`layer_views`). An 8-bit pool
+    (`kv_dtype`, kv/quant.py) stores bytes, `[..., Hkv, D + 2]`, whose views show the 8-bit
+    kind; `dtype` stays the model's (what its attention computes in).
 
     A sized pool (`num_blocks` / `max_kv_bytes`) is allocated once and kept for its model
     (`kept_pool`); the caches of every call with that sizing, concurrent ones included, draw
@@ -81,6 +88,7 @@ class KVPool:
         device: torch.device | Placement,
         growable: bool,
         v_head_dim: int | None = None,
+        kv_dtype: torch.dtype | None = None,
     ):
         """device: the device of every layer, or a `Placement` of the layers over devices.
         head_dim, v_head_dim: sizes of a key and a value head (default: the same)."""
@@ -93,6 +101,10 @@ class KVPool:
             raise ValueError(f"the placement covers {self.placement.num_layers} layers; the "
                              f"pool has {num_layers}")
         self.dtype, self.device = dtype, self.placement.primary
+        self.kv_dtype = kv_dtype  # an 8-bit kind, or None (stored in `dtype`)
+        if kv_dtype is not None and self.v_head_dim != head_dim:
+            raise ValueError("an 8-bit KV pool needs keys and values of one size; this "
+                             f"model's are {head_dim} and {self.v_head_dim} (a latent KV).")
         self.growable = growable
         # First: an impossible size fails before the free list exists.
         self.shards = self._zeros(num_blocks)
@@ -121,8 +133,9 @@ class KVPool:
         group's): `num_blocks` still counts blocks of every layer, so the pool has the bytes
         of `num_blocks` such blocks."""
         block_size = block_size or config.block_size
+        kv_dtype = kv_cache_dtype(config.kv_cache_dtype)
         per_block = block_bytes(num_layers, num_kv_heads, head_dim, block_size, dtype,
-                                v_head_dim)
+                                v_head_dim, kv_dtype)
         num_blocks = config.num_blocks
         if num_blocks and model_layers:
             num_blocks = num_blocks * model_layers // num_layers
@@ -135,12 +148,14 @@ class KVPool:
                     f"allowed: at least {per_block}."
                 )
         return cls(num_layers, num_kv_heads, head_dim, block_size, num_blocks or 0,
-                   dtype, device, growable=not config.is_sized, v_head_dim=v_head_dim)
+                   dtype, device, growable=not config.is_sized, v_head_dim=v_head_dim,
+                   kv_dtype=kv_dtype)
 
     def _zeros(self, num_blocks: int) -> list[torch.Tensor]:
         # Zeros, not empty: masked-out keys are still multiplied by 0 and must not be NaN.
         # Made outside inference mode so calls under no_grad and inference_mode can share it.
-        tail = ((2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        tail = ((2, num_blocks, self.block_size, self.num_kv_heads,
+                 stored_dim(self.head_dim, self.kv_dtype))
                 if not self.fused else
                 (1, num_blocks, self.block_size, self.num_kv_heads,
                  self.head_dim + self.v_head_dim))
@@ -148,11 +163,12 @@ class KVPool:
         for device, layers in zip(self.placement.devices, self.placement.layers):
             try:
                 with torch.inference_mode(False):
-                    shards.append(torch.zeros((len(layers), *tail), dtype=self.dtype,
+                    shards.append(torch.zeros((len(layers), *tail), dtype=self.storage_dtype,
                                               device=device))
             except (RuntimeError, MemoryError) as err:  # out of memory, or a size torch refuses
                 size = block_bytes(len(layers), self.num_kv_heads, self.head_dim,
-                                   self.block_size, self.dtype, self.v_head_dim) * num_blocks
+                                   self.block_size, self.dtype, self.v_head_dim,
+                                   self.kv_dtype) * num_blocks
                 raise KVPoolAllocationError(
                     f"Could not allocate a KV pool of {num_blocks} block(s) of "
                     f"{self.block_size} tokens ({size / 2**30:.2f} GiB for {len(layers)} "
@@ -170,6 +186,11 @@ class KVPool:
         return self.shards[0]
 
     @property
+    def storage_dtype(self) -> torch.dtype:
+        """What the shards hold: bytes for an 8-bit pool, else the model's dtype."""
+        return self.dtype if self.kv_dtype is None else torch.uint8
+
+    @property
     def fused(self) -> bool:
         """Keys and values differ in size and share the last dimension of one tensor."""
         return self.v_head_dim != self.head_dim
@@ -183,6 +204,8 @@ class KVPool:
     def layer_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k_cache [NB, bs, Hkv, Dk], v_cache [NB, bs, Hkv, Dv]) of one layer."""
         kv = self.layer_kv(layer)
+        if self.kv_dtype is not None:  # [NB, bs, Hkv, D + 2] values and scales, as the kind
+            return kv[0].view(self.kv_dtype), kv[1].view(self.kv_dtype)
         if not self.fused:
             return kv[0], kv[1]
         return kv[0, ..., : self.head_dim], kv[0, ..., self.head_dim:]
@@ -204,7 +227,11 @@ class KVPool:
     # -- sizes -----------------------------------------------------------------------
     @property
     def bytes_per_token(self) -> int:
-        """K+V bytes of one token over all layers."""
+        """K+V bytes of one token over all layers, as stored (an 8-bit pool's scales
+        included)."""
+        if self.kv_dtype is not None:
+            return self.num_layers * self.num_kv_heads * 2 * stored_dim(self.head_dim,
+                                                                         self.kv_dtype)
         return (self.num_layers * self.num_kv_heads * (self.head_dim + self.v_head_dim)
                 * self.element_size)
 
@@ -263,8 +290,8 @@ def kept_pool(model, config: PagedCacheConfig, num_layers: int, num_kv_heads: in
     Only the latest sizing is kept: a call asking for another one replaces it, and the old
     pool is freed once the caches still using it are gone.
     """
-    key = (config.block_size, config.num_blocks, config.max_kv_bytes, num_layers, num_kv_heads,
-           head_dim, v_head_dim, model_layers, dtype,
+    key = (config.block_size, config.num_blocks, config.max_kv_bytes, config.kv_cache_dtype,
+           num_layers, num_kv_heads, head_dim, v_head_dim, model_layers, dtype,
            device if isinstance(device, Placement) else str(device))
     with _kept_lock:
         kept = _kept.get(model)
