@@ -142,6 +142,9 @@ def test_options_and_errors():
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         model.generate(torch.tensor([[3, 4]]), max_new_tokens=2, cache_implementation="paged",
                        cache_config={"kv_cache_dtype": "fp16"})
+    from hf_paged.serving.serve import engine_options, parser
+    assert engine_options(parser().parse_args(["m", "--kv-cache-dtype", "fp8"]))[
+        "kv_cache_dtype"] == "fp8"
 
 
 def test_a_backend_that_cannot_read_8bit_blocks_is_refused_by_name(monkeypatch):
@@ -155,6 +158,3 @@ def test_a_backend_that_cannot_read_8bit_blocks_is_refused_by_name(monkeypatch):
     monkeypatch.setattr(dispatch, "select_backend", lambda *a, **k: Plain())
     with pytest.raises(ValueError, match="does not read 8-bit K/V blocks"):
         LLMEngine(make_model("llama_gqa"), num_blocks=16, kv_cache_dtype="int8", backend="cuda")
-    from hf_paged.serving.serve import engine_options, parser
-    assert engine_options(parser().parse_args(["m", "--kv-cache-dtype", "fp8"]))[
-        "kv_cache_dtype"] == "fp8"
