@@ -8,6 +8,9 @@
 //   out          [R, Hq, D]
 //   sinks        [Hq] float32 or null: a per-head logit joining each softmax's denominator
 //   softcap      scores -> softcap * tanh(scores / softcap) before the softmax (0: none)
+//   kv_quant     0: caches hold the query's type; 1 int8, 2 fp8 e4m3, 3 fp8 e5m2: caches
+//                are bytes [NB, BS, Hkv, D + 2], each head's D values then the bit pattern
+//                of its bfloat16 scale (hf_paged/kv/quant.py); a value reads as v * scale
 //
 // A thread block handles (row, KV head, partition of PARTITION tokens) and all GROUP query
 // heads of that KV head, so each K/V row is loaded once for the group. With one partition
@@ -20,6 +23,7 @@
 #include <cuda_bf16.h>
 #include <math_constants.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "paged_ops.h"
 
@@ -38,6 +42,48 @@ template <> __device__ __forceinline__ __half from_float<__half>(float x) { retu
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
   return __float2bfloat16(x);
 }
+
+// 8-bit values, decoded bit by bit (no fp8 headers needed, any architecture).
+template <int Q> __device__ __forceinline__ float dequant(uint8_t b);
+template <> __device__ __forceinline__ float dequant<1>(uint8_t b) {
+  return static_cast<float>(static_cast<int8_t>(b));
+}
+template <> __device__ __forceinline__ float dequant<2>(uint8_t b) {  // e4m3fn: no infinities
+  const int e = (b >> 3) & 0xF, m = b & 7;
+  float v = e == 0 ? ldexpf(static_cast<float>(m), -9) : ldexpf(static_cast<float>(8 + m), e - 10);
+  if (e == 15 && m == 7) v = CUDART_NAN_F;
+  return (b & 0x80) ? -v : v;
+}
+template <> __device__ __forceinline__ float dequant<3>(uint8_t b) {  // e5m2
+  const int e = (b >> 2) & 0x1F, m = b & 3;
+  float v = e == 0 ? ldexpf(static_cast<float>(m), -16) : ldexpf(static_cast<float>(4 + m), e - 17);
+  if (e == 31) v = m == 0 ? CUDART_INF_F : CUDART_NAN_F;
+  return (b & 0x80) ? -v : v;
+}
+
+// One cached head of one token, read as floats: T values, or (Q > 0) 8-bit values and
+// their bfloat16 scale.
+template <typename T, int Q>
+struct CachedHead {
+  const uint8_t* p;
+  float scale;
+  __device__ __forceinline__ CachedHead(const void* cache, int64_t slot, int heads, int kvh,
+                                        int dim)
+      : p(static_cast<const uint8_t*>(cache) + (slot * heads + kvh) * (dim + 2)) {
+    const uint32_t bits = (static_cast<uint32_t>(p[dim]) | (static_cast<uint32_t>(p[dim + 1]) << 8)) << 16;
+    memcpy(&scale, &bits, sizeof(float));
+  }
+  __device__ __forceinline__ float operator[](int d) const { return dequant<Q>(p[d]) * scale; }
+};
+
+template <typename T>
+struct CachedHead<T, 0> {
+  const T* p;
+  __device__ __forceinline__ CachedHead(const void* cache, int64_t slot, int heads, int kvh,
+                                        int dim)
+      : p(static_cast<const T*>(cache) + (slot * heads + kvh) * dim) {}
+  __device__ __forceinline__ float operator[](int d) const { return to_float(p[d]); }
+};
 
 __device__ __forceinline__ float warp_sum(float x) {
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffff, x, o);
@@ -63,9 +109,9 @@ __device__ float block_reduce(float x, float* scratch) {
 }
 
 // Dynamic shared memory: q [GROUP][D] floats, then logits [GROUP][PARTITION] floats.
-template <typename T, int GROUP>
+template <typename T, int Q, int GROUP>
 __global__ void paged_decode_kernel(
-    const T* __restrict__ query, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+    const T* __restrict__ query, const void* __restrict__ k_cache, const void* __restrict__ v_cache,
     const int32_t* __restrict__ block_tables, const int64_t* __restrict__ seq_lens,
     const float* __restrict__ alibi_slopes, T* __restrict__ out, float* __restrict__ part_out,
     float* __restrict__ part_max, float* __restrict__ part_sum, const float* __restrict__ sinks,
@@ -92,12 +138,12 @@ __global__ void paged_decode_kernel(
   // Scores: one warp per token, lanes across the head dimension.
   for (int t = start + warp; t < end; t += kWarps) {
     const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-    const T* k = k_cache + (slot * num_kv_heads + kvh) * head_dim;
+    const CachedHead<T, Q> k(k_cache, slot, num_kv_heads, kvh, head_dim);
     float acc[GROUP];
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) acc[g] = 0.f;
     for (int d = lane; d < head_dim; d += 32) {
-      const float kd = to_float(k[d]);
+      const float kd = k[d];
 #pragma unroll
       for (int g = 0; g < GROUP; ++g) acc[g] += q_s[g * head_dim + d] * kd;
     }
@@ -137,7 +183,8 @@ __global__ void paged_decode_kernel(
     float acc = 0.f;
     for (int t = start; t < end; ++t) {
       const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-      acc += logits[g * partition + (t - part * partition)] * to_float(v_cache[(slot * num_kv_heads + kvh) * head_dim + d]);
+      acc += logits[g * partition + (t - part * partition)] *
+             CachedHead<T, Q>(v_cache, slot, num_kv_heads, kvh, head_dim)[d];
     }
     const int head = kvh * GROUP + g;
     const int64_t o = (static_cast<int64_t>(row) * num_heads + head) * head_dim + d;
@@ -186,19 +233,18 @@ __global__ void paged_decode_reduce_kernel(const float* __restrict__ part_out,
   }
 }
 
-template <typename T, int GROUP>
+template <typename T, int Q, int GROUP>
 static cudaError_t launch_group(const DecodeArgs& a, cudaStream_t stream) {
   const dim3 grid(a.rows, a.num_kv_heads, a.num_partitions);
   const size_t smem = sizeof(float) * GROUP * (a.head_dim + a.partition);
   if (smem > 48 * 1024) {
-    cudaError_t err = cudaFuncSetAttribute(paged_decode_kernel<T, GROUP>,
+    cudaError_t err = cudaFuncSetAttribute(paged_decode_kernel<T, Q, GROUP>,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(smem));
     if (err != cudaSuccess) return err;
   }
-  paged_decode_kernel<T, GROUP><<<grid, kThreads, smem, stream>>>(
-      static_cast<const T*>(a.query), static_cast<const T*>(a.k_cache),
-      static_cast<const T*>(a.v_cache), a.block_tables, a.seq_lens, a.alibi_slopes,
+  paged_decode_kernel<T, Q, GROUP><<<grid, kThreads, smem, stream>>>(
+      static_cast<const T*>(a.query), a.k_cache, a.v_cache, a.block_tables, a.seq_lens, a.alibi_slopes,
       static_cast<T*>(a.out), a.part_out, a.part_max, a.part_sum, a.sinks, a.num_heads,
       a.num_kv_heads, a.head_dim, a.block_size, a.bt_stride, a.partition, a.num_partitions,
       a.scale, a.window, a.softcap);
@@ -210,14 +256,25 @@ static cudaError_t launch_group(const DecodeArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+template <typename T, int Q>
+static cudaError_t launch_quant(const DecodeArgs& a, cudaStream_t stream) {
+  switch (a.num_heads / a.num_kv_heads) {
+    case 1: return launch_group<T, Q, 1>(a, stream);
+    case 2: return launch_group<T, Q, 2>(a, stream);
+    case 4: return launch_group<T, Q, 4>(a, stream);
+    case 8: return launch_group<T, Q, 8>(a, stream);
+    case 16: return launch_group<T, Q, 16>(a, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
 template <typename T>
 static cudaError_t launch_typed(const DecodeArgs& a, cudaStream_t stream) {
-  switch (a.num_heads / a.num_kv_heads) {
-    case 1: return launch_group<T, 1>(a, stream);
-    case 2: return launch_group<T, 2>(a, stream);
-    case 4: return launch_group<T, 4>(a, stream);
-    case 8: return launch_group<T, 8>(a, stream);
-    case 16: return launch_group<T, 16>(a, stream);
+  switch (a.kv_quant) {
+    case 0: return launch_quant<T, 0>(a, stream);
+    case 1: return launch_quant<T, 1>(a, stream);
+    case 2: return launch_quant<T, 2>(a, stream);
+    case 3: return launch_quant<T, 3>(a, stream);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -27,6 +27,8 @@ struct DecodeArgs {
   int window;                  // sliding window, 0 = none
   float softcap;               // scores -> softcap * tanh(scores / softcap); 0 = none
   const float* sinks;          // [Hq] sink logits, or nullptr
+  int kv_quant;                // 0: caches of the query's type; 1 int8, 2 fp8 e4m3, 3 fp8
+                               // e5m2: bytes [NB, BS, Hkv, D + 2] (values, bfloat16 scale)
 };
 
 // Decode attention (single pass when num_partitions == 1, else split-KV + reduce).

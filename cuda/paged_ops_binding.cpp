@@ -38,6 +38,13 @@ torch::Tensor decode(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v
   a.rows = query.size(0);
   a.num_heads = query.size(1);
   a.head_dim = query.size(2);
+  switch (k_cache.scalar_type()) {  // 8-bit views: values and a bfloat16 scale per head
+    case c10::kChar: a.kv_quant = 1; break;
+    case c10::kFloat8_e4m3fn: a.kv_quant = 2; break;
+    case c10::kFloat8_e5m2: a.kv_quant = 3; break;
+    default: TORCH_CHECK(k_cache.scalar_type() == query.scalar_type(),
+                         "the caches must hold the query's dtype or 8-bit values");
+  }
   a.block_size = k_cache.size(1);
   a.num_kv_heads = k_cache.size(2);
   a.bt_stride = block_tables.stride(0);

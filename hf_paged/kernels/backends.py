@@ -60,7 +60,8 @@ class CudaBackend(Backend):
     goes through Triton, or the reference where Triton is missing."""
 
     name = "cuda"
-    capabilities = Capabilities(softcap=True, sinks=True)
+    capabilities = Capabilities(softcap=True, sinks=True,
+                                kv_dtypes=(torch.int8, torch.float8_e4m3fn, torch.float8_e5m2))
 
     def __init__(self):
         from . import cuda_ops
@@ -71,10 +72,16 @@ class CudaBackend(Backend):
                         else TorchBackend())
 
     def write_kv(self, k_cache, v_cache, key, value, slot_mapping):
-        self._ops.write_kv(key, value, k_cache, v_cache, slot_mapping)
+        if is_quantized(k_cache):  # 8-bit blocks: quantized in PyTorch, read by the kernel
+            reference.write_kv(k_cache, v_cache, key, value, slot_mapping)
+        else:
+            self._ops.write_kv(key, value, k_cache, v_cache, slot_mapping)
 
     def copy_blocks(self, kv, src, dst):
-        self._ops.copy_blocks(kv, src, dst)
+        if kv.dtype == torch.uint8:  # an 8-bit pool's bytes
+            reference.copy_blocks(kv, src, dst)
+        else:
+            self._ops.copy_blocks(kv, src, dst)
 
     def attention(self, query, k_cache, v_cache, meta, scale, sliding_window=None,
                   alibi_slopes=None, caller_mask=None, softcap=None, sinks=None):

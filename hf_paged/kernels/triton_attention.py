@@ -213,13 +213,17 @@ def _merge_splits_kernel(
 # Launch shapes: the largest tiles that ptxas fits without spilling registers for head
 # dim 128 on sm_80 and sm_90 (tests/compile_triton.py prints its report).
 DECODE_TILE, DECODE_WARPS = 64, 8  # tokens per decode loop step (any block size)
+QUANT_DECODE_TILE = 32  # 8-bit pools: their float32 dequantized tiles need the registers
 
 
-def extend_launch(dtype: torch.dtype) -> tuple[int, int, int]:
-    """(query columns, tokens per loop step, warps) of one extend program."""
+def extend_launch(dtype: torch.dtype, quantized: bool = False) -> tuple[int, int, int]:
+    """(query columns, tokens per loop step, warps) of one extend program (8-bit pools:
+    half the tokens, whose float32 dequantized tiles would spill on sm_80)."""
     if INTERPRETING:
         return 16, 16, 4
-    return (64, 16, 8) if dtype == torch.float32 else (64, 64, 8)
+    if dtype == torch.float32:
+        return 64, 16, 8
+    return (64, 32, 8) if quantized else (64, 64, 8)
 
 
 def decode_attention(
@@ -269,6 +273,8 @@ def decode_attention(
     sink_logits = sinks.float().contiguous() if sinks is not None else out  # else unused
     query, seq_lens = query.contiguous(), seq_lens.contiguous()
     quant, k_cache, v_cache = _stored(k_cache, v_cache)
+    if quant and tile == DECODE_TILE:  # (splits stay multiples of it)
+        tile = QUANT_DECODE_TILE
     _decode_kernel[(rows, kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens, slopes, sink_logits, o_part, lse_part,
         query.stride(0), query.stride(1),
@@ -389,7 +395,7 @@ def extend_attention(
     rows, q_len, heads, dim = query.shape
     _, bs, kv_heads, _ = k_cache.shape
     out = torch.empty_like(query)
-    block_m, tile, num_warps = extend_launch(query.dtype)
+    block_m, tile, num_warps = extend_launch(query.dtype, k_cache.dtype in _QUANT)
     cast_fp32 = INTERPRETING or query.dtype == torch.float32
     slopes = alibi_slopes.contiguous() if alibi_slopes is not None else out  # else unused
     sink_logits = sinks.float().contiguous() if sinks is not None else out  # else unused

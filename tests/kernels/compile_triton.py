@@ -53,31 +53,36 @@ def aligned(fn, sig: dict) -> dict:
             if sig[name].startswith("*") or name.startswith("stride_")}
 
 
-def cases():
-    """(label, kernel, pointer types, constexprs, num_warps) as the wrappers launch them."""
+def cases(arch: int = 80):
+    """(label, kernel, pointer types, constexprs, num_warps) as the wrappers launch them;
+    8-bit pools (bytes, QUANT 1 int8, 2 fp8 e4m3 from sm_89 on) for bf16 queries."""
     # dtype: GQA group, block size, head dim, ALiBi, soft-capping, sinks
     configs = {"fp16": (4, 16, 128, False, False, False), "bf16": (1, 8, 64, True, True, False),
                "fp32": (8, 32, 128, False, True, True)}
-    for dt, (group, bs, d, alibi, softcap, sinks) in configs.items():
+    quants = [("bf16", 1), ("fp16", 1)] + ([("bf16", 2)] if arch >= 89 else [])
+    for dt, quant in [(dt, 0) for dt in configs] + quants:
+        group, bs, d, alibi, softcap, sinks = configs[dt]
+        cache = "u8" if quant else dt
         cast = dt == "fp32"
         features = dict(HAS_SOFTCAP=softcap, HAS_SINKS=sinks)
-        block_m, tile, warps = attn.extend_launch(getattr(torch, TORCH_DTYPES[dt]))
+        block_m, tile, warps = attn.extend_launch(getattr(torch, TORCH_DTYPES[dt]), quant > 0)
         for single in (False, True):  # split-KV partials, or one split writing the output
             yield (f"decode {dt} group={group} bs={bs} d={d} alibi={alibi} softcap={softcap} "
-                   f"sinks={sinks} single={single}",
+                   f"sinks={sinks} single={single} quant={quant}",
                    attn._decode_kernel,
-                   dict(Q=dt, K=dt, V=dt, BT="i32", SEQ="i64", SLOPES="fp32", SINKS="fp32",
+                   dict(Q=dt, K=cache, V=cache, BT="i32", SEQ="i64", SLOPES="fp32", SINKS="fp32",
                         O_PART=dt if single else "fp32", LSE_PART="fp32"),
-                   dict(GROUP=group, GROUP_P=attn._p2(group), BS=bs, TILE=attn.DECODE_TILE,
+                   dict(GROUP=group, GROUP_P=attn._p2(group), BS=bs,
+                        TILE=attn.QUANT_DECODE_TILE if quant else attn.DECODE_TILE,
                         D=d, D_P=attn._p2(d), HAS_ALIBI=alibi, CAST_FP32=cast,
-                        STORE_LSE=not single, **features),
+                        STORE_LSE=not single, QUANT=quant, **features),
                    attn.DECODE_WARPS)
         yield (f"extend {dt} group={group} bs={bs} d={d} alibi={alibi} softcap={softcap} "
-               f"sinks={sinks}", attn._extend_kernel,
-               dict(Q=dt, K=dt, V=dt, BT="i32", QPOS="i64", CTX="i64", SEQ="i64",
+               f"sinks={sinks} quant={quant}", attn._extend_kernel,
+               dict(Q=dt, K=cache, V=cache, BT="i32", QPOS="i64", CTX="i64", SEQ="i64",
                     SLOPES="fp32", SINKS="fp32", OUT=dt),
                dict(GROUP=group, BLOCK_M=block_m, BS=bs, TILE=tile, D=d, D_P=attn._p2(d),
-                    HAS_ALIBI=alibi, CAST_FP32=cast, **features), warps)
+                    HAS_ALIBI=alibi, CAST_FP32=cast, QUANT=quant, **features), warps)
     yield ("merge bf16 d=128", attn._merge_splits_kernel,
            dict(O_PART="fp32", LSE_PART="fp32", OUT="bf16"), dict(SPLITS=5, SPLITS_P=8, D=128, D_P=128), 4)
     yield ("write_kv fp16", ops._write_kv_kernel,
@@ -102,7 +107,7 @@ def resource_usage(cubin: bytes) -> str:
 def main(archs: list[str]) -> int:
     for arch in archs:
         target = GPUTarget("cuda", int(arch.removeprefix("sm_")), 32)
-        for label, fn, pointers, constexprs, warps in cases():
+        for label, fn, pointers, constexprs, warps in cases(int(arch.removeprefix("sm_"))):
             sig = signature(fn, pointers, constexprs)
             src = ASTSource(fn, sig, constexprs, attrs=aligned(fn, sig))
             try:

@@ -473,6 +473,6 @@ def test_triton_kernels_compile_for_sm80_and_sm90_without_spills():
                             text=True, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     lines = [line for line in result.stdout.splitlines() if line.startswith("sm_")]
-    assert len(lines) == 24, result.stdout
+    assert len(lines) == 39, result.stdout  # (sm_90 adds the fp8 e4m3 pool cases)
     spilling = [line for line in lines if "STACK:0 " not in line]
     assert not spilling, "register spills:\n" + "\n".join(spilling)

@@ -10,9 +10,9 @@ import torch
 from hf_paged.kernels import reference
 from hf_paged.kernels.backends import select_backend
 from hf_paged.kv.quant import QMAX, dequantize, quantize
-from test_kernels import (
-    DEVICE, EXTEND_CASES, TOLERANCE, extend_layout, needs_triton, paged_inputs,
-    reference_attention,
+from test_kernels import (  # noqa: F401  (cuda_kernels and emulated_cuda_ops: fixtures)
+    DEVICE, EXTEND_CASES, TOLERANCE, cuda_kernels, emulated_cuda_ops, extend_layout,
+    needs_triton, paged_inputs, reference_attention,
 )
 
 KINDS = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
@@ -111,3 +111,19 @@ def test_backends_that_do_not_read_8bit_blocks_say_so():
     with pytest.raises(ValueError, match="latent"):
         KVPool(2, 2, 16, 4, 8, torch.float32, torch.device("cpu"), growable=False,
                v_head_dim=8, kv_dtype=torch.int8)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_decode_dequantizes(cuda_kernels, kind, dtype):
+    """The CUDA C++ decode kernel on 8-bit blocks (on a GPU, and here through the emulator),
+    single pass and split-KV, against the reference over the dequantized values."""
+    ops, device = cuda_kernels
+    k, v, table, seq = paged_inputs([1, 17, 97], 8, 2, 64, torch.float32, device=device)
+    kq, vq, kf, vf = quantized_pool(k, v, kind)
+    q = torch.randn(3, 4, 64, device=device).to(dtype)
+    ref = reference_attention(q[:, :, None], kf, vf, table, (seq - 1)[:, None], None, 0.125,
+                              None, None)[:, 0]
+    for partition in (512, 32):
+        out = ops.decode(q, kq, vq, table, seq, None, 0.125, 0, 97, partition)
+        torch.testing.assert_close(out.float(), ref, **TOLERANCE[dtype])

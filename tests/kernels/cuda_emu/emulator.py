@@ -53,6 +53,7 @@ def build(out_dir: Path) -> Path:
 
 
 DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # hf_paged::DType
+QUANT = {torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}  # DecodeArgs::kv_quant
 
 
 def _ptr(t: torch.Tensor | None):
@@ -91,7 +92,7 @@ class EmulatedCudaOps:
             c_int(rows), c_int(heads), c_int(k_cache.shape[2]), c_int(dim),
             c_int(k_cache.shape[1]), c_int(block_tables.stride(0)), c_int(partition),
             c_int(parts), c_float(scale), c_int(window), c_int(DTYPES[query.dtype]),
-            c_float(softcap), _ptr(sinks)),
+            c_float(softcap), _ptr(sinks), c_int(QUANT.get(k_cache.dtype, 0))),
             "paged_decode")
         return out
 

@@ -15,7 +15,7 @@ int emu_decode(const void* query, const void* k_cache, const void* v_cache,
                void* out, float* part_out, float* part_max, float* part_sum, int rows,
                int num_heads, int num_kv_heads, int head_dim, int block_size, int bt_stride,
                int partition, int num_partitions, float scale, int window, int dtype,
-               float softcap, const float* sinks) {
+               float softcap, const float* sinks, int kv_quant) {
   hf_paged::DecodeArgs a{};
   a.query = query;
   a.k_cache = k_cache;
@@ -34,6 +34,7 @@ int emu_decode(const void* query, const void* k_cache, const void* v_cache,
   a.block_size = block_size;
   a.bt_stride = bt_stride;
   a.partition = partition;
+  a.kv_quant = kv_quant;
   a.num_partitions = num_partitions;
   a.scale = scale;
   a.window = window;

@@ -4,3 +4,4 @@
 #include <cmath>
 
 #define CUDART_INF_F INFINITY
+#define CUDART_NAN_F NAN
