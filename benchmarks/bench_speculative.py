@@ -3,7 +3,8 @@
 Two workloads, each run with and without speculation in one process, interleaved, best of
 `--runs`:
 
-(a) copy-heavy: a small Llama trained here in a few seconds to repeat its prompt (each
+(a) copy-heavy: a small Llama trained here (about 1.5 minutes on 2 cores; --quick: 15 s) to
+    repeat its prompt (each
     request's prompt is a random span and a separator; the model writes the span again and
     again, as summaries and code edits repeat spans of their inputs), at 1, 8 and 64
     concurrent requests; n-gram (prompt lookup) speculation, and a draft model several
