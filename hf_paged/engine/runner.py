@@ -164,7 +164,8 @@ class StepLogits:
         items, in plan order); offsets: row r reads that item's position `offsets[r]` (a
         speculating item has 1 + len(draft) of them, its drafts' first)."""
         stacked = self._parts[0] if len(self._parts) == 1 else torch.cat(self._parts)
-        if len(self._parts) == 1 and len(sampling) == len(index) == stacked.shape[0]:
+        if (offsets is None and len(self._parts) == 1
+                and len(sampling) == len(index) == stacked.shape[0]):
             # One forward, nobody failed or forked: its sampling rows are `sampling`, in order.
             return stacked
         where, n = {}, 0
