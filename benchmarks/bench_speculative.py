@@ -12,6 +12,9 @@ Two workloads, each run with and without speculation in one process, interleaved
 (b) ShareGPT-like: a random tiny Llama (nothing to copy but its own loops) with prompt and
     output lengths drawn as in bench_engine.py, at the same concurrencies; n-gram.
 
+Between them, the per-sequence turn-down rule: the copy workload with an untrained draft
+model (nearly every draft rejected), with the rule and without it.
+
 Every speculative run's tokens are checked against the run without it (greedy: they must
 be identical). Run: python benchmarks/bench_engine.py --speculative [--quick]
 """
@@ -138,6 +141,16 @@ def main(argv=None):
             {"none": None, "ngram": ngram,
              "draft_model": dict(method="draft_model", model=draft,
                                  num_speculative_tokens=args.k)}, args.runs, rows)
+    # The per-sequence rule: a draft model that is no copier at all (untrained), with the
+    # rule (min_acceptance 0.25, the default) and without it (0).
+    wrong = LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024)).eval()
+    bad = dict(method="draft_model", model=wrong, num_speculative_tokens=args.k)
+    section("turn-down: copy workload, an untrained draft model", target,
+            lambda n: copy_workload(n, new_tokens), concurrencies[:2],
+            {"none": None, "bad_draft_rule": bad,
+             "bad_draft_no_rule": dict(bad, min_acceptance=0.0)}, args.runs, rows)
     random_model = LlamaForCausalLM(LlamaConfig(
         vocab_size=1000, hidden_size=128 if args.quick else 256, intermediate_size=512,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,

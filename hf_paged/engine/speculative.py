@@ -23,7 +23,10 @@ without speculation from the same random numbers; greedy is the case where x is 
 When speculation stops paying it stands down:
 - per sequence: an exponential average of its acceptance rate (weight 0.3 per
   verification) below `min_acceptance` pauses its proposals for 4 steps, then 8, 16, ... up
-  to 64 while it keeps failing (a verification that accepts a draft resets the pause);
+  to 128 while it keeps failing (a verification that accepts a draft resets the pause). A
+  new sequence starts from the engine's recent acceptance (an average over all
+  verifications, weight 0.1): while drafts fail everywhere, it starts paused, for as long
+  as the latest sequence to fail was;
 - engine-wide: while more than `disable_by_batch_size` sequences run, nothing is proposed
   (a step that large is compute-bound: verifying k more tokens each costs more than it saves).
 """
@@ -147,13 +150,12 @@ class NgramProposer:
 class _Track:
     """A sequence's speculation state (opaque to the scheduler: `Sequence.speculation`)."""
 
-    __slots__ = ("average", "pause", "backoff", "seen", "indexed", "draft_state")
+    __slots__ = ("average", "pause", "backoff", "seen", "indexed")
 
-    def __init__(self):
-        self.average, self.pause, self.backoff = 1.0, 0, 4
+    def __init__(self, average: float = 1.0, pause: int = 0, backoff: int = 4):
+        self.average, self.pause, self.backoff = average, pause, backoff  # the turn-down rule's
         self.seen: dict[int, list[int]] = {}  # ngram: token -> its positions
         self.indexed = 0  # tokens entered in `seen`
-        self.draft_state = None  # draft_model: its KV row
 
 
 @dataclass
@@ -176,6 +178,7 @@ class Speculator:
         self.config, self.proposer = config, proposer
         self.k = config.num_speculative_tokens
         self.proposed = self.accepted = self.verifications = 0
+        self.recent, self.recent_backoff = 1.0, 4  # over all sequences: new ones start here
 
     @classmethod
     def build(cls, value, runner) -> "Speculator | None":
@@ -202,7 +205,10 @@ class Speculator:
         for seq in running:
             state = seq.speculation
             if state is None:
-                state = seq.speculation = _Track()
+                failing = self.recent < self.config.min_acceptance
+                state = seq.speculation = _Track(
+                    self.recent, self.recent_backoff if failing else 0,
+                    self.recent_backoff if failing else 4)
             if state.pause:
                 state.pause -= 1
                 continue
@@ -295,10 +301,12 @@ class Speculator:
         self.proposed += proposed
         self.accepted += accepted
         self.verifications += 1
-        state = seq.speculation
-        state.average = 0.7 * state.average + 0.3 * accepted / proposed
+        state, rate = seq.speculation, accepted / proposed
+        self.recent = 0.9 * self.recent + 0.1 * rate
+        state.average = 0.7 * state.average + 0.3 * rate
         if accepted:
             state.backoff = 4
         if state.average < self.config.min_acceptance:
-            state.pause, state.backoff = state.backoff, min(2 * state.backoff, 64)
+            state.pause, state.backoff = state.backoff, min(2 * state.backoff, 128)
             state.average = self.config.min_acceptance  # probed afresh after the pause
+        self.recent_backoff = state.backoff
