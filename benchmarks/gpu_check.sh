@@ -29,7 +29,8 @@ cat "$out/env.txt"
 timeout 90 python3 -c "import time; t=time.time(); from hf_paged.kernels import cuda_ops; cuda_ops.load(); print(f'cuda kernels built in {time.time()-t:.0f}s')" 2>&1 | tee "$out/cuda_build.txt"
 
 # CPU-side checks (generate parity, emulated CUDA, compile-only) run in CI: GPU tests only here.
-timeout 130 python3 -m pytest tests/kernels/test_kernels.py tests/kernels/test_kernel_features.py \
+timeout 150 python3 -m pytest tests/kernels/test_kernels.py tests/kernels/test_kernel_features.py \
+  tests/kernels/test_kv_quant.py \
   -q -x -p no:cacheprovider -k "not emulated and not compile" 2>&1 | tee "$out/tests.txt" | tail -15
 tests_rc=${PIPESTATUS[0]}
 # device_map across real device boundaries: CPU + GPU here, two GPUs where there are two.
