@@ -265,3 +265,20 @@ def test_serve_option_and_metrics():
     s = engine.stats()
     assert f"hf_paged_spec_decode_num_draft_tokens_total{{model_name=\"m\"}} {float(s.spec_proposed_tokens)}" in text
     assert "hf_paged_spec_decode_acceptance_rate" in text and s.spec_proposed_tokens > 0
+
+
+@pytest.mark.slow  # a minute of Dynamo tracing
+def test_compiled_engine_with_speculation_and_8bit_kv_equals_eager():
+    """compile=True (fullgraph; the "eager" backend: Dynamo's tracing without Inductor's
+    minutes) traces the verification rows and the 8-bit reads, with the same tokens."""
+    model = long_model("llama_gqa")
+    prompts = repetitive_prompts(8, 4)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    runs = []
+    for compile in (False, "eager"):
+        engine = LLMEngine(model, block_size=4, num_blocks=200, max_num_seqs=4,
+                           kv_cache_dtype="int8", speculative_config=NGRAM, compile=compile)
+        done = run_engine(engine, prompts, params)
+        runs.append([done[str(i)].outputs[0].token_ids for i in range(len(prompts))])
+        assert engine.stats().spec_accepted_tokens > 0
+    assert runs[0] == runs[1]
