@@ -130,9 +130,8 @@ class DraftProposer:
                 continue
             chosen.append((seq, k, start))
         plan = self.tables.append(counts)
+        assert not plan.copies  # rows never share blocks here: nothing to copy on write
         self.runner.device_table.apply(plan.entries)
-        if plan.copies:  # (rows never share blocks here)
-            self.runner.access.copy_blocks(plan.copies)
         return chosen
 
     def _greedy(self, f: Forward) -> list[int]:

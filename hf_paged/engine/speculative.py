@@ -197,12 +197,13 @@ class Speculator:
 
     def propose(self, running: list[Sequence]) -> None:
         """Sets the drafts of the running decodes that speculate this step."""
-        for seq in running:
-            seq.draft.clear()
-        if len(running) > self.config.disable_by_batch_size:
-            return
+        off = len(running) > self.config.disable_by_batch_size  # the engine-wide rule
         seqs, ks = [], []
         for seq in running:
+            if seq.draft:  # last step's, if it was not scheduled then
+                seq.draft.clear()
+            if off:
+                continue
             state = seq.speculation
             if state is None:
                 failing = self.recent < self.config.min_acceptance

@@ -134,9 +134,13 @@ class Matcher:
         while (n < len(tokens) and tokens[n] < self.vocab and not self._m.is_terminated()
                and self._m.accept_token(tokens[n])):
             n += 1
+        self.rollback(n)
+        return n
+
+    def rollback(self, n: int) -> None:
+        """Steps back over the last `n` tokens it accepted."""
         if n:
             self._m.rollback(n)
-        return n
 
     def ahead(self, tokens) -> "Matcher":
         """This matcher as it will be after `tokens` (which it allows), for masking a
@@ -153,8 +157,7 @@ class _Ahead:
         m = self._matcher
         taken = sum(1 for _ in itertools.takewhile(m.accept, self._tokens))  # (all: `allows`)
         m.fill(bitmask, row)
-        if taken:
-            m._m.rollback(taken)
+        m.rollback(taken)
 
 
 @torch.inference_mode()  # (a forward's logits are inference tensors: changed in place)

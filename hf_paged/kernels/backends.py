@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from dataclasses import replace
 
 import torch
 
 from . import reference
 from .base import Backend, Capabilities
-from ..kv.quant import is_quantized
+from ..kv.quant import KINDS, is_quantized
 from .torch_backend import TorchBackend
 
 
@@ -23,13 +24,15 @@ class TritonBackend(Backend):
     name = "triton"
     # cpu: under TRITON_INTERPRET=1; 8-bit pools: writes quantize in PyTorch
     capabilities = Capabilities(softcap=True, sinks=True, devices=("cuda", "cpu"),
-                                kv_dtypes=(torch.int8, torch.float8_e4m3fn, torch.float8_e5m2))
+                                kv_dtypes=KINDS)
 
-    def __init__(self):
+    def __init__(self, device: torch.device | None = None):
         from . import triton_attention, triton_cache_ops
 
         self._attn = triton_attention
         self._ops = triton_cache_ops
+        if device is not None:  # the 8-bit kinds this device's kernels can convert
+            self.capabilities = replace(self.capabilities, kv_dtypes=triton_kv_kinds(device))
 
     def write_kv(self, k_cache, v_cache, key, value, slot_mapping):
         if is_quantized(k_cache):
@@ -60,16 +63,17 @@ class CudaBackend(Backend):
     goes through Triton, or the reference where Triton is missing."""
 
     name = "cuda"
-    capabilities = Capabilities(softcap=True, sinks=True,
-                                kv_dtypes=(torch.int8, torch.float8_e4m3fn, torch.float8_e5m2))
+    capabilities = Capabilities(softcap=True, sinks=True, kv_dtypes=KINDS)
 
     def __init__(self):
         from . import cuda_ops
 
         self._ops = cuda_ops.load()
         self._partition = cuda_ops.PARTITION
-        self._extend = (TritonBackend() if triton_unavailable_reason(torch.device("cuda")) is None
-                        else TorchBackend())
+        self._reference = TorchBackend()
+        self._extend = (TritonBackend(torch.device("cuda"))
+                        if triton_unavailable_reason(torch.device("cuda")) is None
+                        else self._reference)
 
     def write_kv(self, k_cache, v_cache, key, value, slot_mapping):
         if is_quantized(k_cache):  # 8-bit blocks: quantized in PyTorch, read by the kernel
@@ -90,8 +94,11 @@ class CudaBackend(Backend):
                                    meta.seq_lens, alibi_slopes, scale, sliding_window or 0,
                                    meta.max_seq_len, self._partition, softcap or 0.0, sinks)
             return out.unsqueeze(1)
-        return self._extend.attention(query, k_cache, v_cache, meta, scale, sliding_window,
-                                      alibi_slopes, softcap=softcap, sinks=sinks)
+        extend = self._extend
+        if is_quantized(k_cache) and k_cache.dtype not in extend.capabilities.kv_dtypes:
+            extend = self._reference  # fp8 blocks before sm_89: Triton cannot convert them
+        return extend.attention(query, k_cache, v_cache, meta, scale, sliding_window,
+                                alibi_slopes, softcap=softcap, sinks=sinks)
 
 
 class FlashAttnBackend(Backend):
@@ -143,6 +150,14 @@ def flash_attn_unavailable_reason(device: torch.device, dtype: torch.dtype,
     return None
 
 
+def triton_kv_kinds(device: torch.device) -> tuple[torch.dtype, ...]:
+    """The 8-bit K/V kinds Triton's kernels read on `device`: fp8 conversions need sm_89 or
+    later (the interpreter has them all)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9):
+        return KINDS
+    return (torch.int8,)
+
+
 def triton_unavailable_reason(device: torch.device) -> str | None:
     """Why the Triton backend cannot run on `device`, or None if it can."""
     if importlib.util.find_spec("triton") is None:
@@ -174,7 +189,7 @@ def select_backend(name: str, device: torch.device | str, dtype: torch.dtype = t
         reason = triton_unavailable_reason(device)
         if reason is not None:
             raise unavailable(reason)
-        return TritonBackend()
+        return TritonBackend(device)
     if name == "cuda":
         from . import cuda_ops
 
@@ -195,7 +210,7 @@ def select_backend(name: str, device: torch.device | str, dtype: torch.dtype = t
         if flash_attn_unavailable_reason(device, dtype, block_size) is None:
             return FlashAttnBackend()
         if device.type == "cuda" and triton_unavailable_reason(device) is None:
-            return TritonBackend()
+            return TritonBackend(device)
         return TorchBackend()
     raise ValueError(
         f"cache_config['backend'] must be one of 'auto', 'torch', 'triton', 'cuda', "

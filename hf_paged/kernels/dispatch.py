@@ -95,10 +95,9 @@ class PoolAccess:
         chosen = select_backend(name, device, self.pool.dtype, self.pool.block_size,
                                 self.num_heads, self.pool.num_kv_heads)
         if kind not in chosen.capabilities.kv_dtypes:
-            readers = ("torch", "triton")
             raise ValueError(f"cache_config['backend']={name!r} cannot run here: it does not "
-                             f"read 8-bit K/V blocks ({kind}); the backends that do: "
-                             f"{readers}, or 'auto'.")
+                             f"read 8-bit K/V blocks ({kind}) on {device}; the backends that "
+                             "do: 'torch', 'triton' (fp8 from sm_89 on), 'cuda', or 'auto'.")
         return chosen
 
     @property

@@ -13,7 +13,7 @@ import torch
 
 from ..errors import HFPagedError
 from ..kv.metadata import ForwardMetadata
-from ..kv.quant import QMAX
+from ..kv.quant import KINDS
 from ..utils import cdiv
 from . import reference
 from .base import Backend, Capabilities
@@ -25,7 +25,7 @@ class TorchBackend(Backend):
     name = "torch"
     capabilities = Capabilities(hidden_slots=True, caller_mask=True, softcap=True, sinks=True,
                                 value_dim=True, devices=("cpu", "cuda"),
-                                kv_dtypes=tuple(QMAX))
+                                kv_dtypes=KINDS)
 
     def __init__(self):
         # Gather buffers for K (0) and V (1), reused by every layer

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..kv.quant import CODES
+
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -395,7 +397,7 @@ def extend_attention(
     rows, q_len, heads, dim = query.shape
     _, bs, kv_heads, _ = k_cache.shape
     out = torch.empty_like(query)
-    block_m, tile, num_warps = extend_launch(query.dtype, k_cache.dtype in _QUANT)
+    block_m, tile, num_warps = extend_launch(query.dtype, k_cache.dtype in CODES)
     cast_fp32 = INTERPRETING or query.dtype == torch.float32
     slopes = alibi_slopes.contiguous() if alibi_slopes is not None else out  # else unused
     sink_logits = sinks.float().contiguous() if sinks is not None else out  # else unused
@@ -417,12 +419,9 @@ def extend_attention(
     return out
 
 
-_QUANT = {torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
-
-
 def _stored(k_cache: torch.Tensor, v_cache: torch.Tensor):
     """(QUANT, K, V): an 8-bit pool's views as bytes and their kind's code; others as given."""
-    quant = _QUANT.get(k_cache.dtype, 0)
+    quant = CODES.get(k_cache.dtype, 0)
     if quant:
         return quant, k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     return 0, k_cache, v_cache

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from ..config import KV_CACHE_DTYPES as NAMES
+
 SCALE_ELEMENTS = 2  # one bfloat16 scale, as two 8-bit elements
 
 KV_CACHE_DTYPES = {
@@ -29,6 +31,10 @@ KV_CACHE_DTYPES = {
     "fp8_e5m2": torch.float8_e5m2,
 }
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+KINDS = tuple(QMAX)
+# The kernels' number for each kind (Triton's QUANT, the CUDA kernel's kv_quant; 0: none).
+CODES = {torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
+assert set(NAMES) == {"auto", *KV_CACHE_DTYPES}  # config's names: the ones mapped here
 _TINY = 2.0 ** -126  # (an all-zero head stays zero)
 
 

@@ -16,6 +16,7 @@ import sys
 
 import torch
 
+from ..config import KV_CACHE_DTYPES
 from ..distributed.tensor_parallel import world_size
 
 
@@ -96,7 +97,7 @@ def parser() -> argparse.ArgumentParser:
                    help="plan each step while the last one runs (its tokens stay on the "
                         "device; the same tokens, outputs a step later)")
     e.add_argument("--kv-cache-dtype", default="auto",
-                   choices=["auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                   choices=KV_CACHE_DTYPES,
                    help="K/V blocks in the model's dtype (auto) or 8 bits with a scale per "
                         "token and head (about half the bytes: twice the blocks)")
     e.add_argument("--speculative-config", type=_json_object, default=None,

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from hf_paged.kv.quant import CODES  # DecodeArgs::kv_quant
+
 HERE = Path(__file__).resolve().parent
 CUDA_DIR = HERE.parents[2] / "cuda"
 KERNEL_SOURCES = ("paged_attention.cu", "cache_ops.cu")
@@ -53,7 +55,6 @@ def build(out_dir: Path) -> Path:
 
 
 DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # hf_paged::DType
-QUANT = {torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}  # DecodeArgs::kv_quant
 
 
 def _ptr(t: torch.Tensor | None):
@@ -92,7 +93,7 @@ class EmulatedCudaOps:
             c_int(rows), c_int(heads), c_int(k_cache.shape[2]), c_int(dim),
             c_int(k_cache.shape[1]), c_int(block_tables.stride(0)), c_int(partition),
             c_int(parts), c_float(scale), c_int(window), c_int(DTYPES[query.dtype]),
-            c_float(softcap), _ptr(sinks), c_int(QUANT.get(k_cache.dtype, 0))),
+            c_float(softcap), _ptr(sinks), c_int(CODES.get(k_cache.dtype, 0))),
             "paged_decode")
         return out
 
