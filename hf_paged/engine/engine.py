@@ -11,9 +11,8 @@ checked when a request is added (`prepare_request`). What cannot be checked up f
 contained when it happens: a forward that raises is re-run on halves of its sequences until
 the ones that fail alone are found; a sampling row that raises (or whose distribution is
 not finite) is sampled apart with the noise already drawn for it (a seeded generator is
-never drawn from twice); a request whose stop check or text fails ends alone. Those
-requests end with finish_reason "error" and the message in `error`; every other request
-goes on with the tokens it would have produced.
+never drawn from twice); a request whose stop check or text fails ends alone, with
+finish_reason "error" and the message in `error`; the others go on as they would have.
 """
 
 from __future__ import annotations
@@ -41,7 +40,8 @@ from . import prompt_logprobs
 from .adapters import BASE, RuntimeAdapters
 from .output import InFlight, OutputProcessor
 from .request import EngineRequest
-from .runner import DeviceStep, Forward, ModelRunner, StepLogits, engine_options, step_budget
+from .logits import StepLogits
+from .runner import DeviceStep, Forward, ModelRunner, engine_options, step_budget
 from .sampler import Sampler
 from .speculative import Speculator
 from .stats import EngineStats
@@ -76,6 +76,8 @@ class LLMEngine:
       compile:           run the model's forward under torch.compile (fullgraph, dynamic
                          shapes; True: Inductor, or a torch.compile backend name): the same
                          tokens as eager, after a first compile of each kind of step
+      cuda_graphs:       replay decode steps from CUDA graphs, one per batch-size bucket
+                         (graphs.py); default: on with `compile` on a CUDA device
       async_scheduling:  plan and launch step N+1 before the host reads step N's sampled
                          tokens, which feed it on the device (False): the same tokens,
                          with outputs and stop checks a step later
@@ -92,13 +94,13 @@ class LLMEngine:
                  max_model_len: int | None = None, backend: str = "auto",
                  compile: bool | str = False, admission_headroom: float = 1.0,
                  async_scheduling: bool = False, speculative_config=None,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", cuda_graphs: bool | None = None):
         self.runner = runner = ModelRunner(
             model, block_size=block_size, num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes,
             gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
             max_model_len=max_model_len, preemption_mode=preemption_mode,
             swap_space_bytes=swap_space_bytes, backend=backend, compile=compile,
-            kv_cache_dtype=kv_cache_dtype)
+            kv_cache_dtype=kv_cache_dtype, cuda_graphs=cuda_graphs)
         base = runner.base
         self.model, self.adapters, self.tokenizer = runner.model, runner.adapters, tokenizer
         self.pool, self.cpu_pool = runner.pool, runner.cpu_pool
@@ -122,10 +124,9 @@ class LLMEngine:
         self._in_flight: InFlight | None = None  # the last step's tokens, not landed yet
         self.sampler = Sampler()
         self.vocab_size = base.get_output_embeddings().weight.shape[0]
-        # Decode every step (servers stream text); otherwise only finished completions.
-        self.incremental_text = False
-        # Outputs of finished requests only (LLM.generate): no snapshot per token.
-        self.finished_only = False
+        # incremental_text: decode every step (servers stream text), else only finished
+        # completions; finished_only: outputs of finished requests only (LLM.generate).
+        self.incremental_text = self.finished_only = False
         generation_config = getattr(base, "generation_config", None)
         self.defaults = generation_defaults(generation_config)
         eos = getattr(generation_config, "eos_token_id", None)
@@ -290,8 +291,7 @@ class LLMEngine:
         return self.output.generation_tokens
 
     def stats(self) -> EngineStats:
-        s, pool = self.scheduler, self.pool.blocks
-        cached = s.prefix.num_evictable
+        s, pool, cached = self.scheduler, self.pool.blocks, self.scheduler.prefix.num_evictable
         return EngineStats(
             running=len(s.running), waiting=len(s.waiting), swapped=len(s.swapped),
             num_preemptions=s.num_preemptions, recomputed_tokens=s.recomputed_tokens,

@@ -36,13 +36,14 @@ from ..kv import quant
 from ..kv.pool import KVPool, block_bytes
 from ..utils import cdiv
 from .adapters import BASE
+from .graphs import DecodeGraphs, wants_graphs
 
 logger = logging.getLogger("hf_paged")
 
 # LLMEngine options the runner takes (the rest are the scheduler's).
 RUNNER_OPTIONS = ("block_size", "num_blocks", "kv_cache_bytes", "gpu_memory_utilization",
                   "max_num_seqs", "max_model_len", "preemption_mode", "swap_space_bytes",
-                  "backend", "compile", "kv_cache_dtype")
+                  "backend", "compile", "kv_cache_dtype", "cuda_graphs")
 
 
 @dataclass
@@ -111,6 +112,15 @@ class Forward:
                 last.append(len(ids) - 1)
         return f
 
+    def device_ids(self, device: torch.device) -> torch.Tensor:
+        """ids [N] int64 on `device`, the tokens still on the device filled in."""
+        ids = to_device(self.ids, device)
+        if self.fill_at:  # tokens the host has not seen, from the last step's sampling
+            with torch.inference_mode():
+                ids[to_device(self.fill_at, device)] = self.previous[
+                    to_device(self.fill_from, self.previous.device)].to(device)
+        return ids
+
     def _add_token(self, j: int, seq, start: int, in_flight) -> None:
         """ids[j]: `seq`'s token at position `start`, or read on the device from the last
         step's sampled tokens if it is pending there."""
@@ -146,40 +156,6 @@ class DeviceStep:
     forwards: list[Forward]
 
 
-class StepLogits:
-    """The logits of a step's sampling sequences, as its forwards produce them."""
-
-    def __init__(self):
-        self._items: list[list] = []  # per forward, its scheduled items
-        self._parts: list[torch.Tensor] = []  # per forward, [its sampling items, V]
-
-    def add(self, items: list, rows: torch.Tensor) -> None:
-        """rows [S, V]: the logits of the items of `items` that sample, in order."""
-        self._items.append(items)
-        self._parts.append(rows)
-
-    def rows(self, sampling: list, index: list[int],
-             offsets: list[int] | None = None) -> torch.Tensor:
-        """[R, V]: row r holds the logits of `sampling[index[r]]` (the step's sampling
-        items, in plan order); offsets: row r reads that item's position `offsets[r]` (a
-        speculating item has 1 + len(draft) of them, its drafts' first)."""
-        stacked = self._parts[0] if len(self._parts) == 1 else torch.cat(self._parts)
-        if (offsets is None and len(self._parts) == 1
-                and len(sampling) == len(index) == stacked.shape[0]):
-            # One forward, nobody failed or forked: its sampling rows are `sampling`, in order.
-            return stacked
-        where, n = {}, 0
-        for items in self._items:
-            for item in items:
-                if item.sample:
-                    where[id(item)] = n
-                    n += 1 + len(item.draft)
-        gather = [where[id(sampling[i])] for i in index]
-        if offsets is not None:
-            gather = [g + o for g, o in zip(gather, offsets)]
-        return stacked[torch.tensor(gather, device=stacked.device)]
-
-
 def unwrap(model):
     """(model to call, the Transformers model under it, its PEFT adapter names)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -208,7 +184,7 @@ class ModelRunner:
                  max_num_seqs: int | None = None, max_model_len: int | None = None,
                  preemption_mode: str = "recompute", swap_space_bytes: int | None = None,
                  backend: str = "auto", compile: bool | str = False,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", cuda_graphs: bool | None = None):
         """See `LLMEngine` for the options. max_num_seqs: rows of the device block table
         (default 256 on CUDA, 64 elsewhere)."""
         self.model, base, self.adapters = unwrap(model)
@@ -255,8 +231,12 @@ class ModelRunner:
         if self.tp_size > 1:  # every rank must hold the same blocks: the smallest pool wins
             blocks = tp.agree_on_min(blocks, self.device)
             self.control = tp.control_group()
-        self.pool = KVPool(slots, kv_heads, head_dim, self.block_size, blocks, self.dtype,
-                           placement, growable=False, v_head_dim=v_head_dim, kv_dtype=kv_dtype)
+        graphs = wants_graphs(cuda_graphs, compile, placement.primary, blocks,
+                              split=self.tp_size > 1 or not placement.is_single)
+        # With graphs, one block of the budget is the spare one padded rows write.
+        self.pool = KVPool(slots, kv_heads, head_dim, self.block_size, blocks - graphs,
+                           self.dtype, placement, growable=False, v_head_dim=v_head_dim,
+                           kv_dtype=kv_dtype, spare_blocks=int(graphs))
         logger.info("hf-paged engine: KV pool of %d blocks x %d tokens (%s)", blocks,
                     self.block_size, ", ".join(
                         f"{blocks * per_layer * len(layers) / 2**20:.1f} MiB on {device}"
@@ -280,6 +260,7 @@ class ModelRunner:
         self.device_table = DeviceBlockTable(self.max_num_seqs,
                                              cdiv(self.max_model_len, self.block_size),
                                              self.kv_device, self.groups.num_groups)
+        self.graphs = DecodeGraphs(self, pad_block=blocks - 1) if graphs else None
 
     def _compile(self, compile: bool | str):
         """The model under torch.compile (fullgraph, dynamic shapes), or None for eager.
@@ -364,32 +345,37 @@ class ModelRunner:
         then of its `prompt_rows`.
         check: called with the forward's metadata (one per KV group) before it runs (the
         isolation debug mode)."""
-        metas = self.metadata(f.rows, f.context, f.counts)
-        meta = metas[0]
-        if check is not None:
-            check(metas)
+        metas = None
+        if check is not None:  # (a graph builds its metadata inside: the same plan's)
+            check(metas := self.metadata(f.rows, f.context, f.counts))
+        logits = None if self.graphs is None else self.graphs.run(f)
+        if logits is not None:  # a decode step, replayed from its graph
+            return logits
+        metas = metas or self.metadata(f.rows, f.context, f.counts)
         want = f.last + f.prompt_rows if f.prompt_rows else f.last
         keep = to_device(want or [len(f.ids) - 1], self._index_device)
+        adapter = BASE if f.adapter is None and self.none_means_base else f.adapter
+        return self.run_model(f.device_ids(self.device), to_device(f.positions, self.device),
+                              metas, keep, adapter)[:len(want)]
+
+    def run_model(self, ids: torch.Tensor, positions: torch.Tensor,
+                  metas: list[ForwardMetadata], keep: torch.Tensor,
+                  adapter: str | None = None) -> torch.Tensor:
+        """The model over packed tokens: ids, positions [N] int64, `metas` (one per KV
+        group), keep [S] int64 (the positions whose logits are wanted) -> logits [S, V]."""
         # With no adapter loaded (none ever, or all unloaded) the base model runs, without
         # PEFT in the way.
         model = self.compiled if self.compiled is not None else \
             self.model if self.adapters else self.base
         extra = {}
-        adapter = BASE if f.adapter is None and self.none_means_base else f.adapter
         if self.adapters and adapter is not None:  # PEFT picks the adapter per batch row
             extra["adapter_names"] = [adapter]
-        paged_kv = self.access.forward(meta, group_metas=metas)
+        paged_kv = self.access.forward(metas[0], group_metas=metas)
         with torch.inference_mode(), paged_attention(self.base), self._tracing():
-            ids = to_device(f.ids, self.device)
-            if f.fill_at:  # tokens the host has not seen, from the last step's sampling
-                previous = f.previous
-                ids[to_device(f.fill_at, self.device)] = previous[
-                    to_device(f.fill_from, previous.device)].to(self.device)
-            out = model(input_ids=ids[None],
-                        position_ids=to_device(f.positions, self.device)[None],
+            out = model(input_ids=ids[None], position_ids=positions[None],
                         past_key_values=paged_kv, use_cache=True, logits_to_keep=keep,
                         **{KWARG: paged_kv}, **extra)
-        return out.logits[0, :len(want)]
+        return out.logits[0]
 
     def _tracing(self):
         """How a compiled forward's shapes are traced: a size of 1 or one equal to another

@@ -89,9 +89,12 @@ class KVPool:
         growable: bool,
         v_head_dim: int | None = None,
         kv_dtype: torch.dtype | None = None,
+        spare_blocks: int = 0,
     ):
         """device: the device of every layer, or a `Placement` of the layers over devices.
-        head_dim, v_head_dim: sizes of a key and a value head (default: the same)."""
+        head_dim, v_head_dim: sizes of a key and a value head (default: the same).
+        spare_blocks: blocks after the `num_blocks` handed out, never owned by a sequence
+        (block `num_blocks` is where padded rows of a captured decode graph write)."""
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.v_head_dim = v_head_dim or head_dim
         self.block_size = block_size
@@ -107,7 +110,7 @@ class KVPool:
                              f"model's are {head_dim} and {self.v_head_dim} (a latent KV).")
         self.growable = growable
         # First: an impossible size fails before the free list exists.
-        self.shards = self._zeros(num_blocks)
+        self.shards = self._zeros(num_blocks + spare_blocks)
         self.blocks = BlockPool(num_blocks, block_size)
         self.version = 0  # bumped when `kv` is reallocated, so views can be refreshed
         _track(self, [])

@@ -93,6 +93,11 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--backend", default="auto", help="attention backend (auto)")
     e.add_argument("--compile", action="store_true",
                    help="run the model's forward under torch.compile (fullgraph)")
+    e.add_argument("--cuda-graphs", dest="cuda_graphs", action="store_true", default=None,
+                   help="replay decode steps from CUDA graphs (default: on with --compile on "
+                        "a GPU)")
+    e.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="never capture CUDA graphs")
     e.add_argument("--async-scheduling", action="store_true",
                    help="plan each step while the last one runs (its tokens stay on the "
                         "device; the same tokens, outputs a step later)")
@@ -166,7 +171,7 @@ def engine_options(args) -> dict:
                 backend=args.backend, compile=args.compile,
                 async_scheduling=args.async_scheduling,
                 speculative_config=args.speculative_config,
-                kv_cache_dtype=args.kv_cache_dtype)
+                kv_cache_dtype=args.kv_cache_dtype, cuda_graphs=args.cuda_graphs)
 
 
 def main(argv=None) -> None:

@@ -1,0 +1,194 @@
+"""Decode steps replayed from per-bucket graphs (`cuda_graphs=True`, engine/graphs.py).
+
+On CPU the graphs are aten-level traces (`TracedGraph`): like a CUDA graph, a trace keeps
+the ops and the tensors they touch and drops every Python decision taken while it was
+made, so a value of one step baked into a graph shows as a wrong token in a later one.
+These tests check what CUDA capture does not change: the static buffers, padded rows and
+their spare block, bucket choice, and tokens equal to the eager engine and stock generate.
+The last test captures real CUDA graphs (GPU only, also run by benchmarks/gpu_check.sh).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_paged import LLM, LLMEngine, SamplingParams
+from hf_paged.engine import graphs as graphs_module
+from hf_paged.engine.graphs import buckets
+from test_engine import long_model, random_prompts, run_engine, stock_greedy
+from zoo import make_arch
+
+
+@pytest.fixture
+def traced(monkeypatch):
+    """Graphs on CPU: aten traces stand in for CUDA graphs."""
+    monkeypatch.setattr(graphs_module, "capture_for", lambda device: graphs_module.TracedGraph)
+
+
+def engine(model, cuda_graphs, **options):
+    settings = dict(block_size=4, num_blocks=60, max_num_seqs=12, max_num_batched_tokens=32,
+                    max_model_len=128, admission_headroom=0)
+    settings.update(options)
+    return LLMEngine(model, cuda_graphs=cuda_graphs, **settings)
+
+
+def greedy_run(model, prompts, max_tokens, arrivals, cuda_graphs, **options):
+    eng = engine(model, cuda_graphs, **options)
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    done = run_engine(eng, prompts, params, arrivals)
+    outs = [done[str(i)].outputs[0] for i in range(len(prompts))]
+    assert all(o.finish_reason == "length" for o in outs), [done[str(i)].error
+                                                             for i in range(len(prompts))]
+    return [o.token_ids for o in outs], eng
+
+
+def test_buckets():
+    assert buckets(1) == [1]
+    assert buckets(6) == [1, 2, 4, 6]
+    assert buckets(20) == [1, 2, 4, 8, 16, 20]
+    assert buckets(256)[:6] == [1, 2, 4, 8, 16, 24] and buckets(256)[-1] == 256
+
+
+@pytest.mark.parametrize("kind", ["llama_gqa", "mistral_sw", "falcon_alibi"])
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_graphs_equal_eager_and_stock(traced, kind, mode):
+    """Batches that grow and shrink through several buckets (requests arrive and finish
+    apart), chunked prompts, preemption and prefix hits: every token equals stock generate."""
+    model = long_model(kind)
+    system = random_prompts(50, 1, 10, 10)[0]
+    prompts = random_prompts(5, 11, 1, 30, shared=system)
+    max_tokens = [3 + (i * 7) % 17 for i in range(len(prompts))]
+    arrivals = [(i * 4) % 13 for i in range(len(prompts))]
+    stock = [stock_greedy(model, p, m) for p, m in zip(prompts, max_tokens)]
+    tokens, eng = greedy_run(model, prompts, max_tokens, arrivals, True, preemption_mode=mode,
+                             num_blocks=26 if kind != "mistral_sw" else 60)
+    assert tokens == stock
+    graphs = eng.runner.graphs
+    stats = graphs.stats()
+    assert stats["failed"] is None and stats["replays"] > 0
+    assert len(stats["sizes"]) >= 3  # the batch went through several buckets
+    assert eng.stats().num_preemptions > 0 or kind == "mistral_sw"
+    assert eng.stats().prefix_cache_hit_tokens > 0
+
+
+def test_padded_rows_leave_every_real_block_alone(traced):
+    """The spare block is outside what the allocator hands out; padded rows (whose tables
+    point there) change no other block: every block equals an engine's without graphs."""
+    model = long_model("llama_gqa")
+    prompts = random_prompts(8, 5, 3, 20)  # 5 rows: bucket 8, 3 padded rows a step
+    plain = engine(model, False, enable_prefix_caching=False)
+    eng = engine(model, True, enable_prefix_caching=False)
+    assert eng.num_blocks == plain.num_blocks - 1  # one block of the budget is the spare one
+    spare = eng.runner.graphs.pad_block
+    assert spare == eng.num_blocks and eng.pool.kv.shape[2] == eng.num_blocks + 1
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for e in (plain, eng):
+        for i, p in enumerate(prompts):
+            e.add_request(str(i), p, params)
+        while e.has_unfinished_requests():
+            e.step()
+    assert 8 in eng.runner.graphs.stats()["sizes"]
+    # Both pools hold the same K/V in the same blocks (each engine filled the same ids),
+    # up to float32 rounding: a padded batch's matmuls may sum in another order.
+    used = plain.pool.blocks.peak_used
+    torch.testing.assert_close(eng.pool.kv[:, :, :used], plain.pool.kv[:, :, :used],
+                               rtol=1e-5, atol=1e-6)
+    assert eng.pool.kv[:, :, used:spare].abs().sum() == 0  # and nothing elsewhere
+
+
+def test_graphs_with_async_scheduling_and_seeded_sampling(traced):
+    """Async scheduling fills the ids buffer from the last step's sampled tokens on the
+    device; seeded sampling with n > 1, penalties and logprobs equals the eager engine."""
+    model = long_model("llama_gqa")
+    prompts = random_prompts(9, 7, 2, 25)
+    params = [SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=100 + i, n=2,
+                             max_tokens=4 + i % 5, ignore_eos=True, repetition_penalty=1.2,
+                             logprobs=2) for i in range(len(prompts))]
+    results = []
+    for graphs, async_scheduling in ((False, False), (True, True), (True, False)):
+        eng = engine(model, graphs, async_scheduling=async_scheduling)
+        done = run_engine(eng, prompts, params, [i % 3 for i in range(len(prompts))])
+        results.append([c for i in range(len(prompts)) for c in done[str(i)].outputs])
+        if graphs:
+            assert eng.runner.graphs.stats()["replays"] > 0
+    for other in results[1:]:  # the same tokens; log-probabilities up to a padded batch's
+        for got, want in zip(other, results[0]):  # float32 rounding
+            assert got.token_ids == want.token_ids
+            for a, b in zip(got.logprobs, want.logprobs):
+                assert a.keys() == b.keys()
+                assert all(abs(a[t] - b[t]) < 1e-4 for t in a)
+
+
+def test_graphs_with_kv_groups_and_8bit_blocks(traced):
+    """A hybrid model (one table per KV group in the buffers) and an 8-bit pool."""
+    gemma = make_arch("gemma3")
+    prompts = random_prompts(3, 5, 4, 30)
+    max_tokens = [6, 9, 4, 12, 7]
+    stock = [stock_greedy(gemma, p, m) for p, m in zip(prompts, max_tokens)]
+    tokens, eng = greedy_run(gemma, prompts, max_tokens, [0, 0, 2, 3, 5], True)
+    assert tokens == stock and len(eng.runner.graphs.tables) > 1
+    llama = long_model("llama_gqa")
+    prompts = random_prompts(4, 6, 4, 30)
+    plain, _ = greedy_run(llama, prompts, [8] * 6, [0] * 6, False, kv_cache_dtype="int8")
+    tokens, eng = greedy_run(llama, prompts, [8] * 6, [0] * 6, True, kv_cache_dtype="int8")
+    assert tokens == plain and eng.runner.graphs.stats()["replays"] > 0
+
+
+def test_prompt_logprob_steps_and_adapters_run_without_graphs(traced):
+    """Forwards graphs do not take run as before, in the same engine."""
+    model = long_model("llama_gqa")
+    eng = engine(model, True)
+    prompts = random_prompts(6, 3, 1, 1)  # one-token prompts: decode-shaped first steps
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, prompt_logprobs=1)
+    done = run_engine(eng, prompts, params)
+    for i, p in enumerate(prompts):
+        assert done[str(i)].outputs[0].token_ids == stock_greedy(model, p, 5)
+
+
+def test_a_failed_capture_falls_back_to_eager(monkeypatch):
+    class Broken:
+        def __init__(self, body, pool=None):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphs_module, "capture_for", lambda device: Broken)
+    model = long_model("llama_gqa")
+    prompts = random_prompts(2, 3, 3, 10)
+    tokens, eng = greedy_run(model, prompts, [5, 5, 5], [0, 0, 0], True)
+    assert tokens == [stock_greedy(model, p, 5) for p in prompts]
+    assert "stream is capturing" in eng.runner.graphs.stats()["failed"]
+
+
+def test_options_are_checked():
+    model = long_model("llama_gqa")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs the model on a CUDA device"):
+            LLM(model, cuda_graphs=True, num_blocks=8)
+    with pytest.raises(ValueError, match="cuda_graphs must be True, False or None"):
+        LLM(model, cuda_graphs="yes", num_blocks=8)
+    # The default on CPU, compiled or not: no graphs.
+    assert LLM(model, num_blocks=8).engine.runner.graphs is None
+    from hf_paged.serving.serve import engine_options, parser
+    assert [engine_options(parser().parse_args(["m", *flags]))["cuda_graphs"]
+            for flags in ([], ["--cuda-graphs"], ["--no-cuda-graphs"])] == [None, True, False]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("compile", [False, True])
+def test_cuda_graphs_on_gpu_equal_eager(compile):
+    """Real capture on a GPU, eager and compiled: tokens equal the engine without graphs,
+    in float32, through buckets and preemption; capture time and memory are reported."""
+    model = long_model("llama_gqa").to("cuda")
+    try:
+        prompts = random_prompts(12, 20, 2, 60)
+        max_tokens = [4 + (i * 5) % 23 for i in range(len(prompts))]
+        arrivals = [(i * 3) % 17 for i in range(len(prompts))]
+        options = dict(num_blocks=40, max_num_seqs=16, compile=compile)
+        plain, _ = greedy_run(model, prompts, max_tokens, arrivals, False, **options)
+        tokens, eng = greedy_run(model, prompts, max_tokens, arrivals, True, **options)
+        stats = eng.runner.graphs.stats()
+        print(f"cuda graphs (compile={compile}): {stats}")
+        assert stats["failed"] is None and stats["replays"] > 0
+        assert tokens == plain
+    finally:
+        model.to("cpu")
