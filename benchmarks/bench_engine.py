@@ -279,8 +279,12 @@ def throughput(model, counts=(64, 256), prompt_len=16, new_tokens=64, runs=5, **
             llm.generate(prompts, params, use_tqdm=False)
             best = min(best, time.perf_counter() - start)
         rows.append(dict(requests=count, tokens_per_s=round(count * new_tokens / best)))
+        graphs = getattr(llm.engine.runner, "graphs", None)  # (older checkouts have none)
+        if graphs is not None:
+            rows[-1]["graphs"] = graphs.stats()
         print(f"  {count:4d} requests x {new_tokens} tokens: {rows[-1]['tokens_per_s']:8,d} "
-              f"output tokens/s (best of {runs})", flush=True)
+              f"output tokens/s (best of {runs})"
+              + (f"; graphs {rows[-1]['graphs']}" if graphs is not None else ""), flush=True)
     return rows
 
 
@@ -349,7 +353,9 @@ def main():
             ("--speculative", "only speculative decoding, with and without (see "
                               "bench_speculative.py --help for its options)"),
             ("--throughput", "only LLM.generate tokens/s of the host-overhead workload (tiny "
-                             "model, 64 and 256 requests; PYTHONPATH=other/checkout to compare)")):
+                             "model, 64 and 256 requests; PYTHONPATH=other/checkout to compare)"),
+            ("--cuda-graphs", "only the --throughput workload without and with CUDA graphs, "
+                              "with their capture time and memory (GPU)")):
         parser.add_argument(flag, action="store_true", help=text)
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
@@ -357,6 +363,15 @@ def main():
     if args.python_calls:
         print("Python calls outside the forward, tiny Llama:", flush=True)
         rows = python_calls(tiny_llama(dtype=dtype, device=args.device))
+        if args.out:
+            Path(args.out).write_text(json.dumps(rows, indent=2))
+        return
+    if args.cuda_graphs:
+        model, rows = tiny_llama(dtype=dtype, device=args.device), []
+        for graphs in (False, True):
+            print(f"LLM.generate, tiny Llama, cuda_graphs={graphs}:", flush=True)
+            for row in throughput(model, runs=3, cuda_graphs=graphs, **overlap):
+                rows.append(dict(row, cuda_graphs=graphs))
         if args.out:
             Path(args.out).write_text(json.dumps(rows, indent=2))
         return

@@ -29,7 +29,7 @@ cat "$out/env.txt"
 timeout 90 python3 -c "import time; t=time.time(); from hf_paged.kernels import cuda_ops; cuda_ops.load(); print(f'cuda kernels built in {time.time()-t:.0f}s')" 2>&1 | tee "$out/cuda_build.txt"
 
 # CPU-side checks (generate parity, emulated CUDA, compile-only) run in CI: GPU tests only here.
-timeout 150 python3 -m pytest tests/kernels/test_kernels.py tests/kernels/test_kernel_features.py \
+timeout 130 python3 -m pytest tests/kernels/test_kernels.py tests/kernels/test_kernel_features.py \
   tests/kernels/test_kv_quant.py \
   -q -x -p no:cacheprovider -k "not emulated and not compile" 2>&1 | tee "$out/tests.txt" | tail -15
 tests_rc=${PIPESTATUS[0]}
@@ -38,16 +38,20 @@ timeout 45 python3 -m pytest tests/distributed/test_device_map.py -q -p no:cache
   -k "cpu_and_gpu or two_gpus" 2>&1 | tee "$out/tests_device_map.txt" | tail -5
 [ "${PIPESTATUS[0]}" -eq 0 ] || tests_rc=1
 
-# The engine's compiled forward (torch.compile, Inductor) and async scheduling on the GPU.
-timeout 60 python3 -m pytest tests/engine/test_compile.py tests/engine/test_async_scheduling.py \
-  -q -p no:cacheprovider -k cuda \
-  2>&1 | tee "$out/tests_compile.txt" | tail -5
+# The engine's compiled forward (torch.compile, Inductor), async scheduling and CUDA graphs
+# (captured for real; eager and compiled, against the engine without graphs) on the GPU.
+timeout 90 python3 -m pytest tests/engine/test_compile.py tests/engine/test_async_scheduling.py \
+  tests/engine/test_cuda_graphs.py -q -s -p no:cacheprovider -k "cuda or gpu" \
+  2>&1 | tee "$out/tests_compile.txt" | tail -8
 [ "${PIPESTATUS[0]}" -eq 0 ] || tests_rc=1
+# Decode steps with and without CUDA graphs (tiny Llama: the host's share shows).
+timeout 40 python3 benchmarks/bench_engine.py --device cuda --cuda-graphs \
+  --out "$out/bench_cuda_graphs.json" 2>&1 | tee "$out/bench_cuda_graphs.txt"
 
-timeout 90 python3 benchmarks/bench_attention.py --out "$out/bench_attention.json" 2>&1 | tee "$out/bench_attention.txt"
-timeout 50 python3 benchmarks/bench_generate.py --device cuda --repeats 1 --no-cb 2>&1 | tee "$out/bench_generate.txt"
+timeout 75 python3 benchmarks/bench_attention.py --out "$out/bench_attention.json" 2>&1 | tee "$out/bench_attention.txt"
+timeout 45 python3 benchmarks/bench_generate.py --device cuda --repeats 1 --no-cb 2>&1 | tee "$out/bench_generate.txt"
 # The engine on a Llama-7B-shaped random model in bf16 (16 GiB of KV).
-timeout 120 python3 benchmarks/bench_engine.py --device cuda --dtype bfloat16 --model-size 7b \
+timeout 80 python3 benchmarks/bench_engine.py --device cuda --dtype bfloat16 --model-size 7b \
   --requests 48 --kv-mib 16384 --methods engine,static-paged,static-dynamic --no-prefix-section \
   --out "$out/bench_engine.json" 2>&1 | tee "$out/bench_engine.txt"
 # Tensor parallelism (NCCL) where there are at least two GPUs: TP=1 vs TP=2, 7B shape.
