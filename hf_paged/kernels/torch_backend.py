@@ -49,7 +49,9 @@ class TorchBackend(Backend):
         else:
             mask = attention_mask(meta, sliding_window, alibi_slopes)
         workspace = None
-        if not torch.compiler.is_compiling():  # a compiled forward plans its own buffers
+        # A compiled forward plans its own buffers; one captured in a CUDA graph must not
+        # keep a buffer that eager forwards later replace (the graph would write freed memory).
+        if not torch.compiler.is_compiling() and not _capturing(query):
             blocks = meta.block_tables.numel()
             workspace = (self._gather_workspace(blocks, reference.as_stored(k_cache), 0),
                          self._gather_workspace(blocks, reference.as_stored(v_cache), 1))
@@ -89,6 +91,10 @@ class TorchBackend(Backend):
     @property
     def workspace_bytes(self) -> int:
         return sum(ws.numel() * ws.element_size() for ws in self._workspace.values())
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def attention_mask(meta: ForwardMetadata, sliding_window: int | None,
