@@ -77,6 +77,10 @@ class CudaKernelsUnavailable(HFPagedError, RuntimeError):
     """The CUDA C++ kernels cannot be built or run on this machine."""
 
 
+class CpuKernelsUnavailable(HFPagedError, RuntimeError):
+    """The CPU C++ kernel cannot be built or loaded on this machine."""
+
+
 class APIError(Exception):
     """An OpenAI-style error: HTTP status, message, the offending field."""
 

@@ -365,11 +365,12 @@ class ModelRunner:
         group), keep [S] int64 (the positions whose logits are wanted) -> logits [S, V]."""
         # With no adapter loaded (none ever, or all unloaded) the base model runs, without
         # PEFT in the way.
-        model = self.compiled if self.compiled is not None else \
-            self.model if self.adapters else self.base
+        model = self.model if self.adapters else self.base
         extra = {}
         if self.adapters and adapter is not None:  # PEFT picks the adapter per batch row
-            extra["adapter_names"] = [adapter]
+            extra["adapter_names"] = [adapter]  # (with hooks Dynamo cannot trace: eager)
+        elif self.compiled is not None:
+            model = self.compiled
         paged_kv = self.access.forward(metas[0], group_metas=metas)
         with torch.inference_mode(), paged_attention(self.base), self._tracing():
             out = model(input_ids=ids[None], position_ids=positions[None],

@@ -101,6 +101,42 @@ class CudaBackend(Backend):
                                 alibi_slopes, softcap=softcap, sinks=sinks)
 
 
+class CpuBackend(Backend):
+    """The CPU C++ decode kernel (`cuda/cpu_paged_attention.cpp`): one new token per row,
+    read from the pool where it lies (no gathered copy); rows with more (prefill, extend),
+    writes and copies go through the PyTorch reference."""
+
+    name = "cpu"
+    capabilities = Capabilities(softcap=True, sinks=True, devices=("cpu",))
+
+    def __init__(self):
+        from . import cpu_ops
+
+        cpu_ops.load()
+        self._decode = cpu_ops.decode
+        self._reference = TorchBackend()
+
+    def write_kv(self, k_cache, v_cache, key, value, slot_mapping):
+        reference.write_kv(k_cache, v_cache, key, value, slot_mapping)
+
+    def copy_blocks(self, kv, src, dst):
+        reference.copy_blocks(kv, src, dst)
+
+    @property
+    def workspace_bytes(self) -> int:
+        return self._reference.workspace_bytes
+
+    def attention(self, query, k_cache, v_cache, meta, scale, sliding_window=None,
+                  alibi_slopes=None, caller_mask=None, softcap=None, sinks=None):
+        if query.shape[2] == 1 and meta.is_query is None:
+            out = self._decode(query[:, :, 0].contiguous(), k_cache, v_cache,
+                               meta.block_tables_i32, meta.seq_lens, scale, sliding_window or 0,
+                               softcap or 0.0, alibi_slopes, sinks)
+            return out.unsqueeze(1)
+        return self._reference.attention(query, k_cache, v_cache, meta, scale, sliding_window,
+                                         alibi_slopes, softcap=softcap, sinks=sinks)
+
+
 class FlashAttnBackend(Backend):
     """flash-attn 2's paged KV cache (`flash_attn_with_kvcache` with `block_table`); it has
     soft-capping but no attention sinks (those forwards go to the reference under "auto")."""
@@ -174,7 +210,8 @@ def select_backend(name: str, device: torch.device | str, dtype: torch.dtype = t
                    block_size: int = 16, num_heads: int = 1, num_kv_heads: int = 1):
     """The backend for `name` on `device`; "auto" picks the fastest one that can run here.
 
-    "auto": flash-attn where its constraints hold, else Triton on CUDA, else the reference.
+    "auto": flash-attn where its constraints hold, else Triton on CUDA, the CPU kernel on
+    CPU (where it builds), else the reference.
     The CUDA C++ kernels are built on first use, so they run only when asked for.
     Raises ValueError saying why when the named backend cannot run here.
     """
@@ -201,6 +238,17 @@ def select_backend(name: str, device: torch.device | str, dtype: torch.dtype = t
         if reason is not None:
             raise unavailable(reason)
         return CudaBackend()
+    if name == "cpu":
+        from . import cpu_ops
+
+        reason = cpu_ops.unavailable_reason()
+        if reason is None and device.type != "cpu":
+            reason = f"the pool is on {device.type}; the CPU kernel needs a CPU pool"
+        if reason is None and not cpu_ops.available():
+            reason = "its C++ kernel failed to build (the log says why)"
+        if reason is not None:
+            raise unavailable(reason)
+        return CpuBackend()
     if name == "flash_attn":
         reason = flash_attn_unavailable_reason(device, dtype, block_size)
         if reason is not None:
@@ -211,8 +259,13 @@ def select_backend(name: str, device: torch.device | str, dtype: torch.dtype = t
             return FlashAttnBackend()
         if device.type == "cuda" and triton_unavailable_reason(device) is None:
             return TritonBackend(device)
+        if device.type == "cpu":
+            from . import cpu_ops
+
+            if cpu_ops.unavailable_reason() is None and cpu_ops.available():
+                return CpuBackend()
         return TorchBackend()
     raise ValueError(
         f"cache_config['backend'] must be one of 'auto', 'torch', 'triton', 'cuda', "
-        f"'flash_attn'; got {name!r}."
+        f"'flash_attn', 'cpu'; got {name!r}."
     )

@@ -267,7 +267,7 @@ class PagedForward(PagedLayers, Cache):
         k_cache, v_cache = self.access.views(layer_idx)
         if meta.max_seq_len == 0:  # every row is still all padding: no key to attend to
             return query.new_zeros(query.shape[0], query.shape[2], query.shape[1],
-                                   v_cache.shape[-1])
+                                   reference.value_dim(v_cache))
         if caller_mask is not None:
             if alibi_slopes is not None:
                 raise ValueError("A 4D attention mask cannot be combined with ALiBi here "
@@ -288,7 +288,7 @@ class PagedForward(PagedLayers, Cache):
             return backend.attention(query, k_cache, v_cache, meta, *args, caller_mask, **extra)
         if meta.parts is None:
             return _attend_packed(query, k_cache, v_cache, meta, backend, args, extra)
-        out = query.new_empty(1, query.shape[2], query.shape[1], v_cache.shape[-1])
+        out = query.new_empty(1, query.shape[2], query.shape[1], reference.value_dim(v_cache))
         for part, positions in meta.parts:
             piece = query.index_select(2, positions)
             out[:, positions] = _attend_packed(piece, k_cache, v_cache, part, backend, args,

@@ -188,3 +188,25 @@ def test_compiled_engine_on_cuda_equals_eager():
     eager, _ = run(model, False)
     compiled, _ = run(model, True)
     assert compiled == eager
+
+
+def test_requests_naming_lora_adapters_run_eagerly_in_a_compiled_engine():
+    """PEFT picks a request's adapter through forward hooks Dynamo cannot trace: those
+    forwards run eagerly, the others compiled; every request gets the eager tokens."""
+    from hf_paged.engine import BASE
+    from test_engine import two_adapter_model
+
+    model = two_adapter_model("a", "b")
+    model.set_adapter("a")
+    prompts = random_prompts(3, 4, 2, 12)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    results = []
+    for compile in (False, CAPTURE):
+        engine = LLMEngine(model, block_size=4, num_blocks=120, max_num_seqs=6,
+                           compile=compile)
+        for i, (p, name) in enumerate(zip(prompts, ["a", "b", BASE, None])):
+            engine.add_request(str(i), p, params, adapter=name)
+        done = run_engine(engine, [], [])
+        assert all(done[str(i)].error is None for i in range(4))
+        results.append([done[str(i)].outputs[0].token_ids for i in range(4)])
+    assert results[0] == results[1]

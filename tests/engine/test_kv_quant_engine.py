@@ -158,3 +158,35 @@ def test_a_backend_that_cannot_read_8bit_blocks_is_refused_by_name(monkeypatch):
     monkeypatch.setattr(dispatch, "select_backend", lambda *a, **k: Plain())
     with pytest.raises(ValueError, match="does not read 8-bit K/V blocks"):
         LLMEngine(make_model("llama_gqa"), num_blocks=16, kv_cache_dtype="int8", backend="cuda")
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8_e4m3"])
+def test_steps_mixing_decodes_and_prompt_chunks_run_in_one_forward(kind):
+    """A packed forward of decode rows and prompt chunks attends per part into a buffer of
+    the values' size (not the stored one, which ends with the scale): no forward fails
+    (the engine would re-run a failed one on halves, hiding it)."""
+    from hf_paged.engine.runner import ModelRunner
+
+    model = make_model("llama_gqa")
+    engine = LLMEngine(model, block_size=4, num_blocks=64, max_num_seqs=4,
+                       max_num_batched_tokens=8, kv_cache_dtype=kind)
+    failures, mixed = [], []
+    forward = engine.runner.forward
+
+    def spy(f, check=None):
+        if 1 in f.counts and max(f.counts) > 1:
+            mixed.append(f.counts)
+        try:
+            return forward(f, check)
+        except Exception as err:  # noqa: BLE001
+            failures.append(err)
+            raise
+
+    engine.runner.forward = spy
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine.add_request("a", list(range(3, 9)), params)
+    engine.step()
+    engine.add_request("b", list(range(5, 25)), params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert mixed and not failures, failures[:1]

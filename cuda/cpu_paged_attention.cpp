@@ -1,0 +1,162 @@
+// Decode attention on CPU, read straight from the paged pool (the "cpu" backend).
+//
+// The PyTorch reference gathers every row's blocks into a contiguous copy before its
+// attention; at a few hundred tokens per row that copy costs twice the attention itself.
+// This kernel reads each key and value once, where it lies, for one new token per row:
+//
+//   query        [R, Hq, D]        float32, float16 or bfloat16 (contiguous)
+//   k/v_cache    [NB, bs, Hkv, D]  the layer's pool views, same dtype (strided over layers)
+//   block_tables [R, nb] int32     physical block of each logical block
+//   seq_lens     [R] int64         tokens cached, the new one included
+//   -> out       [R, Hq, D]        query's dtype
+//
+// Row r's query sits at position seq_lens[r] - 1 and sees keys t with t < seq_lens[r] and,
+// with a sliding window W, t > seq_lens[r] - 1 - W. Scores are q.k * scale, then
+// softcap * tanh(score / softcap) (softcap > 0), plus slope[h] * t (ALiBi, key slot t),
+// and a per-head sink logit joins each softmax's denominator (gpt-oss). Work is split over
+// (row, KV head) pairs; the query heads of a GQA group share each key and value they read.
+// Everything accumulates in float32.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+// Eight independent partial sums, so that the compiler can vectorize the dot product.
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
+  }
+  float tail = 0.f;
+  for (; i < n; ++i) tail += a[i] * b[i];
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail;
+}
+
+template <typename T>
+inline const float* as_float(const T* x, float* buffer, int64_t n) {
+  if constexpr (std::is_same<T, float>::value) {
+    return x;
+  } else {
+    for (int64_t i = 0; i < n; ++i) buffer[i] = static_cast<float>(x[i]);
+    return buffer;
+  }
+}
+
+template <typename T>
+void decode_rows(const torch::Tensor& query, const torch::Tensor& k_cache,
+                 const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                 const torch::Tensor& seq_lens, torch::Tensor& out, double scale, int64_t window,
+                 double softcap, const float* slopes, const float* sinks) {
+  const int64_t rows = query.size(0), heads = query.size(1), dim = query.size(2);
+  const int64_t bs = k_cache.size(1), kv_heads = k_cache.size(2), group = heads / kv_heads;
+  const T* q_ptr = query.data_ptr<T>();
+  const T* k_ptr = k_cache.data_ptr<T>();
+  const T* v_ptr = v_cache.data_ptr<T>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  T* o_ptr = out.data_ptr<T>();
+  const int64_t kb = k_cache.stride(0), kt = k_cache.stride(1), kh = k_cache.stride(2);
+  const int64_t vb = v_cache.stride(0), vt = v_cache.stride(1), vh = v_cache.stride(2);
+  const int64_t table_stride = block_tables.stride(0);
+  const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
+
+  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(group * dim), acc(group * dim), row(dim), scores, top(group), total(group);
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t r = job / kv_heads, h = job % kv_heads, n = lens[r];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, n - window) : 0;
+      const int64_t count = std::max<int64_t>(0, n - first);
+      const int32_t* table = tables + r * table_stride;
+      for (int64_t g = 0; g < group; ++g) {
+        const T* src = q_ptr + (r * heads + h * group + g) * dim;
+        for (int64_t d = 0; d < dim; ++d) q[g * dim + d] = static_cast<float>(src[d]);
+      }
+      scores.resize(group * count);
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t head = h * group + g;
+        top[g] = sinks != nullptr ? sinks[head] : -INFINITY;
+      }
+      for (int64_t i = 0; i < count; ++i) {
+        const int64_t t = first + i;
+        const T* k = k_ptr + table[t / bs] * kb + (t % bs) * kt + h * kh;
+        const float* kf = as_float(k, row.data(), dim);
+        for (int64_t g = 0; g < group; ++g) {
+          float s = dot(q.data() + g * dim, kf, dim) * fscale;
+          if (cap > 0.f) s = cap * std::tanh(s / cap);
+          if (slopes != nullptr) s += slopes[h * group + g] * static_cast<float>(t);
+          scores[g * count + i] = s;
+          top[g] = std::max(top[g], s);
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float sum = sinks != nullptr ? std::exp(sinks[h * group + g] - top[g]) : 0.f;
+        float* s = scores.data() + g * count;
+        for (int64_t i = 0; i < count; ++i) {
+          s[i] = std::exp(s[i] - top[g]);
+          sum += s[i];
+        }
+        total[g] = sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t i = 0; i < count; ++i) {
+        const int64_t t = first + i;
+        const T* v = v_ptr + table[t / bs] * vb + (t % bs) * vt + h * vh;
+        const float* vf = as_float(v, row.data(), dim);
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * count + i];
+          float* a = acc.data() + g * dim;
+          for (int64_t d = 0; d < dim; ++d) a[d] += p * vf[d];
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        const float inv = total[g] > 0.f ? 1.f / total[g] : 0.f;
+        T* dst = o_ptr + (r * heads + h * group + g) * dim;
+        for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc[g * dim + d] * inv);
+      }
+    }
+  });
+}
+
+torch::Tensor decode(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
+                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
+                     int64_t window, double softcap, c10::optional<torch::Tensor> alibi_slopes,
+                     c10::optional<torch::Tensor> sinks) {
+  TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
+              "decode: query [R, Hq, D] and caches [NB, bs, Hkv, D] expected");
+  TORCH_CHECK(query.is_contiguous(), "decode: the query must be contiguous");
+  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              "decode: each cached head must be contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == query.scalar_type() &&
+                  v_cache.scalar_type() == query.scalar_type(),
+              "decode: the query and the caches must share a dtype");
+  TORCH_CHECK(query.size(2) == k_cache.size(3) && v_cache.size(3) == k_cache.size(3),
+              "decode: keys, values and queries must share a head size");
+  TORCH_CHECK(query.size(1) % k_cache.size(2) == 0,
+              "decode: query heads must be a multiple of KV heads");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.stride(1) == 1,
+              "decode: block tables must be int32 with contiguous rows");
+  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt64 && seq_lens.is_contiguous(),
+              "decode: seq_lens must be contiguous int64");
+  torch::Tensor slopes, sink;
+  if (alibi_slopes.has_value()) slopes = alibi_slopes->to(torch::kFloat32).contiguous();
+  if (sinks.has_value()) sink = sinks->to(torch::kFloat32).contiguous();
+  auto out = torch::empty_like(query);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "decode", [&] {
+    decode_rows<scalar_t>(query, k_cache, v_cache, block_tables, seq_lens, out, scale, window,
+                          softcap, slopes.defined() ? slopes.data_ptr<float>() : nullptr,
+                          sink.defined() ? sink.data_ptr<float>() : nullptr);
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode", &decode, "Decode attention read from the paged pool (CPU)");
+}

@@ -1,0 +1,101 @@
+"""The CPU C++ decode kernel (`cuda/cpu_paged_attention.cpp`), built on first use and cached.
+
+Building needs a C++ compiler and ninja (`pip install ninja`); `load()` raises
+`CpuKernelsUnavailable` saying what is missing, and `available()` answers without raising
+(the "auto" backend then stays with the PyTorch reference).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+from pathlib import Path
+
+import torch
+
+from ..errors import CpuKernelsUnavailable
+from .cuda_ops import source_dir
+
+SOURCE = "cpu_paged_attention.cpp"
+logger = logging.getLogger("hf_paged")
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernel cannot be built here, or None."""
+    if os.environ.get("HF_PAGED_CPU_KERNELS", "1") == "0":
+        return "HF_PAGED_CPU_KERNELS=0 turns them off"
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler}) is installed"
+    if shutil.which("ninja") is None:
+        return "ninja is not installed (pip install ninja)"
+    return None
+
+
+def _machine() -> str:
+    """What the build is specific to: it is compiled for this CPU's instruction set."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = line
+                break
+    except OSError:
+        pass
+    return f"{torch.__version__}-{platform.machine()}-{flags}"
+
+
+@functools.lru_cache(maxsize=1)
+def load():
+    """Builds (once per source version, torch version and CPU) and imports the extension."""
+    reason = unavailable_reason()
+    if reason is not None:
+        raise CpuKernelsUnavailable(f"hf-paged CPU kernels unavailable: {reason}.")
+    from torch.utils.cpp_extension import load as load_extension
+
+    try:
+        source = source_dir() / SOURCE
+    except Exception as err:  # noqa: BLE001 (the CUDA loader's error names the sources)
+        raise CpuKernelsUnavailable(str(err)) from err
+    digest = hashlib.sha256(source.read_bytes() + _machine().encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("HF_PAGED_CACHE", Path.home() / ".cache" / "hf_paged"))
+    build_dir = cache / f"cpu-{digest}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return load_extension(name="hf_paged_cpu", sources=[str(source)],
+                              extra_cflags=["-O3", "-march=native", "-std=c++17"],
+                              build_directory=str(build_dir), verbose=False)
+    except Exception as err:  # noqa: BLE001 (a failed build: the reference serves instead)
+        raise CpuKernelsUnavailable(f"hf-paged CPU kernels failed to build: {err}") from err
+
+
+@torch.library.custom_op("hf_paged::cpu_decode", mutates_args=())
+def decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, window: int,
+           softcap: float, alibi_slopes: torch.Tensor | None,
+           sinks: torch.Tensor | None) -> torch.Tensor:
+    """query [R, Hq, D] -> [R, Hq, D] (see the source's header). A torch op, so that a
+    compiled forward traces it (and runs the same kernel as an eager one)."""
+    return load().decode(query, k_cache, v_cache, block_tables, seq_lens, scale, window,
+                         softcap, alibi_slopes, sinks)
+
+
+@decode.register_fake
+def _(query, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, alibi_slopes,
+      sinks):
+    return torch.empty_like(query)
+
+
+@functools.lru_cache(maxsize=1)
+def available() -> bool:
+    """Whether the kernel builds and loads here (logged once when it does not)."""
+    try:
+        load()
+        return True
+    except CpuKernelsUnavailable as err:
+        logger.info("%s The PyTorch reference computes CPU attention.", err)
+        return False

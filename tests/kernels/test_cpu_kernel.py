@@ -1,0 +1,104 @@
+"""The CPU C++ decode kernel (backend "cpu", the default for CPU pools where it builds)
+against the PyTorch reference: dtypes with their tolerances, GQA groups, block sizes,
+sliding windows, ALiBi, soft-capping, sinks, strided layer views of a whole pool; the
+backend's fallback to the reference for prompt rows; and "auto" choosing it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_paged.kernels import cpu_ops
+from hf_paged.kernels.backends import CpuBackend, TorchBackend, select_backend
+from hf_paged.kv.metadata import DeviceBlockTable, build_metadata
+from test_kernels import GRID, TOLERANCE, extend_layout, paged_inputs, reference_attention
+
+needs_cpu_kernel = pytest.mark.skipif(not cpu_ops.available(),
+                                      reason=str(cpu_ops.unavailable_reason()
+                                                 or "the CPU kernel did not build"))
+pytestmark = needs_cpu_kernel
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def decode(q, k, v, table, seq, scale, window=None, slopes=None, softcap=None, sinks=None):
+    return cpu_ops.load().decode(q, k, v, table, seq, scale, window or 0, softcap or 0.0,
+                                 slopes, sinks)
+
+
+@pytest.mark.parametrize("block_size, heads, kv_heads, head_dim", GRID + [(16, 16, 2, 80)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_equals_reference(block_size, heads, kv_heads, head_dim, dtype):
+    lengths = [1, 17, 97, 250, 2]
+    k, v, table, seq = paged_inputs(lengths, block_size, kv_heads, head_dim, dtype,
+                                    device="cpu")
+    q = torch.randn(len(lengths), heads, head_dim).to(dtype)
+    scale = head_dim ** -0.5
+    ref = reference_attention(q[:, :, None], k, v, table, (seq - 1)[:, None], None, scale,
+                              None, None)[:, 0]
+    out = decode(q, k, v, table, seq, scale)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("window, alibi", [(5, False), (None, True), (40, True), (1, False)])
+def test_decode_window_and_alibi(window, alibi):
+    k, v, table, seq = paged_inputs([3, 97, 50], 8, 2, 64, torch.float32, seed=1, device="cpu")
+    q = torch.randn(3, 4, 64)
+    slopes = torch.rand(4) if alibi else None
+    ref = reference_attention(q[:, :, None], k, v, table, (seq - 1)[:, None], None, 0.125,
+                              window, slopes)[:, 0]
+    torch.testing.assert_close(decode(q, k, v, table, seq, 0.125, window, slopes), ref,
+                               **TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("softcap, with_sinks", [(5.0, False), (None, True), (3.0, True)])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 5])
+def test_decode_softcap_and_sinks(softcap, with_sinks, dtype, window):
+    from test_kernel_features import expected
+
+    k, v, table, seq = paged_inputs([3, 97, 50], 8, 2, 64, dtype, seed=2, device="cpu")
+    q = torch.randn(3, 4, 64).to(dtype)
+    sinks = torch.randn(4) * 2 if with_sinks else None
+    ref = expected(q[:, :, None], k, v, table, (seq - 1)[:, None], None, 0.125, window,
+                   softcap, sinks)[:, 0]
+    out = decode(q, k, v, table, seq, 0.125, window, softcap=softcap, sinks=sinks)
+    torch.testing.assert_close(out.float(), ref, **TOLERANCE[dtype])
+
+
+def test_strided_layer_views_of_a_pool():
+    """A layer's K and V are views of the pool [L, 2, NB, bs, H, D] (strided blocks)."""
+    lengths = [5, 40, 33]
+    k, v, table, seq = paged_inputs(lengths, 4, 2, 32, torch.float32, seed=5, device="cpu")
+    pool = torch.randn(3, 2, *k.shape)
+    pool[1, 0], pool[1, 1] = k, v
+    q = torch.randn(3, 6, 32)
+    out = decode(q, pool[1, 0], pool[1, 1], table, seq, 0.2)
+    torch.testing.assert_close(out, decode(q, k, v, table, seq, 0.2), rtol=0, atol=0)
+
+
+def test_backend_decodes_with_the_kernel_and_prompts_with_the_reference():
+    lengths = [9, 30, 4]
+    k, v, table, seq = paged_inputs(lengths, 4, 2, 16, torch.float32, seed=3, device="cpu")
+    dev = DeviceBlockTable(len(lengths), table.shape[1], torch.device("cpu"))
+    dev.table.copy_(table)
+    backend, ref = CpuBackend(), TorchBackend()
+    meta = build_metadata(dev, seq - 1, [1, 1, 1], 1, int(seq.max()), 4)
+    q = torch.randn(3, 4, 1, 16)
+    torch.testing.assert_close(backend.attention(q, k, v, meta, 0.25, 7),
+                               ref.attention(q, k, v, meta, 0.25, 7), rtol=1e-5, atol=1e-6)
+    counts = [5, 2, 4]  # prompt chunks: the reference's own result
+    q_len, ctx, query_pos, is_query = extend_layout([4, 28, 0], counts)
+    meta = build_metadata(dev, ctx, counts, q_len, int(seq.max()), 4)
+    q = torch.randn(3, 4, q_len, 16)
+    assert torch.equal(backend.attention(q, k, v, meta, 0.25),
+                       ref.attention(q, k, v, meta, 0.25))
+
+
+def test_auto_takes_it_on_cpu_and_the_environment_can_turn_it_off(monkeypatch):
+    assert isinstance(select_backend("auto", "cpu"), CpuBackend)
+    assert isinstance(select_backend("cpu", "cpu"), CpuBackend)
+    monkeypatch.setenv("HF_PAGED_CPU_KERNELS", "0")
+    assert isinstance(select_backend("auto", "cpu"), TorchBackend)
+    with pytest.raises(ValueError, match="HF_PAGED_CPU_KERNELS=0"):
+        select_backend("cpu", "cpu")
