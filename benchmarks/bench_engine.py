@@ -424,7 +424,8 @@ def main():
     methods = args.methods.split(",")
     if args.tight:
         methods = [m for m in ("engine", "engine, no headroom", "engine, swap",
-                               "transformers-cb") if m.split(",")[0] in methods]
+                               "engine, torch attention", "transformers-cb")
+                   if m.split(",")[0] in methods]
         args.no_prefix_section = True
     runners = {
         "engine": lambda: run_engine(model, requests, budget, args.block_size, **overlap),
@@ -432,6 +433,8 @@ def main():
                                                   admission_headroom=0, **overlap),
         "engine, swap": lambda: run_engine(model, requests, budget, args.block_size,
                                            preemption_mode="swap", **overlap),
+        "engine, torch attention": lambda: run_engine(model, requests, budget, args.block_size,
+                                                      backend="torch", **overlap),
         "transformers-cb": lambda: run_transformers_cb(model, requests, budget, args.block_size),
         "static-dynamic": lambda: run_static(model, requests, budget, args.block_size, False),
         "static-paged": lambda: run_static(model, requests, budget, args.block_size, True),
