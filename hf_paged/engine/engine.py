@@ -309,9 +309,10 @@ class LLMEngine:
         touched: dict[str, EngineRequest] = {}
         in_flight, self._in_flight = self._in_flight, None
         now = time.monotonic()
-        if in_flight is not None and (self._aborts or self._deadlines
+        # Ending requests keep their last token; a token forking n completions lands first.
+        if in_flight is not None and (in_flight.forks or self._aborts or self._deadlines
                                       and self._deadlines[0][0] <= now):
-            self.output.land(in_flight, touched)  # requests ending now keep their last token
+            self.output.land(in_flight, touched)
         for request_id, error in self._aborts.items():
             request = self.requests[request_id]
             self.output.end(request, "abort")
@@ -343,13 +344,9 @@ class LLMEngine:
 
     def _run(self, plan: Step, touched: dict, in_flight: InFlight | None) -> None:
         scheduled = plan.scheduled
-        adapters = {item.seq.adapter for item in scheduled}
-        if len(adapters) == 1:  # one forward per adapter
-            groups = {adapters.pop(): scheduled}
-        else:
-            groups: dict[str | None, list] = {}
-            for item in scheduled:
-                groups.setdefault(item.seq.adapter, []).append(item)
+        adapters = list(dict.fromkeys([item.seq.adapter for item in scheduled]))
+        groups = ({adapters[0]: scheduled} if len(adapters) == 1  # one forward per adapter
+                  else {a: [i for i in scheduled if i.seq.adapter == a] for a in adapters})
         self.prompt_tokens += sum([min(i.count, len(i.seq.prompt) - i.start) for i in scheduled
                                    if i.start < len(i.seq.prompt)])
         work = DeviceStep(plan.swap_out, plan.swap_in, plan.copies, plan.entries,

@@ -32,6 +32,7 @@ class InFlight:
     owners: list[tuple]  # as `sampling_rows` gives them
     sampled: Sampled
     rows: dict[int, int]  # seq_id -> its row of sampled.tokens, for sequences holding it
+    forks: bool = False  # a token forks a request's n completions (it lands before planning)
     landed: bool = False
 
 
@@ -173,7 +174,7 @@ class OutputProcessor:
             if target is seq and id(seq) not in forking and len(seq.output) + 1 < seq.max_tokens:
                 seq.pending = 1
                 rows[seq.seq_id] = j
-        return InFlight(items, owners, sampled, rows)
+        return InFlight(items, owners, sampled, rows, forks=bool(forking))
 
     def land(self, in_flight: InFlight, touched: dict) -> None:
         """Waits for the tokens of `in_flight` and records them; a sequence that ended in

@@ -172,3 +172,35 @@ def test_async_scheduling_on_cuda_equals_stock_and_the_synchronous_engine():
         outs[overlap] = [[c.token_ids for c in o.outputs]
                          for o in llm.generate(prompts, seeded, use_tqdm=False)]
     assert outs[True] == outs[False]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_forking_tokens_land_before_the_next_plan(mode):
+    """The token that forks a request's n completions is not pending (nothing computes it
+    next step), so it lands before the next step is planned: the request can no longer be
+    preempted in between with its forks unmade, and aborting it at any step keeps what the
+    synchronous engine keeps."""
+    model = long_model("llama_gqa")
+    prompts = [[13, 26, 41, 14, 48], [72, 52, 52, 67, 54, 43, 95, 57]]
+    params = [SamplingParams(temperature=0.8, seed=0, n=3, max_tokens=4, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=1, n=3, max_tokens=8, ignore_eos=True)]
+    results = []
+    for async_scheduling in (False, True):
+        engine = LLMEngine(model, block_size=4, num_blocks=6, max_num_seqs=8,
+                           max_num_batched_tokens=16, preemption_mode=mode,
+                           admission_headroom=0, async_scheduling=async_scheduling)
+        done = run_engine(engine, prompts, params, arrivals=[0, 1])
+        results.append([[c.token_ids for c in done[k].outputs] for k in ("0", "1")])
+        assert engine.stats().num_preemptions > 0
+    assert results[0] == results[1]
+    for at in (1, 2, 3):
+        kept = []
+        for async_scheduling in (False, True):
+            engine = LLMEngine(model, block_size=4, num_blocks=200,
+                               async_scheduling=async_scheduling)
+            engine.add_request("r", [91, 8, 46, 43, 49],
+                               SamplingParams(n=2, temperature=0.5, seed=348, max_tokens=8))
+            engine.add_request("other", [5, 6, 7], SamplingParams(temperature=0, max_tokens=8))
+            done = run_engine(engine, [], [], aborts=[("r", at)])
+            kept.append([(c.token_ids, c.finish_reason) for c in done["r"].outputs])
+        assert kept[0] == kept[1], at
