@@ -334,6 +334,8 @@ def main():
                         help="comma-separated subset of the rows (default: all)")
     parser.add_argument("--no-prefix-section", action="store_true",
                         help="skip the shared-prefix section")
+    parser.add_argument("--no-policy-rows", action="store_true",
+                        help="with --tight: skip the no-headroom and swap rows")
     parser.add_argument("--device", default="cpu", help="device of the model (cpu)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="model and KV dtype (float32)")
@@ -423,9 +425,9 @@ def main():
           f"output tokens; KV budget {args.kv_mib} MiB for every method")
     methods = args.methods.split(",")
     if args.tight:
-        methods = [m for m in ("engine", "engine, no headroom", "engine, swap",
-                               "engine, torch attention", "transformers-cb")
-                   if m.split(",")[0] in methods]
+        policies = () if args.no_policy_rows else ("engine, no headroom", "engine, swap")
+        methods = [m for m in ("engine", *policies, "engine, torch attention",
+                               "transformers-cb") if m.split(",")[0] in methods]
         args.no_prefix_section = True
     runners = {
         "engine": lambda: run_engine(model, requests, budget, args.block_size, **overlap),

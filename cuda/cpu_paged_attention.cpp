@@ -5,7 +5,10 @@
 // This kernel reads each key and value once, where it lies, for one new token per row:
 //
 //   query        [R, Hq, D]        float32, float16 or bfloat16 (contiguous)
-//   k/v_cache    [NB, bs, Hkv, D]  the layer's pool views, same dtype (strided over layers)
+//   k/v_cache    [NB, bs, Hkv, D]  the layer's pool views, same dtype (strided over layers),
+//                or 8-bit [NB, bs, Hkv, D + 2] (int8, float8_e4m3fn, float8_e5m2): D values
+//                and the bit pattern of their bfloat16 scale (kv/quant.py), read as
+//                value * scale
 //   block_tables [R, nb] int32     physical block of each logical block
 //   seq_lens     [R] int64         tokens cached, the new one included
 //   -> out       [R, Hq, D]        query's dtype
@@ -14,7 +17,8 @@
 // with a sliding window W, t > seq_lens[r] - 1 - W. Scores are q.k * scale, then
 // softcap * tanh(score / softcap) (softcap > 0), plus slope[h] * t (ALiBi, key slot t),
 // and a per-head sink logit joins each softmax's denominator (gpt-oss). Work is split over
-// (row, KV head) pairs; the query heads of a GQA group share each key and value they read.
+// rows (and runs of KV heads when rows are few); the query heads of a GQA group share each
+// key and value they read.
 // Everything accumulates in float32.
 
 #include <torch/extension.h>
@@ -22,6 +26,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -38,17 +43,32 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail;
 }
 
-template <typename T>
-inline const float* as_float(const T* x, float* buffer, int64_t n) {
-  if constexpr (std::is_same<T, float>::value) {
+template <typename C>
+constexpr bool is_8bit() {
+  return std::is_same<C, int8_t>::value || std::is_same<C, c10::Float8_e4m3fn>::value ||
+         std::is_same<C, c10::Float8_e5m2>::value;
+}
+
+// One cached head as float32: the values themselves (float32), converted, or dequantized
+// with the scale stored after them (8-bit kinds).
+template <typename C>
+inline const float* as_float(const C* x, float* buffer, int64_t n) {
+  if constexpr (std::is_same<C, float>::value) {
     return x;
+  } else if constexpr (is_8bit<C>()) {
+    c10::BFloat16 scale;
+    std::memcpy(&scale, x + n, sizeof(scale));
+    const float s = static_cast<float>(scale);
+    for (int64_t i = 0; i < n; ++i) buffer[i] = static_cast<float>(x[i]) * s;
+    return buffer;
   } else {
     for (int64_t i = 0; i < n; ++i) buffer[i] = static_cast<float>(x[i]);
     return buffer;
   }
 }
 
-template <typename T>
+// T: the query's (and output's) dtype; C: the cache's (T itself, or an 8-bit kind).
+template <typename T, typename C>
 void decode_rows(const torch::Tensor& query, const torch::Tensor& k_cache,
                  const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                  const torch::Tensor& seq_lens, torch::Tensor& out, double scale, int64_t window,
@@ -56,8 +76,8 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& k_cache,
   const int64_t rows = query.size(0), heads = query.size(1), dim = query.size(2);
   const int64_t bs = k_cache.size(1), kv_heads = k_cache.size(2), group = heads / kv_heads;
   const T* q_ptr = query.data_ptr<T>();
-  const T* k_ptr = k_cache.data_ptr<T>();
-  const T* v_ptr = v_cache.data_ptr<T>();
+  const C* k_ptr = static_cast<const C*>(k_cache.data_ptr());
+  const C* v_ptr = static_cast<const C*>(v_cache.data_ptr());
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   T* o_ptr = out.data_ptr<T>();
@@ -66,58 +86,71 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& k_cache,
   const int64_t table_stride = block_tables.stride(0);
   const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
 
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(group * dim), acc(group * dim), row(dim), scores, top(group), total(group);
+  // A job is a row and a run of `span` KV heads: per token it reads those heads' keys (and
+  // later values) as one contiguous run, which is how the pool lays them out. Rows are
+  // split into head runs only when there are too few rows to keep every thread busy.
+  const int64_t threads = at::get_num_threads();
+  const int64_t runs = std::min<int64_t>(kv_heads, (2 * threads + rows - 1) / rows);
+  const int64_t span = (kv_heads + runs - 1) / runs;
+  const int64_t jobs_per_row = (kv_heads + span - 1) / span;
+  at::parallel_for(0, rows * jobs_per_row, 1, [&](int64_t begin, int64_t end) {
+    const int64_t most = span * group;  // query heads of a job
+    std::vector<float> q(most * dim), acc(most * dim), row(dim), scores, top(most), total(most);
     for (int64_t job = begin; job < end; ++job) {
-      const int64_t r = job / kv_heads, h = job % kv_heads, n = lens[r];
+      const int64_t r = job / jobs_per_row, h0 = (job % jobs_per_row) * span;
+      const int64_t h1 = std::min(kv_heads, h0 + span), n = lens[r];
+      const int64_t qh0 = h0 * group, qheads = (h1 - h0) * group;  // its query heads
       const int64_t first = window > 0 ? std::max<int64_t>(0, n - window) : 0;
       const int64_t count = std::max<int64_t>(0, n - first);
       const int32_t* table = tables + r * table_stride;
-      for (int64_t g = 0; g < group; ++g) {
-        const T* src = q_ptr + (r * heads + h * group + g) * dim;
-        for (int64_t d = 0; d < dim; ++d) q[g * dim + d] = static_cast<float>(src[d]);
+      for (int64_t j = 0; j < qheads; ++j) {
+        const T* src = q_ptr + (r * heads + qh0 + j) * dim;
+        for (int64_t d = 0; d < dim; ++d) q[j * dim + d] = static_cast<float>(src[d]);
+        top[j] = sinks != nullptr ? sinks[qh0 + j] : -INFINITY;
       }
-      scores.resize(group * count);
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t head = h * group + g;
-        top[g] = sinks != nullptr ? sinks[head] : -INFINITY;
-      }
+      scores.resize(qheads * count);
       for (int64_t i = 0; i < count; ++i) {
         const int64_t t = first + i;
-        const T* k = k_ptr + table[t / bs] * kb + (t % bs) * kt + h * kh;
-        const float* kf = as_float(k, row.data(), dim);
-        for (int64_t g = 0; g < group; ++g) {
-          float s = dot(q.data() + g * dim, kf, dim) * fscale;
-          if (cap > 0.f) s = cap * std::tanh(s / cap);
-          if (slopes != nullptr) s += slopes[h * group + g] * static_cast<float>(t);
-          scores[g * count + i] = s;
-          top[g] = std::max(top[g], s);
+        const C* k_tok = k_ptr + table[t / bs] * kb + (t % bs) * kt;
+        for (int64_t h = h0; h < h1; ++h) {
+          const float* kf = as_float(k_tok + h * kh, row.data(), dim);
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t j = (h - h0) * group + g;
+            float s = dot(q.data() + j * dim, kf, dim) * fscale;
+            if (cap > 0.f) s = cap * std::tanh(s / cap);
+            if (slopes != nullptr) s += slopes[qh0 + j] * static_cast<float>(t);
+            scores[j * count + i] = s;
+            top[j] = std::max(top[j], s);
+          }
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        float sum = sinks != nullptr ? std::exp(sinks[h * group + g] - top[g]) : 0.f;
-        float* s = scores.data() + g * count;
+      for (int64_t j = 0; j < qheads; ++j) {
+        float sum = sinks != nullptr ? std::exp(sinks[qh0 + j] - top[j]) : 0.f;
+        float* s = scores.data() + j * count;
         for (int64_t i = 0; i < count; ++i) {
-          s[i] = std::exp(s[i] - top[g]);
+          s[i] = std::exp(s[i] - top[j]);
           sum += s[i];
         }
-        total[g] = sum;
+        total[j] = sum;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(acc.begin(), acc.begin() + qheads * dim, 0.f);
       for (int64_t i = 0; i < count; ++i) {
         const int64_t t = first + i;
-        const T* v = v_ptr + table[t / bs] * vb + (t % bs) * vt + h * vh;
-        const float* vf = as_float(v, row.data(), dim);
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * count + i];
-          float* a = acc.data() + g * dim;
-          for (int64_t d = 0; d < dim; ++d) a[d] += p * vf[d];
+        const C* v_tok = v_ptr + table[t / bs] * vb + (t % bs) * vt;
+        for (int64_t h = h0; h < h1; ++h) {
+          const float* vf = as_float(v_tok + h * vh, row.data(), dim);
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t j = (h - h0) * group + g;
+            const float p = scores[j * count + i];
+            float* a = acc.data() + j * dim;
+            for (int64_t d = 0; d < dim; ++d) a[d] += p * vf[d];
+          }
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        const float inv = total[g] > 0.f ? 1.f / total[g] : 0.f;
-        T* dst = o_ptr + (r * heads + h * group + g) * dim;
-        for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc[g * dim + d] * inv);
+      for (int64_t j = 0; j < qheads; ++j) {
+        const float inv = total[j] > 0.f ? 1.f / total[j] : 0.f;
+        T* dst = o_ptr + (r * heads + qh0 + j) * dim;
+        for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc[j * dim + d] * inv);
       }
     }
   });
@@ -132,10 +165,13 @@ torch::Tensor decode(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v
   TORCH_CHECK(query.is_contiguous(), "decode: the query must be contiguous");
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
               "decode: each cached head must be contiguous");
-  TORCH_CHECK(k_cache.scalar_type() == query.scalar_type() &&
-                  v_cache.scalar_type() == query.scalar_type(),
-              "decode: the query and the caches must share a dtype");
-  TORCH_CHECK(query.size(2) == k_cache.size(3) && v_cache.size(3) == k_cache.size(3),
+  const auto kind = k_cache.scalar_type();
+  const bool quantized = kind == torch::kChar || kind == at::kFloat8_e4m3fn ||
+                         kind == at::kFloat8_e5m2;
+  TORCH_CHECK(v_cache.scalar_type() == kind && (quantized || kind == query.scalar_type()),
+              "decode: the caches must share a dtype, the query's or an 8-bit kind");
+  TORCH_CHECK(query.size(2) + (quantized ? 2 : 0) == k_cache.size(3) &&
+                  v_cache.size(3) == k_cache.size(3),
               "decode: keys, values and queries must share a head size");
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0,
               "decode: query heads must be a multiple of KV heads");
@@ -147,10 +183,19 @@ torch::Tensor decode(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v
   if (alibi_slopes.has_value()) slopes = alibi_slopes->to(torch::kFloat32).contiguous();
   if (sinks.has_value()) sink = sinks->to(torch::kFloat32).contiguous();
   auto out = torch::empty_like(query);
+  const float* slope_ptr = slopes.defined() ? slopes.data_ptr<float>() : nullptr;
+  const float* sink_ptr = sink.defined() ? sink.data_ptr<float>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "decode", [&] {
-    decode_rows<scalar_t>(query, k_cache, v_cache, block_tables, seq_lens, out, scale, window,
-                          softcap, slopes.defined() ? slopes.data_ptr<float>() : nullptr,
-                          sink.defined() ? sink.data_ptr<float>() : nullptr);
+    using T = scalar_t;
+    auto run = [&](auto cached) {
+      using C = decltype(cached);
+      decode_rows<T, C>(query, k_cache, v_cache, block_tables, seq_lens, out, scale, window,
+                        softcap, slope_ptr, sink_ptr);
+    };
+    if (kind == torch::kChar) run(int8_t{});
+    else if (kind == at::kFloat8_e4m3fn) run(c10::Float8_e4m3fn{});
+    else if (kind == at::kFloat8_e5m2) run(c10::Float8_e5m2{});
+    else run(T{});
   });
   return out;
 }

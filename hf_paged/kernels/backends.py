@@ -103,11 +103,11 @@ class CudaBackend(Backend):
 
 class CpuBackend(Backend):
     """The CPU C++ decode kernel (`cuda/cpu_paged_attention.cpp`): one new token per row,
-    read from the pool where it lies (no gathered copy); rows with more (prefill, extend),
-    writes and copies go through the PyTorch reference."""
+    read from the pool where it lies (no gathered copy; 8-bit blocks dequantized as read);
+    rows with more (prefill, extend), writes and copies go through the PyTorch reference."""
 
     name = "cpu"
-    capabilities = Capabilities(softcap=True, sinks=True, devices=("cpu",))
+    capabilities = Capabilities(softcap=True, sinks=True, devices=("cpu",), kv_dtypes=KINDS)
 
     def __init__(self):
         from . import cpu_ops

@@ -83,21 +83,22 @@ class PoolAccess:
         """The backend of an 8-bit pool: one that reads its kind (`Capabilities.kv_dtypes`);
         "auto" takes Triton on a GPU where it can, else the reference."""
         kind = self.pool.kv_dtype
-        if name == "auto":
-            if device.type == "cuda":
-                try:
-                    chosen = select_backend("triton", device, self.pool.dtype)
-                    if kind in chosen.capabilities.kv_dtypes:
-                        return chosen
-                except ValueError:
-                    pass
+        if name == "auto":  # Triton on a GPU, the CPU kernel on CPU, where they can
+            try:
+                chosen = select_backend("triton" if device.type == "cuda" else "auto", device,
+                                        self.pool.dtype)
+                if kind in chosen.capabilities.kv_dtypes:
+                    return chosen
+            except ValueError:
+                pass
             return TorchBackend()
         chosen = select_backend(name, device, self.pool.dtype, self.pool.block_size,
                                 self.num_heads, self.pool.num_kv_heads)
         if kind not in chosen.capabilities.kv_dtypes:
             raise ValueError(f"cache_config['backend']={name!r} cannot run here: it does not "
                              f"read 8-bit K/V blocks ({kind}) on {device}; the backends that "
-                             "do: 'torch', 'triton' (fp8 from sm_89 on), 'cuda', or 'auto'.")
+                             "do: 'torch', 'triton' (fp8 from sm_89 on), 'cuda', 'cpu', or "
+                             "'auto'.")
         return chosen
 
     @property

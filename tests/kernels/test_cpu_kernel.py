@@ -102,3 +102,36 @@ def test_auto_takes_it_on_cpu_and_the_environment_can_turn_it_off(monkeypatch):
     assert isinstance(select_backend("auto", "cpu"), TorchBackend)
     with pytest.raises(ValueError, match="HF_PAGED_CPU_KERNELS=0"):
         select_backend("cpu", "cpu")
+
+
+@pytest.mark.parametrize("kind", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window, alibi, softcap", [(None, False, None), (20, True, 4.0)])
+def test_decode_dequantizes_8bit_blocks(kind, dtype, window, alibi, softcap):
+    """8-bit pools ([NB, bs, Hkv, D + 2]: values and their bfloat16 scale) read as
+    value * scale, against the reference over the dequantized values."""
+    from test_kernel_features import expected
+    from test_kv_quant import quantized_pool
+
+    k, v, table, seq = paged_inputs([1, 17, 97], 8, 2, 64, torch.float32, device="cpu")
+    kq, vq, kf, vf = quantized_pool(k, v, kind)
+    q = torch.randn(3, 4, 64).to(dtype)
+    slopes = torch.rand(4) if alibi else None
+    if softcap is None:
+        ref = reference_attention(q[:, :, None], kf, vf, table, (seq - 1)[:, None], None,
+                                  0.125, window, slopes)[:, 0]
+    else:
+        ref = expected(q[:, :, None], kf, vf, table, (seq - 1)[:, None], None, 0.125, window,
+                       softcap, None)[:, 0]
+        slopes = None
+    out = decode(q, kq, vq, table, seq, 0.125, window, slopes, softcap=softcap)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref, **TOLERANCE[dtype])
+
+
+def test_auto_reads_8bit_cpu_pools_with_the_kernel():
+    from hf_paged import LLMEngine
+    from conftest import make_model
+
+    engine = LLMEngine(make_model("llama_gqa"), num_blocks=16, kv_cache_dtype="int8")
+    assert isinstance(engine.runner.access.backend, CpuBackend)
