@@ -7,7 +7,8 @@ Decode: one query token per row over `context` cached tokens, 32 query heads, 8 
 head dim 128, block size 16 (flash-attn's paged path needs blocks of 256 and gets its own
 pool). Each paged backend is timed against SDPA over contiguous K/V (and flash-attn over
 contiguous K/V where installed); achieved bandwidth counts the K and V bytes read. The
-device-to-device copy bandwidth (read + write) is measured too, as the roofline.
+device-to-device copy bandwidth (read + write) is measured too, as the roofline. On CPU the
+CPU kernel (backend "cpu") is timed too, and both it and the reference on int8 blocks.
 Prefill: `context` new tokens per row, causal, paged (Triton extend) vs contiguous SDPA.
 """
 
@@ -74,7 +75,7 @@ def copy_bandwidth(device, dtype, run) -> float:
 def bench_decode(args, device, dtype, run, copy_bw):
     rows = []
     heads, kv_heads, dim, bs = args.heads, args.kv_heads, args.head_dim, args.block_size
-    backends = ["torch", "triton", "cuda"]
+    backends = ["torch", "triton", "cuda", "cpu"]
     flash_reason = flash_attn_unavailable_reason(device, dtype, 256)
     for batch in args.batches:
         for context in args.contexts:
@@ -110,6 +111,11 @@ def bench_decode(args, device, dtype, run, copy_bw):
                     mask = reference.key_mask((seq - 1)[:, None], None, table.shape[1] * bs, None)
                     fn = lambda: reference.paged_attention(  # noqa: E731
                         q[:, :, None], k, v, table.long(), mask, scale)
+                elif name == "cpu":
+                    from hf_paged.kernels import cpu_ops
+
+                    fn = lambda: cpu_ops.decode(q, k, v, table, seq, scale, 0, 0.0,  # noqa: E731
+                                                None, None)
                 elif name == "triton":
                     from hf_paged.kernels.triton_attention import decode_attention
 
@@ -120,6 +126,8 @@ def bench_decode(args, device, dtype, run, copy_bw):
                     fn = lambda: ops.decode(q, k, v, table, seq, None, scale, 0, context,  # noqa: E731
                                             512)
                 times[f"{name}_paged"] = run(fn)
+            if device.type == "cpu":  # int8 blocks: the reference and the CPU kernel
+                times.update(decode_int8(q, k, v, table, seq, scale, run))
             baseline = times.get("flash_contiguous", times["sdpa_contiguous"])
             for name, seconds in times.items():
                 bw = kv_bytes / seconds
@@ -130,6 +138,22 @@ def bench_decode(args, device, dtype, run, copy_bw):
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     return rows
+
+
+def decode_int8(q, k, v, table, seq, scale, run) -> dict:
+    """Decode over the same pool stored as int8 blocks (kv/quant.py): the reference, which
+    dequantizes what it gathers, and the CPU kernel, which dequantizes as it reads."""
+    from hf_paged.kernels import cpu_ops
+    from hf_paged.kv.quant import quantize
+
+    kq, vq = (quantize(x, torch.int8).view(torch.int8) for x in (k, v))
+    mask = reference.key_mask((seq - 1)[:, None], None, table.shape[1] * k.shape[1], None)
+    times = {"torch_paged_int8": run(lambda: reference.paged_attention(
+        q[:, :, None], kq, vq, table.long(), mask, scale))}
+    if cpu_ops.available():
+        times["cpu_paged_int8"] = run(lambda: cpu_ops.decode(q, kq, vq, table, seq, scale, 0,
+                                                             0.0, None, None))
+    return times
 
 
 def sweep_triton_decode(args, device, dtype, run, copy_bw, batch=64, context=4096):

@@ -279,7 +279,7 @@ def throughput(model, counts=(64, 256), prompt_len=16, new_tokens=64, runs=5, **
             llm.generate(prompts, params, use_tqdm=False)
             best = min(best, time.perf_counter() - start)
         rows.append(dict(requests=count, tokens_per_s=round(count * new_tokens / best)))
-        graphs = getattr(llm.engine.runner, "graphs", None)  # (older checkouts have none)
+        graphs = getattr(getattr(llm.engine, "runner", None), "graphs", None)  # (older: none)
         if graphs is not None:
             rows[-1]["graphs"] = graphs.stats()
         print(f"  {count:4d} requests x {new_tokens} tokens: {rows[-1]['tokens_per_s']:8,d} "

@@ -83,9 +83,9 @@ class PoolAccess:
         """The backend of an 8-bit pool: one that reads its kind (`Capabilities.kv_dtypes`);
         "auto" takes Triton on a GPU where it can, else the reference."""
         kind = self.pool.kv_dtype
-        if name == "auto":  # Triton on a GPU, the CPU kernel on CPU, where they can
-            try:
-                chosen = select_backend("triton" if device.type == "cuda" else "auto", device,
+        if name == "auto":  # Triton on a GPU, the CPU kernel on CPU (3x to 5x the
+            try:            # reference there, which dequantizes what it gathers), where they can
+                chosen = select_backend("triton" if device.type == "cuda" else "cpu", device,
                                         self.pool.dtype)
                 if kind in chosen.capabilities.kv_dtypes:
                     return chosen

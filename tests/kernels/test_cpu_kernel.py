@@ -1,4 +1,4 @@
-"""The CPU C++ decode kernel (backend "cpu", the default for CPU pools where it builds)
+"""The CPU C++ decode kernel (backend "cpu"; "auto" takes it for 8-bit CPU pools)
 against the PyTorch reference: dtypes with their tolerances, GQA groups, block sizes,
 sliding windows, ALiBi, soft-capping, sinks, strided layer views of a whole pool; the
 backend's fallback to the reference for prompt rows; and "auto" choosing it."""
@@ -95,11 +95,17 @@ def test_backend_decodes_with_the_kernel_and_prompts_with_the_reference():
                        ref.attention(q, k, v, meta, 0.25))
 
 
-def test_auto_takes_it_on_cpu_and_the_environment_can_turn_it_off(monkeypatch):
-    assert isinstance(select_backend("auto", "cpu"), CpuBackend)
+def test_named_or_for_8bit_pools_and_the_environment_can_turn_it_off(monkeypatch):
+    from hf_paged.kernels.dispatch import PoolAccess
+    from hf_paged.kv.pool import KVPool
+
     assert isinstance(select_backend("cpu", "cpu"), CpuBackend)
+    assert isinstance(select_backend("auto", "cpu"), TorchBackend)  # full precision
+    pool = KVPool(2, 2, 16, 4, 8, torch.float32, torch.device("cpu"), growable=False,
+                  kv_dtype=torch.int8)
+    assert isinstance(PoolAccess(pool, "auto", 4).backend, CpuBackend)
     monkeypatch.setenv("HF_PAGED_CPU_KERNELS", "0")
-    assert isinstance(select_backend("auto", "cpu"), TorchBackend)
+    assert isinstance(PoolAccess(pool, "auto", 4).backend, TorchBackend)
     with pytest.raises(ValueError, match="HF_PAGED_CPU_KERNELS=0"):
         select_backend("cpu", "cpu")
 
