@@ -109,21 +109,26 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& k_cache,
         top[j] = sinks != nullptr ? sinks[qh0 + j] : -INFINITY;
       }
       scores.resize(qheads * count);
-      for (int64_t i = 0; i < count; ++i) {
-        const int64_t t = first + i;
-        const C* k_tok = k_ptr + table[t / bs] * kb + (t % bs) * kt;
-        for (int64_t h = h0; h < h1; ++h) {
-          const float* kf = as_float(k_tok + h * kh, row.data(), dim);
-          for (int64_t g = 0; g < group; ++g) {
-            const int64_t j = (h - h0) * group + g;
-            float s = dot(q.data() + j * dim, kf, dim) * fscale;
-            if (cap > 0.f) s = cap * std::tanh(s / cap);
-            if (slopes != nullptr) s += slopes[qh0 + j] * static_cast<float>(t);
-            scores[j * count + i] = s;
-            top[j] = std::max(top[j], s);
+      // fn(i, t, j0, x): token i (position t) of KV head h, as float32 x; its query heads
+      // are j0 .. j0 + group of the job's.
+      auto each_head = [&](const C* base, int64_t sb, int64_t st, int64_t sh, auto&& fn) {
+        for (int64_t i = 0; i < count; ++i) {
+          const int64_t t = first + i;
+          const C* token = base + table[t / bs] * sb + (t % bs) * st;
+          for (int64_t h = h0; h < h1; ++h) {
+            fn(i, t, (h - h0) * group, as_float(token + h * sh, row.data(), dim));
           }
         }
-      }
+      };
+      each_head(k_ptr, kb, kt, kh, [&](int64_t i, int64_t t, int64_t j0, const float* kf) {
+        for (int64_t j = j0; j < j0 + group; ++j) {
+          float s = dot(q.data() + j * dim, kf, dim) * fscale;
+          if (cap > 0.f) s = cap * std::tanh(s / cap);
+          if (slopes != nullptr) s += slopes[qh0 + j] * static_cast<float>(t);
+          scores[j * count + i] = s;
+          top[j] = std::max(top[j], s);
+        }
+      });
       for (int64_t j = 0; j < qheads; ++j) {
         float sum = sinks != nullptr ? std::exp(sinks[qh0 + j] - top[j]) : 0.f;
         float* s = scores.data() + j * count;
@@ -134,19 +139,13 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& k_cache,
         total[j] = sum;
       }
       std::fill(acc.begin(), acc.begin() + qheads * dim, 0.f);
-      for (int64_t i = 0; i < count; ++i) {
-        const int64_t t = first + i;
-        const C* v_tok = v_ptr + table[t / bs] * vb + (t % bs) * vt;
-        for (int64_t h = h0; h < h1; ++h) {
-          const float* vf = as_float(v_tok + h * vh, row.data(), dim);
-          for (int64_t g = 0; g < group; ++g) {
-            const int64_t j = (h - h0) * group + g;
-            const float p = scores[j * count + i];
-            float* a = acc.data() + j * dim;
-            for (int64_t d = 0; d < dim; ++d) a[d] += p * vf[d];
-          }
+      each_head(v_ptr, vb, vt, vh, [&](int64_t i, int64_t, int64_t j0, const float* vf) {
+        for (int64_t j = j0; j < j0 + group; ++j) {
+          const float p = scores[j * count + i];
+          float* a = acc.data() + j * dim;
+          for (int64_t d = 0; d < dim; ++d) a[d] += p * vf[d];
         }
-      }
+      });
       for (int64_t j = 0; j < qheads; ++j) {
         const float inv = total[j] > 0.f ? 1.f / total[j] : 0.f;
         T* dst = o_ptr + (r * heads + qh0 + j) * dim;
