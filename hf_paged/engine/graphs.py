@@ -130,8 +130,8 @@ class DecodeGraphs:
         """Whether forward `f` runs from a graph: decode rows only, without prompt
         log-probabilities, within the largest bucket, no adapter (and no capture failed)."""
         n = len(f.rows)
-        return (self.failed is None and 0 < n <= self.sizes[-1] and not f.prompt_rows and f.adapter is None
-                and not self.runner.adapters and f.counts.count(1) == n)
+        return (self.failed is None and 0 < n <= self.sizes[-1] and not f.prompt_rows
+                and f.adapter is None and not self.runner.adapters and f.counts.count(1) == n)
 
     def run(self, f) -> torch.Tensor | None:
         """The logits [S, V] of `f`'s sampling rows, from its bucket's graph; None when
@@ -157,19 +157,21 @@ class DecodeGraphs:
         # step's second half) may reuse this output's memory.
         logits = graph.replay()[:n].clone()
         self.replays += 1
-        if len(f.last) != n or f.last[-1] != n - 1:  # rows that do not sample
+        if len(f.last) != n:  # rows that do not sample (one-token prompt chunks)
             logits = logits.index_select(0, to_device(f.last, logits.device))
         return logits
 
     def _fill(self, f, n: int, size: int) -> None:
         """Copies the step's inputs into the buffers; rows n..size become padding."""
         runner = self.runner
-        rows = to_device(f.rows, runner.kv_device)
+        # One copy to the device (the model is on one device: ids, tables, positions alike).
+        host = to_device(f.ids + f.positions + f.rows, runner.kv_device)
+        rows = host[2 * n:]
         for g, table in enumerate(self.tables):
             torch.index_select(runner.device_table.group(g), 0, rows, out=table[:n])
             table[n:size].fill_(self.pad_block)
-        self.ids[:n].copy_(f.device_ids(self.ids.device))
-        self.positions[:n].copy_(to_device(f.positions, self.positions.device))
+        self.ids[:n].copy_(f.fill_pending(host[:n]))
+        self.positions[:n].copy_(host[n:2 * n])
         self.ids[n:size].zero_()
         self.positions[n:size].zero_()
 

@@ -112,13 +112,13 @@ class Forward:
                 last.append(len(ids) - 1)
         return f
 
-    def device_ids(self, device: torch.device) -> torch.Tensor:
-        """ids [N] int64 on `device`, the tokens still on the device filled in."""
-        ids = to_device(self.ids, device)
-        if self.fill_at:  # tokens the host has not seen, from the last step's sampling
+    def fill_pending(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [N] int64 on the device (this forward's `ids`), with the tokens the host has
+        not seen filled in from the last step's sampling; returned for chaining."""
+        if self.fill_at:
             with torch.inference_mode():
-                ids[to_device(self.fill_at, device)] = self.previous[
-                    to_device(self.fill_from, self.previous.device)].to(device)
+                ids[to_device(self.fill_at, ids.device)] = self.previous[
+                    to_device(self.fill_from, self.previous.device)].to(ids.device)
         return ids
 
     def _add_token(self, j: int, seq, start: int, in_flight) -> None:
@@ -234,9 +234,10 @@ class ModelRunner:
         graphs = wants_graphs(cuda_graphs, compile, placement.primary, blocks,
                               split=self.tp_size > 1 or not placement.is_single)
         # With graphs, one block of the budget is the spare one padded rows write.
-        self.pool = KVPool(slots, kv_heads, head_dim, self.block_size, blocks - graphs,
+        spare = 1 if graphs else 0
+        self.pool = KVPool(slots, kv_heads, head_dim, self.block_size, blocks - spare,
                            self.dtype, placement, growable=False, v_head_dim=v_head_dim,
-                           kv_dtype=kv_dtype, spare_blocks=int(graphs))
+                           kv_dtype=kv_dtype, spare_blocks=spare)
         logger.info("hf-paged engine: KV pool of %d blocks x %d tokens (%s)", blocks,
                     self.block_size, ", ".join(
                         f"{blocks * per_layer * len(layers) / 2**20:.1f} MiB on {device}"
@@ -355,8 +356,9 @@ class ModelRunner:
         want = f.last + f.prompt_rows if f.prompt_rows else f.last
         keep = to_device(want or [len(f.ids) - 1], self._index_device)
         adapter = BASE if f.adapter is None and self.none_means_base else f.adapter
-        return self.run_model(f.device_ids(self.device), to_device(f.positions, self.device),
-                              metas, keep, adapter)[:len(want)]
+        ids = f.fill_pending(to_device(f.ids, self.device))
+        return self.run_model(ids, to_device(f.positions, self.device), metas, keep,
+                              adapter)[:len(want)]
 
     def run_model(self, ids: torch.Tensor, positions: torch.Tensor,
                   metas: list[ForwardMetadata], keep: torch.Tensor,

@@ -241,11 +241,8 @@ def select_backend(name: str, device: torch.device | str, dtype: torch.dtype = t
     if name == "cpu":
         from . import cpu_ops
 
-        reason = cpu_ops.unavailable_reason()
-        if reason is None and device.type != "cpu":
-            reason = f"the pool is on {device.type}; the CPU kernel needs a CPU pool"
-        if reason is None and not cpu_ops.available():
-            reason = "its C++ kernel failed to build (the log says why)"
+        reason = (f"the pool is on {device.type}; the CPU kernel needs a CPU pool"
+                  if device.type != "cpu" else cpu_ops.build_error())
         if reason is not None:
             raise unavailable(reason)
         return CpuBackend()

@@ -90,12 +90,23 @@ def _(query, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, a
     return torch.empty_like(query)
 
 
+def build_error() -> str | None:
+    """Why the kernel cannot be had here, or None once it is built and loaded."""
+    reason = unavailable_reason()
+    return f"hf-paged CPU kernels unavailable: {reason}." if reason else _built()
+
+
 @functools.lru_cache(maxsize=1)
-def available() -> bool:
-    """Whether the kernel builds and loads here (logged once when it does not)."""
+def _built() -> str | None:
+    """A build's error, or None (tried once: a failed build is not retried per call)."""
     try:
         load()
-        return True
+        return None
     except CpuKernelsUnavailable as err:
         logger.info("%s The PyTorch reference computes CPU attention.", err)
-        return False
+        return str(err)
+
+
+def available() -> bool:
+    """Whether the kernel builds and loads here."""
+    return build_error() is None

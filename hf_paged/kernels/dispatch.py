@@ -83,8 +83,10 @@ class PoolAccess:
         """The backend of an 8-bit pool: one that reads its kind (`Capabilities.kv_dtypes`);
         "auto" takes Triton on a GPU where it can, else the reference."""
         kind = self.pool.kv_dtype
-        if name == "auto":  # Triton on a GPU, the CPU kernel on CPU (several times the
-            try:            # reference there, which dequantizes what it gathers), where they can
+        if name == "auto":
+            # Triton on a GPU, the CPU kernel on CPU (several times the reference, which
+            # dequantizes what it gathers), where they can run; else the reference.
+            try:
                 chosen = select_backend("triton" if device.type == "cuda" else "cpu", device,
                                         self.pool.dtype)
                 if kind in chosen.capabilities.kv_dtypes:
