@@ -93,10 +93,11 @@ def test_concurrent_calls_share_one_pool(models):
 
 
 def test_a_call_that_cannot_get_blocks_fails_alone(models):
-    """One call needs more than the whole pool: it raises, the others finish unchanged."""
+    """One call's prompts alone need more than the whole pool: it raises before taking a block
+    (whatever the others hold at that moment), and the others finish unchanged."""
     greedy = [JOBS[0], JOBS[1], JOBS[4], JOBS[5]]
     expected = [run(models, job, seed=i) for i, job in enumerate(greedy)]
-    huge = ("llama", [200] * 8, dict(max_new_tokens=40))  # > 400 blocks of 4
+    huge = ("llama", [210] * 8, dict(max_new_tokens=40))  # 8 x 53 > 400 blocks of 4
 
     def call(i):
         if i == len(greedy):
