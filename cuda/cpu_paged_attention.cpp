@@ -31,16 +31,38 @@
 
 namespace {
 
-// Eight independent partial sums, so that the compiler can vectorize the dot product.
-inline float dot(const float* a, const float* b, int64_t n) {
-  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+// Eight-lane vectors (GCC/Clang vector extensions: AVX, AVX-512 or NEON as compiled for),
+// two accumulators so that consecutive multiply-adds do not wait on each other.
+typedef float float8 __attribute__((vector_size(32)));
+
+inline float8 load8(const float* p) {
+  float8 v;
+  std::memcpy(&v, p, sizeof(v));  // (unaligned)
+  return v;
+}
+
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  float8 s0 = {}, s1 = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    s0 += load8(a + i) * load8(b + i);
+    s1 += load8(a + i + 8) * load8(b + i + 8);
+  }
+  for (; i + 8 <= n; i += 8) s0 += load8(a + i) * load8(b + i);
+  s0 += s1;
+  float acc = ((s0[0] + s0[1]) + (s0[2] + s0[3])) + ((s0[4] + s0[5]) + (s0[6] + s0[7]));
+  for (; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+// a += p * x over n floats.
+inline void axpy(float* __restrict a, float p, const float* __restrict x, int64_t n) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
+    float8 v = load8(a + i) + p * load8(x + i);
+    std::memcpy(a + i, &v, sizeof(v));
   }
-  float tail = 0.f;
-  for (; i < n; ++i) tail += a[i] * b[i];
-  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail;
+  for (; i < n; ++i) a[i] += p * x[i];
 }
 
 template <typename C>
@@ -132,8 +154,10 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& k_cache,
       for (int64_t j = 0; j < qheads; ++j) {
         float sum = sinks != nullptr ? std::exp(sinks[qh0 + j] - top[j]) : 0.f;
         float* s = scores.data() + j * count;
+        const float m = top[j];
+#pragma omp simd reduction(+ : sum)
         for (int64_t i = 0; i < count; ++i) {
-          s[i] = std::exp(s[i] - top[j]);
+          s[i] = std::exp(s[i] - m);
           sum += s[i];
         }
         total[j] = sum;
@@ -142,8 +166,7 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& k_cache,
       each_head(v_ptr, vb, vt, vh, [&](int64_t i, int64_t, int64_t j0, const float* vf) {
         for (int64_t j = j0; j < j0 + group; ++j) {
           const float p = scores[j * count + i];
-          float* a = acc.data() + j * dim;
-          for (int64_t d = 0; d < dim; ++d) a[d] += p * vf[d];
+          axpy(acc.data() + j * dim, p, vf, dim);
         }
       });
       for (int64_t j = 0; j < qheads; ++j) {

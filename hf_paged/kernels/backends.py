@@ -210,8 +210,8 @@ def select_backend(name: str, device: torch.device | str, dtype: torch.dtype = t
                    block_size: int = 16, num_heads: int = 1, num_kv_heads: int = 1):
     """The backend for `name` on `device`; "auto" picks the fastest one that can run here.
 
-    "auto": flash-attn where its constraints hold, else Triton on CUDA, else the reference
-    (an 8-bit pool on CPU gets the CPU kernel: see `PoolAccess`).
+    "auto": flash-attn where its constraints hold, else Triton on CUDA, the C++ kernel on CPU
+    where it builds, else the reference.
     The CUDA C++ kernels are built on first use, so they run only when asked for.
     Raises ValueError saying why when the named backend cannot run here.
     """
@@ -256,6 +256,11 @@ def select_backend(name: str, device: torch.device | str, dtype: torch.dtype = t
             return FlashAttnBackend()
         if device.type == "cuda" and triton_unavailable_reason(device) is None:
             return TritonBackend(device)
+        if device.type == "cpu":
+            from . import cpu_ops
+
+            if cpu_ops.build_error() is None:  # (built on first use; else the reference)
+                return CpuBackend()
         return TorchBackend()
     raise ValueError(
         f"cache_config['backend'] must be one of 'auto', 'torch', 'triton', 'cuda', "

@@ -49,6 +49,11 @@ def _machine() -> str:
     return f"{torch.__version__}-{platform.machine()}-{flags}"
 
 
+# -fopenmp: at::parallel_for is OpenMP pragmas in ATen's headers (without it the kernel
+# runs on one thread); -fno-math-errno lets the softmax's exp loop use vector exp.
+CFLAGS = ["-O3", "-march=native", "-std=c++17", "-fopenmp", "-fno-math-errno"]
+
+
 @functools.lru_cache(maxsize=1)
 def load():
     """Builds (once per source version, torch version and CPU) and imports the extension."""
@@ -61,13 +66,14 @@ def load():
         source = source_dir() / SOURCE
     except Exception as err:  # noqa: BLE001 (the CUDA loader's error names the sources)
         raise CpuKernelsUnavailable(str(err)) from err
-    digest = hashlib.sha256(source.read_bytes() + _machine().encode()).hexdigest()[:16]
+    digest = hashlib.sha256(source.read_bytes() + (_machine() + " ".join(CFLAGS)).encode())
+    digest = digest.hexdigest()[:16]
     cache = Path(os.environ.get("HF_PAGED_CACHE", Path.home() / ".cache" / "hf_paged"))
     build_dir = cache / f"cpu-{digest}"
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
         return load_extension(name="hf_paged_cpu", sources=[str(source)],
-                              extra_cflags=["-O3", "-march=native", "-std=c++17"],
+                              extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
                               build_directory=str(build_dir), verbose=False)
     except Exception as err:  # noqa: BLE001 (a failed build: the reference serves instead)
         raise CpuKernelsUnavailable(f"hf-paged CPU kernels failed to build: {err}") from err

@@ -95,17 +95,18 @@ def test_backend_decodes_with_the_kernel_and_prompts_with_the_reference():
                        ref.attention(q, k, v, meta, 0.25))
 
 
-def test_named_or_for_8bit_pools_and_the_environment_can_turn_it_off(monkeypatch):
+def test_auto_takes_it_on_cpu_and_the_environment_can_turn_it_off(monkeypatch):
     from hf_paged.kernels.dispatch import PoolAccess
     from hf_paged.kv.pool import KVPool
 
     assert isinstance(select_backend("cpu", "cpu"), CpuBackend)
-    assert isinstance(select_backend("auto", "cpu"), TorchBackend)  # full precision
+    assert isinstance(select_backend("auto", "cpu"), CpuBackend)  # full precision
     pool = KVPool(2, 2, 16, 4, 8, torch.float32, torch.device("cpu"), growable=False,
                   kv_dtype=torch.int8)
     assert isinstance(PoolAccess(pool, "auto", 4).backend, CpuBackend)
     monkeypatch.setenv("HF_PAGED_CPU_KERNELS", "0")
     assert isinstance(PoolAccess(pool, "auto", 4).backend, TorchBackend)
+    assert isinstance(select_backend("auto", "cpu"), TorchBackend)
     with pytest.raises(ValueError, match="HF_PAGED_CPU_KERNELS=0"):
         select_backend("cpu", "cpu")
 
