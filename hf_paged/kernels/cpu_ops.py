@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from ..errors import CpuKernelsUnavailable
 from .cuda_ops import source_dir
@@ -80,20 +81,32 @@ def load():
 
 
 @torch.library.custom_op("hf_paged::cpu_decode", mutates_args=())
-def decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, window: int,
-           softcap: float, alibi_slopes: torch.Tensor | None,
-           sinks: torch.Tensor | None) -> torch.Tensor:
+def decode_op(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, window: int,
+              softcap: float, alibi_slopes: torch.Tensor | None,
+              sinks: torch.Tensor | None) -> torch.Tensor:
     """query [R, Hq, D] -> [R, Hq, D] (see the source's header). A torch op, so that a
     compiled forward traces it (and runs the same kernel as an eager one)."""
     return load().decode(query, k_cache, v_cache, block_tables, seq_lens, scale, window,
                          softcap, alibi_slopes, sinks)
 
 
-@decode.register_fake
+@decode_op.register_fake
 def _(query, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, alibi_slopes,
       sinks):
     return torch.empty_like(query)
+
+
+def decode(query, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap,
+           alibi_slopes, sinks):
+    """The decode kernel (arguments as `decode_op`): the torch op wherever a forward is
+    being traced (torch.compile, make_fx and fake tensors see it as one op), the extension
+    itself otherwise (the op's Python dispatch costs about as much as a small call)."""
+    if torch.compiler.is_compiling() or is_in_torch_dispatch_mode():
+        return decode_op(query, k_cache, v_cache, block_tables, seq_lens, scale, window,
+                         softcap, alibi_slopes, sinks)
+    return load().decode(query, k_cache, v_cache, block_tables, seq_lens, scale, window,
+                         softcap, alibi_slopes, sinks)
 
 
 def build_error() -> str | None:
