@@ -71,8 +71,8 @@ def load():
     digest = digest.hexdigest()[:16]
     cache = Path(os.environ.get("HF_PAGED_CACHE", Path.home() / ".cache" / "hf_paged"))
     build_dir = cache / f"cpu-{digest}"
-    build_dir.mkdir(parents=True, exist_ok=True)
     try:
+        build_dir.mkdir(parents=True, exist_ok=True)  # (a read-only home: the reference)
         return load_extension(name="hf_paged_cpu", sources=[str(source)],
                               extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
                               build_directory=str(build_dir), verbose=False)

@@ -142,3 +142,33 @@ def test_auto_reads_8bit_cpu_pools_with_the_kernel():
 
     engine = LLMEngine(make_model("llama_gqa"), num_blocks=16, kv_cache_dtype="int8")
     assert isinstance(engine.runner.access.backend, CpuBackend)
+
+
+def test_a_cache_folder_that_cannot_be_made_is_named_not_raised(tmp_path, monkeypatch):
+    """An unwritable build cache leaves the kernel unavailable (the reference serves)."""
+    from hf_paged.errors import CpuKernelsUnavailable
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("HF_PAGED_CACHE", str(blocker / "cache"))
+    with pytest.raises(CpuKernelsUnavailable, match="failed to build"):
+        cpu_ops.load.__wrapped__()  # (the cached load is the real one, already built)
+
+
+@needs_cpu_kernel
+def test_eager_calls_skip_the_op_and_traces_record_it():
+    """Eager forwards call the extension; a make_fx trace records the torch op (so a traced
+    graph replays the kernel instead of baking in its output)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    k, v, table, seq = paged_inputs([5, 40], 8, 2, 32, torch.float32, device="cpu")
+    q = torch.randn(2, 4, 32)
+    table32 = table.to(torch.int32)
+
+    def run(query):
+        return cpu_ops.decode(query, k, v, table32, seq, 0.2, 0, 0.0, None, None)
+
+    trace = make_fx(run)(q)
+    assert any("cpu_decode" in str(node.target) for node in trace.graph.nodes)
+    other = torch.randn(2, 4, 32)
+    torch.testing.assert_close(trace(other), run(other), rtol=0, atol=0)
