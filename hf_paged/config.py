@@ -9,7 +9,7 @@ from typing import Any, Mapping
 
 #: Attention backends by name; whether one can run on a device is decided by
 #: `kernels.backends.select_backend`.
-KNOWN_BACKENDS = ("auto", "torch", "triton", "cuda", "flash_attn")
+KNOWN_BACKENDS = ("auto", "torch", "triton", "cuda", "flash_attn", "cpu")
 BACKEND_ENV_VAR = "HF_PAGED_BACKEND"
 #: K/V storage: the model's dtype, or 8 bits with a scale per token and head (kv/quant.py).
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")

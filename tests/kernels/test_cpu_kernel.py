@@ -172,3 +172,20 @@ def test_eager_calls_skip_the_op_and_traces_record_it():
     assert any("cpu_decode" in str(node.target) for node in trace.graph.nodes)
     other = torch.randn(2, 4, 32)
     torch.testing.assert_close(trace(other), run(other), rtol=0, atol=0)
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("name", ["llama_gqa", "mistral_sw", "falcon_alibi"])
+def test_generate_named_cpu_backend_equals_dynamic_cache(name):
+    """`cache_config={"backend": "cpu"}` in generate: greedy and beam tokens equal stock."""
+    from conftest import assert_same, left_padded_batch, make_model
+
+    model = make_model(name)
+    ids, mask = left_padded_batch([7, 19, 3], seed=4)
+    for options in (dict(do_sample=False), dict(do_sample=False, num_beams=3)):
+        ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, **options)
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12,
+                             cache_implementation="paged", cache_config={"backend": "cpu"},
+                             return_dict_in_generate=True, **options)
+        assert out.past_key_values.backend.name == "cpu"
+        assert_same(ref, out)
