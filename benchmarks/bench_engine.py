@@ -190,7 +190,8 @@ def host_overhead(model, counts=(64, 128, 256), prompt_len=16, new_tokens=64, **
         engine = llm.engine
         engine.finished_only = True  # as LLM.generate runs it
         timed = _TimedModel(engine.runner.base)
-        # (the runner calls `base`, the model without a PEFT wrapper, when no adapter is loaded)
+        # The runner calls `base` (the model without a PEFT wrapper) when no adapter is
+        # loaded; versions before it called `model` (for runs on another checkout).
         engine.runner.model = engine.runner.base = timed
         params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
         for i in range(count):

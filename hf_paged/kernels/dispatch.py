@@ -81,11 +81,10 @@ class PoolAccess:
 
     def _select_8bit(self, name: str, device: torch.device) -> Backend:
         """The backend of an 8-bit pool: one that reads its kind (`Capabilities.kv_dtypes`);
-        "auto" takes Triton on a GPU where it can, else the reference."""
+        "auto" takes Triton on a GPU (never flash-attn, which reads none) or the CPU kernel
+        on CPU where they can run, else the reference."""
         kind = self.pool.kv_dtype
         if name == "auto":
-            # Triton on a GPU, the CPU kernel on CPU (several times the reference, which
-            # dequantizes what it gathers), where they can run; else the reference.
             try:
                 chosen = select_backend("triton" if device.type == "cuda" else "cpu", device,
                                         self.pool.dtype)
