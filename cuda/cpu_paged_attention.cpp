@@ -133,12 +133,15 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& k_cache,
       scores.resize(qheads * count);
       // fn(i, t, j0, x): token i (position t) of KV head h, as float32 x; its query heads
       // are j0 .. j0 + group of the job's.
+      // Block by block: one table read per block, no division per token.
       auto each_head = [&](const C* base, int64_t sb, int64_t st, int64_t sh, auto&& fn) {
-        for (int64_t i = 0; i < count; ++i) {
-          const int64_t t = first + i;
-          const C* token = base + table[t / bs] * sb + (t % bs) * st;
-          for (int64_t h = h0; h < h1; ++h) {
-            fn(i, t, (h - h0) * group, as_float(token + h * sh, row.data(), dim));
+        for (int64_t b = first / bs, t = first; t < n; ++b) {
+          const C* block = base + table[b] * sb;
+          for (const int64_t end = std::min(n, (b + 1) * bs); t < end; ++t) {
+            const C* token = block + (t - b * bs) * st;
+            for (int64_t h = h0; h < h1; ++h) {
+              fn(t - first, t, (h - h0) * group, as_float(token + h * sh, row.data(), dim));
+            }
           }
         }
       };
@@ -178,10 +181,13 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& k_cache,
   });
 }
 
-torch::Tensor decode(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
-                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
-                     int64_t window, double softcap, c10::optional<torch::Tensor> alibi_slopes,
-                     c10::optional<torch::Tensor> sinks) {
+}  // namespace
+
+torch::Tensor cpu_decode(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
+                         torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
+                         int64_t window, double softcap,
+                         c10::optional<torch::Tensor> alibi_slopes,
+                         c10::optional<torch::Tensor> sinks) {
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
               "decode: query [R, Hq, D] and caches [NB, bs, Hkv, D] expected");
   TORCH_CHECK(query.is_contiguous(), "decode: the query must be contiguous");
@@ -220,10 +226,4 @@ torch::Tensor decode(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v
     else run(T{});
   });
   return out;
-}
-
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode", &decode, "Decode attention read from the paged pool (CPU)");
 }

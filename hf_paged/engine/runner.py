@@ -322,14 +322,16 @@ class ModelRunner:
         self.prepare(work)
         return [self.forward(f) for f in work.forwards]
 
-    def metadata(self, rows: list[int], context: list[int],
-                 counts: list[int]) -> list[ForwardMetadata]:
+    def metadata(self, rows: list[int], context: list[int], counts: list[int],
+                 context_t: torch.Tensor | None = None) -> list[ForwardMetadata]:
         """Packed-forward metadata of sequence `rows` (their block-table rows), each with
-        `context` tokens cached and `counts` new ones, decode rows apart from prompt chunks:
-        one per KV group (each group's tables are rows g * max_num_seqs + row)."""
+        `context` tokens cached (context_t: the same on the device, if the caller has it)
+        and `counts` new ones, decode rows apart from prompt chunks: one per KV group (each
+        group's tables are rows g * max_num_seqs + row)."""
         device = self.kv_device
         index = to_device(rows, device)
-        context_t = to_device(context, device)
+        if context_t is None or context_t.device != device:
+            context_t = to_device(context, device)
         lens = [c + n for c, n in zip(context, counts)]
         metas = []
         for g in range(self.groups.num_groups):
@@ -352,19 +354,25 @@ class ModelRunner:
         logits = None if self.graphs is None else self.graphs.run(f)
         if logits is not None:  # a decode step, replayed from its graph
             return logits
-        metas = metas or self.metadata(f.rows, f.context, f.counts)
+        ids, positions = to_device(f.ids + f.positions, self.device).view(2, -1)  # one copy
+        # A token per row: the positions are the rows' cached lengths.
+        metas = metas or self.metadata(f.rows, f.context, f.counts,
+                                       positions if len(f.ids) == len(f.rows) else None)
         want = f.last + f.prompt_rows if f.prompt_rows else f.last
-        keep = to_device(want or [len(f.ids) - 1], self._index_device)
+        if len(want) == len(f.ids) and not f.prompt_rows and self.compiled is None:
+            keep = 0  # every token's logits, in order (`last` ascends): nothing to pick
+        else:
+            keep = to_device(want or [len(f.ids) - 1], self._index_device)
         adapter = BASE if f.adapter is None and self.none_means_base else f.adapter
-        ids = f.fill_pending(to_device(f.ids, self.device))
-        return self.run_model(ids, to_device(f.positions, self.device), metas, keep,
+        return self.run_model(f.fill_pending(ids), positions, metas, keep,
                               adapter)[:len(want)]
 
     def run_model(self, ids: torch.Tensor, positions: torch.Tensor,
-                  metas: list[ForwardMetadata], keep: torch.Tensor,
+                  metas: list[ForwardMetadata], keep: torch.Tensor | int,
                   adapter: str | None = None) -> torch.Tensor:
         """The model over packed tokens: ids, positions [N] int64, `metas` (one per KV
-        group), keep [S] int64 (the positions whose logits are wanted) -> logits [S, V]."""
+        group), keep [S] int64 (the positions whose logits are wanted; 0: all) -> logits
+        [S, V]."""
         # With no adapter loaded (none ever, or all unloaded) the base model runs, without
         # PEFT in the way.
         model = self.model if self.adapters else self.base

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import describe
+from ..kernels import cpu_ops
 from ..sampling_params import SamplingParams
 from .structured import Matcher, mask_rows
 
@@ -45,6 +46,17 @@ class SampleRow:
         self.greedy = self.params.greedy
         self.logprobs = self.params.logprobs is not None
         self.penalized = self.params.penalized
+        self._plain()
+
+    def _plain(self) -> None:
+        # Greedy with nothing to apply first and nothing to report: the argmax alone.
+        self.plain = (self.greedy and not self.logprobs and not self.penalized
+                      and self.suppress is None and self.grammar is None)
+
+    def lift_suppression(self) -> None:
+        """Its completion reached min_tokens: stop tokens are no longer masked."""
+        self.suppress = None
+        self._plain()
 
 
 @dataclass
@@ -118,6 +130,8 @@ class Sampler:
     def launch(self, logits: torch.Tensor, rows: list[SampleRow],
                noise: torch.Tensor | None = None) -> Sampled:
         """`__call__` without waiting for the device: the tokens as a `Sampled`."""
+        if all([r.plain for r in rows]):  # (most steps: one pass over the rows)
+            return Sampled(*greedy(logits), None, rows, [])
         logits = logits.float()
         want_logprobs = [i for i, r in enumerate(rows) if r.logprobs]
         raw = torch.log_softmax(logits, -1) if want_logprobs else None
@@ -126,18 +140,15 @@ class Sampler:
             mask_rows(logits, constrained, [rows[i].grammar for i in constrained])
         if any([r.penalized or r.suppress for r in rows]):  # (a list: faster than a generator)
             logits = self.penalize(logits.clone(), rows)  # the caller's logits stay as given
-        greedy = [r.greedy for r in rows]
-        if all(greedy):
-            # max(-1) gives argmax's first-maximum index, and the maximum validity needs,
-            # faster than argmax on CPU.
-            best, tokens = logits.max(-1)
-            valid = torch.isfinite(best)
+        greedy_rows = [r.greedy for r in rows]
+        if all(greedy_rows):
+            tokens, valid = greedy(logits)
         else:
             scores = self.warp(logits, rows)
             if noise is None:
                 noise = self.noise(logits.shape[0], logits.shape[1], rows, logits.device)
-            tokens = self._draw(logits, scores, noise, greedy)
-            valid = torch.where(torch.tensor(greedy, device=logits.device), _valid(logits),
+            tokens = self._draw(logits, scores, noise, greedy_rows)
+            valid = torch.where(torch.tensor(greedy_rows, device=logits.device), _valid(logits),
                                 _valid(scores))
         return Sampled(tokens, valid, raw, rows, want_logprobs)
 
@@ -256,6 +267,16 @@ class Sampler:
         sampled = (scores.softmax(-1) / noise).argmax(-1)
         return torch.where(torch.tensor(greedy, device=logits.device), logits.argmax(-1),
                            sampled)
+
+
+def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [S, V] -> (tokens [S] int64: each row's first maximum, valid [S] bool: that
+    maximum is finite, which a NaN anywhere in the row spoils)."""
+    fast = cpu_ops.greedy(logits)  # (torch.max's indices run a scalar loop on CPU)
+    if fast is not None:
+        return fast
+    best, tokens = logits.max(-1)  # argmax's first-maximum index, and the maximum itself
+    return tokens, torch.isfinite(best)
 
 
 def _valid(scores: torch.Tensor) -> torch.Tensor:

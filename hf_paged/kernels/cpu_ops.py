@@ -1,4 +1,5 @@
-"""The CPU C++ decode kernel (`cuda/cpu_paged_attention.cpp`), built on first use and cached.
+"""The CPU C++ kernels, built on first use and cached: the decode attention
+(`cuda/cpu_paged_attention.cpp`) and the sampler's greedy argmax (`cuda/cpu_sampling.cpp`).
 
 Building needs a C++ compiler and ninja (`pip install ninja`); `load()` raises
 `CpuKernelsUnavailable` saying what is missing, and `available()` answers without raising
@@ -21,7 +22,7 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 from ..errors import CpuKernelsUnavailable
 from .cuda_ops import source_dir
 
-SOURCE = "cpu_paged_attention.cpp"
+SOURCES = ("cpu_paged_attention.cpp", "cpu_sampling.cpp", "cpu_ops_binding.cpp")
 logger = logging.getLogger("hf_paged")
 
 
@@ -64,16 +65,17 @@ def load():
     from torch.utils.cpp_extension import load as load_extension
 
     try:
-        source = source_dir() / SOURCE
+        sources = [source_dir() / name for name in SOURCES]
     except Exception as err:  # noqa: BLE001 (the CUDA loader's error names the sources)
         raise CpuKernelsUnavailable(str(err)) from err
-    digest = hashlib.sha256(source.read_bytes() + (_machine() + " ".join(CFLAGS)).encode())
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in sources)
+                            + (_machine() + " ".join(CFLAGS)).encode())
     digest = digest.hexdigest()[:16]
     cache = Path(os.environ.get("HF_PAGED_CACHE", Path.home() / ".cache" / "hf_paged"))
     build_dir = cache / f"cpu-{digest}"
     try:
         build_dir.mkdir(parents=True, exist_ok=True)  # (a read-only home: the reference)
-        return load_extension(name="hf_paged_cpu", sources=[str(source)],
+        return load_extension(name="hf_paged_cpu", sources=[str(s) for s in sources],
                               extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
                               build_directory=str(build_dir), verbose=False)
     except Exception as err:  # noqa: BLE001 (a failed build: the reference serves instead)
@@ -129,3 +131,13 @@ def _built() -> str | None:
 def available() -> bool:
     """Whether the kernel builds and loads here."""
     return build_error() is None
+
+
+def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(tokens [R] int64, valid [R] bool) of logits [R, V] (see `cuda/cpu_sampling.cpp`), or
+    None where the kernel does not serve: not float32 rows on the CPU, or the extension not
+    loaded (it is never built for this alone; the caller then takes torch.max)."""
+    if (logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2
+            or logits.stride(-1) != 1 or not load.cache_info().currsize):
+        return None
+    return load().greedy(logits)

@@ -15,6 +15,7 @@ import torch
 
 from ..core.kv_groups import KVGroups
 from ..kv.metadata import ForwardMetadata, to_device
+from . import reference
 from .backends import select_backend
 from .base import Backend
 from .forward import NO_MASK, PagedForward, PagedLayers, cannot_apply
@@ -110,11 +111,22 @@ class PoolAccess:
     def views(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k_cache, v_cache) [NB, bs, Hkv, D] of a layer: its slot of the pool's blocks
         (renewed when the pool grows)."""
+        if torch.compiler.is_compiling():  # sliced in the graph from the shard: views lifted
+            return self.pool.layer_views(self.where[layer_idx][1])  # apart alias each other
         if self._views_version != self.pool.version:
             slots = [self.pool.layer_views(slot) for slot in range(self.pool.num_layers)]
             self._views = [slots[slot] for _, slot in self.where]
             self._views_version = self.pool.version
         return self._views[layer_idx]
+
+    def write_traced(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor,
+                     slot_mapping: torch.Tensor) -> None:
+        """A compiled forward's write of one layer's new tokens (key, value [N, Hkv, D] in
+        the pool's dtype): one op on the layer's shard, which the compiler keeps in place
+        (`reference.write_layer_kv`)."""
+        shard, index = self.pool.placement.where[self.where[layer_idx][1]]
+        reference.write_layer_kv(self.pool.shards[shard], index, key, value, slot_mapping,
+                                 self.pool.split, self.pool.kv_dtype)
 
     def backend_for(self, shard: int, meta: ForwardMetadata, caller_mask: bool) -> Backend:
         """The backend that computes this forward on `shard`: the shard's own where its

@@ -189,8 +189,12 @@ class PagedForward(PagedLayers, Cache):
         shard = self._shard[layer_idx]
         with torch.no_grad(), self.access.on_device(shard, self._switch):  # plain values
             dtype = self.access.pool.dtype  # (an 8-bit pool's write quantizes from it)
-            self.access.backends[shard].write_kv(k_cache, v_cache, key.to(dtype),
-                                                 value.to(dtype), meta.slot_mapping)
+            if torch.compiler.is_compiling():
+                self.access.write_traced(layer_idx, key.to(dtype), value.to(dtype),
+                                         meta.slot_mapping)
+            else:
+                self.access.backends[shard].write_kv(k_cache, v_cache, key.to(dtype),
+                                                     value.to(dtype), meta.slot_mapping)
 
     def attend(self, query: torch.Tensor, layer_idx: int, scale: float,
                sliding_window: int | None = None,
@@ -224,8 +228,10 @@ class PagedForward(PagedLayers, Cache):
                                             sliding_window, caller_mask, softcap, sinks)
             else:
                 k_view, v_view = self.access.views(layer_idx)
-                if (key is not None and key is not k_view) or (value is not None
-                                                               and value is not v_view):
+                # (A traced forward slices new views per call; eager ones show the route.)
+                if not torch.compiler.is_compiling() and (
+                        (key is not None and key is not k_view)
+                        or (value is not None and value is not v_view)):
                     which = "keys" if key is not None and key is not k_view else "values"
                     raise PagedRouteError(
                         f"Layer {layer_idx} changed its {which} between the cache update and "

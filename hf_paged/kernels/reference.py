@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..kv.pool import split_layer
 from ..kv.quant import dequantize, is_quantized, quantize
 
 
@@ -33,6 +34,24 @@ def write_kv(
             cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, new)
         else:  # a view of a fused K|V tensor (keys and values of different sizes)
             cache.index_put_((slot_mapping // bs, slot_mapping % bs), new)
+
+
+@torch.library.custom_op("hf_paged::write_layer_kv", mutates_args=("kv",))
+def write_layer_kv(kv: torch.Tensor, index: int, key: torch.Tensor, value: torch.Tensor,
+                   slot_mapping: torch.Tensor, split: int,
+                   kv_dtype: torch.dtype | None) -> None:
+    """`write_kv` into layer `index` of a pool shard kv [L, 2, NB, bs, Hkv, D] (`split`,
+    `kv_dtype`: as `kv.pool.split_layer`), as one op that mutates the shard itself. A
+    compiled forward writes through it: an in-place write into a view of the pool (or into
+    views that alias one another, one per layer) is functionalized into a copy of the
+    layer's whole pool every step, where this op is kept in place."""
+    k_cache, v_cache = split_layer(kv[index], split, kv_dtype)
+    write_kv(k_cache, v_cache, key, value, slot_mapping)
+
+
+@write_layer_kv.register_fake
+def _(kv, index, key, value, slot_mapping, split, kv_dtype) -> None:
+    return None
 
 
 def copy_blocks(kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:

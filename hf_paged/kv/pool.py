@@ -29,6 +29,17 @@ def block_bytes(num_layers: int, num_kv_heads: int, head_dim: int, block_size: i
             * torch.tensor([], dtype=dtype).element_size())
 
 
+def split_layer(kv: torch.Tensor, split: int = 0, kv_dtype: torch.dtype | None = None):
+    """(k_cache, v_cache) [NB, bs, Hkv, D] views of one layer's blocks `kv` [2, NB, bs, Hkv,
+    D] (split > 0: [1, NB, bs, Hkv, Dk + Dv], values from `split` on; kv_dtype: an 8-bit
+    pool's bytes, [NB, bs, Hkv, D + 2] each, viewed as that kind)."""
+    if kv_dtype is not None:  # values and their scales, as the kind
+        return kv[0].view(kv_dtype), kv[1].view(kv_dtype)
+    if not split:
+        return kv[0], kv[1]
+    return kv[0, ..., :split], kv[0, ..., split:]
+
+
 # Storage addresses of every live pool's shards, for is_pool_view (a set: read without a
 # lock; written under one, by pools being made, grown, pinned or collected).
 _pool_storages: set[int] = set()
@@ -206,12 +217,12 @@ class KVPool:
 
     def layer_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k_cache [NB, bs, Hkv, Dk], v_cache [NB, bs, Hkv, Dv]) of one layer."""
-        kv = self.layer_kv(layer)
-        if self.kv_dtype is not None:  # [NB, bs, Hkv, D + 2] values and scales, as the kind
-            return kv[0].view(self.kv_dtype), kv[1].view(self.kv_dtype)
-        if not self.fused:
-            return kv[0], kv[1]
-        return kv[0, ..., : self.head_dim], kv[0, ..., self.head_dim:]
+        return split_layer(self.layer_kv(layer), self.split, self.kv_dtype)
+
+    @property
+    def split(self) -> int:
+        """Where a fused layer's values start in its last dimension (0: not fused)."""
+        return self.head_dim if self.fused else 0
 
     def pin_memory(self) -> None:
         """Page-locks a CPU pool (faster, asynchronous swaps to and from a GPU)."""

@@ -146,6 +146,46 @@ def test_no_graph_break_is_logged():
     assert "Graph break" not in result.stderr, result.stderr[-3000:]
 
 
+_captured = []  # (graph, example inputs) the backend below was given
+
+
+@torch._dynamo.register_backend(name="hf_paged_test_capture")
+def _capture(gm, example_inputs):
+    _captured.append((gm, example_inputs))
+    return gm.forward
+
+
+@pytest.mark.parametrize("kv_cache_dtype", [None, "int8"])
+def test_a_compiled_forward_writes_into_the_pool_itself(kv_cache_dtype):
+    """The traced forward takes the pool as one input, slices each layer's views from it
+    and writes through one op on it. (Per-layer views lifted as inputs of their own alias
+    one another, and an in-place write into a view of an input is functionalized: Inductor
+    then copied a layer's whole pool every step.)"""
+    captured = _captured
+    captured.clear()
+    model = long_model("llama_gqa")
+    llm = LLM(model, block_size=4, num_blocks=60, max_num_seqs=4, max_num_batched_tokens=16,
+              compile="hf_paged_test_capture", kv_cache_dtype=kv_cache_dtype)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    outs = llm.generate(random_prompts(2, 6, 3, 20), params, use_tqdm=False)
+    assert all(o.error is None for o in outs), [o.error for o in outs]
+    shard = llm.engine.runner.pool.shards[0]
+    write = torch.ops.hf_paged.write_layer_kv.default
+    assert captured
+    for gm, inputs in captured:
+        nodes = list(gm.graph.nodes)
+        pool = [n for n, t in zip([n for n in nodes if n.op == "placeholder"], inputs)
+                if isinstance(t, torch.Tensor)
+                and t.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr()]
+        assert len(pool) == 1 and pool[0].meta["example_value"].shape == shard.shape
+        assert sum(n.target is write for n in nodes) == model.config.num_hidden_layers
+        derived = set(pool)  # the pool and every view sliced from it
+        for n in nodes:
+            if n.args and n.args[0] in derived and n.target is not write:
+                derived.add(n)
+                assert not str(n.target).endswith("_"), f"in-place {n.target} on the pool"
+
+
 def test_serve_takes_compile():
     from hf_paged.serving.serve import engine_options, parser
 

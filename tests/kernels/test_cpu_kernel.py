@@ -189,3 +189,29 @@ def test_generate_named_cpu_backend_equals_dynamic_cache(name):
                              return_dict_in_generate=True, **options)
         assert out.past_key_values.backend.name == "cpu"
         assert_same(ref, out)
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 8, 13, 1000, 32003])
+def test_greedy_equals_torch_max(vocab):
+    """The sampler's CPU argmax: torch.max's first-maximum index and finiteness, on rows
+    full of ties, rows of -inf, with a NaN or +inf, and a view of every other row."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randint(-3, 4, (130, vocab), generator=g).float()
+    x[4] = float("-inf")
+    x[5, vocab // 2] = float("nan")
+    x[6, vocab - 1] = float("inf")
+    x[7, vocab - 1] = 9.0
+    x[8, 0] = 9.0
+    for logits in (x, x[::2]):
+        tokens, valid = cpu_ops.greedy(logits)
+        best, expected = logits.max(-1)
+        assert torch.equal(valid, torch.isfinite(best))
+        assert torch.equal(tokens, expected)
+
+
+def test_greedy_serves_only_float32_rows_on_cpu():
+    """Other dtypes and layouts go to torch.max (the sampler's fallback)."""
+    x = torch.randn(4, 50)
+    assert cpu_ops.greedy(x.bfloat16()) is None
+    assert cpu_ops.greedy(x.t()) is None
+    assert cpu_ops.greedy(x[None]) is None

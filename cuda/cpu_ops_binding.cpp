@@ -1,0 +1,18 @@
+// The CPU extension's Python module: the decode attention (cpu_paged_attention.cpp) and
+// the greedy argmax (cpu_sampling.cpp), built together by hf_paged/kernels/cpu_ops.py.
+
+#include <torch/extension.h>
+
+#include <tuple>
+
+torch::Tensor cpu_decode(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
+                         torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
+                         int64_t window, double softcap,
+                         c10::optional<torch::Tensor> alibi_slopes,
+                         c10::optional<torch::Tensor> sinks);
+std::tuple<torch::Tensor, torch::Tensor> cpu_greedy(torch::Tensor logits);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode", &cpu_decode, "Decode attention read from the paged pool (CPU)");
+  m.def("greedy", &cpu_greedy, "Each row's first maximum and whether it is finite (CPU)");
+}
