@@ -290,6 +290,34 @@ def throughput(model, counts=(64, 256), prompt_len=16, new_tokens=64, runs=5, **
     return rows
 
 
+def compiled_by_pool_size(model, count=64, scales=(1, 32), prompt_len=16, new_tokens=64,
+                          runs=4):
+    """`LLM.generate` output tokens/s (best of `runs`), eager and `compile=True`, with the
+    throughput workload's KV budget times each of `scales`: a compiled step's cost must not
+    grow with the pool (run another checkout on PYTHONPATH to compare versions)."""
+    rng = random.Random(count)
+    prompts = [[rng.randrange(3, model.config.vocab_size) for _ in range(prompt_len)]
+               for _ in range(count)]
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    rows = []
+    for compile in (False, True):
+        for scale in scales:
+            llm = LLM(model, max_num_seqs=count, max_num_batched_tokens=count * prompt_len,
+                      compile=compile, kv_cache_bytes=_bytes_per_token(model) * count
+                      * (prompt_len + new_tokens + 32) * scale)
+            best = float("inf")
+            for _ in range(runs):  # (the first compiles)
+                start = time.perf_counter()
+                llm.generate(prompts, params, use_tqdm=False)
+                best = min(best, time.perf_counter() - start)
+            rows.append(dict(compile=compile, blocks=llm.engine.runner.pool.shards[0].shape[2],
+                             tokens_per_s=round(count * new_tokens / best)))
+            print(f"  compile={compile!s:5} {rows[-1]['blocks']:6,d} blocks: "
+                  f"{rows[-1]['tokens_per_s']:8,d} output tokens/s (best of {runs})", flush=True)
+            torch._dynamo.reset()
+    return rows
+
+
 def tiny_llama(device="cpu", dtype=torch.float32):
     """The host-overhead model: hidden 64, 2 layers (its forward is cheap)."""
     return random_llama(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=1000,
@@ -358,6 +386,9 @@ def main():
                               "bench_speculative.py --help for its options)"),
             ("--throughput", "only LLM.generate tokens/s of the host-overhead workload (tiny "
                              "model, 64 and 256 requests; PYTHONPATH=other/checkout to compare)"),
+            ("--compile-pool", "only LLM.generate tokens/s of the tiny model at 64 "
+                               "requests, eager and compile=True, with the throughput "
+                               "workload's KV budget and 32 times it"),
             ("--cuda-graphs", "only the --throughput workload without and with CUDA graphs, "
                               "with their capture time and memory (GPU)")):
         parser.add_argument(flag, action="store_true", help=text)
@@ -367,6 +398,13 @@ def main():
     if args.python_calls:
         print("Python calls outside the forward, tiny Llama:", flush=True)
         rows = python_calls(tiny_llama(dtype=dtype, device=args.device))
+        if args.out:
+            Path(args.out).write_text(json.dumps(rows, indent=2))
+        return
+    if args.compile_pool:
+        print(f"LLM.generate, tiny Llama, hf_paged from {Path(hf_paged.__file__).parent}:",
+              flush=True)
+        rows = compiled_by_pool_size(tiny_llama(dtype=dtype, device=args.device))
         if args.out:
             Path(args.out).write_text(json.dumps(rows, indent=2))
         return
