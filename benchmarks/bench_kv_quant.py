@@ -110,10 +110,10 @@ def train_text_model(text: bytes, steps: int):
     return model.eval().to(torch.bfloat16)
 
 
-def accuracy(rows, quick):
+def accuracy(rows, quick, steps=None):
     text = corpus()
     split = int(len(text) * 0.9)
-    model = train_text_model(text[:split], 150 if quick else 400)
+    model = train_text_model(text[:split], steps or (150 if quick else 400))
     held = text[split:]
     rng = random.Random(1)
     starts = [rng.randrange(0, len(held) - 600) for _ in range(16 if quick else 48)]
@@ -156,12 +156,17 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller workloads")
     parser.add_argument("--out", help="also write the rows as JSON here")
+    parser.add_argument("--train-steps", type=int,
+                        help="training steps of the accuracy model (400; --quick: 150)")
+    parser.add_argument("--accuracy-only", action="store_true",
+                        help="skip the capacity section")
     args = parser.parse_args(argv)
     assert set(KINDS[1:]) <= set(KV_CACHE_DTYPES)
     rows: list[dict] = []
     print(f"threads {torch.get_num_threads()}", flush=True)
-    capacity(rows, args.quick)
-    accuracy(rows, args.quick)
+    if not args.accuracy_only:
+        capacity(rows, args.quick)
+    accuracy(rows, args.quick, args.train_steps)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=2))
 
