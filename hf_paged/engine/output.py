@@ -204,19 +204,13 @@ class OutputProcessor:
         now, eos_ids, finish = time.monotonic(), self.eos_ids, self.scheduler.finish
         for (request, seq, _, k), token, lp, tlp in zip(owners, result.tokens, result.logprobs,
                                                         result.token_logprobs):
+            request.append(seq, k, token, lp, tlp, now)
             touched[request.request_id] = request
-            if lp is None and request.texts is None and request.matchers is None:
-                # `append` and `stop` inlined for what most tokens are: no logprobs, text or
-                # grammar to follow, and nothing that ends the completion.
-                output = seq.output
-                output.append(token)
-                request.completions[k].token_ids = output
-                if request.metrics.first_token_time is None:
-                    request.metrics.first_token_time = now
-                if token not in request.stop_ids and len(output) < seq.max_tokens:
-                    continue
-            else:
-                request.append(seq, k, token, lp, tlp, now)
+            # No text or grammar to follow, no stop token, room left: `stop` would find
+            # nothing (most tokens).
+            if (request.texts is None and request.matchers is None
+                    and token not in request.stop_ids and len(seq.output) < seq.max_tokens):
+                continue
             if request.unfinished:  # (0: ended by a sibling's failed stop check)
                 try:  # _check_stop, inlined: a call per token
                     reason = request.stop(seq, k, eos_ids)

@@ -38,7 +38,8 @@ class SampleRow:
     prompt: list[int]
     output: list[int]
     generator: torch.Generator | None = None
-    suppress: list[int] | None = None  # token ids masked at this step (min_tokens)
+    suppress: list[int] | None = None  # token ids masked at this step (min_tokens; ended
+    # by `lift_suppression`, which keeps `plain` true to it)
     grammar: Matcher | None = None  # its completion's structured-output constraint
 
     def __post_init__(self):  # read per row per step: plain attributes, not properties
