@@ -176,6 +176,23 @@ class _TimedModel:
         return getattr(self._model, name)
 
 
+class _Paused:
+    """Stands in for the engine's model: `profile` is paused while the model runs."""
+
+    def __init__(self, model, profile):
+        self.__dict__.update(_model=model, _profile=profile)
+
+    def __call__(self, *args, **kwargs):
+        self._profile.disable()
+        try:
+            return self._model(*args, **kwargs)
+        finally:
+            self._profile.enable()
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
 def host_overhead(model, counts=(64, 128, 256), prompt_len=16, new_tokens=64, **options):
     """Per engine step, the time outside the model's forward per scheduled sequence: every
     request (a random prompt of `prompt_len` tokens, `new_tokens` greedy tokens) arrives at
@@ -234,16 +251,8 @@ def python_calls(model, counts=(64, 256), prompt_len=16, new_tokens=64):
                   kv_cache_bytes=_bytes_per_token(model) * count * (prompt_len + new_tokens + 32))
         engine, profile = llm.engine, cProfile.Profile()
         engine.finished_only = True
-        forward = engine.runner.model
-
-        def paused(*args, **kwargs):
-            profile.disable()
-            try:
-                return forward(*args, **kwargs)
-            finally:
-                profile.enable()
-
-        engine.runner.model = paused
+        paused = _Paused(engine.runner.base, profile)
+        engine.runner.model = engine.runner.base = paused  # (as in host_overhead)
         params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
         for i in range(count):
             engine.add_request(f"c{i}", [rng.randrange(3, model.config.vocab_size)

@@ -84,6 +84,10 @@ class Sampled:
         self.tokens, self._rows, self._want, self._done = tokens, rows, want, done
         if done is not None:  # sampled row by row, already on the host
             return
+        self._event, self._on_host = None, not want and tokens.device.type == "cpu"
+        if self._on_host:  # nothing to copy (nor to stack first)
+            self._host = [tokens, valid]
+            return
         host = [torch.stack([tokens, valid.long()])]
         if want:
             idx = torch.tensor(want, device=tokens.device)
@@ -93,7 +97,6 @@ class Sampled:
             host += [top.values, top.indices, lp.gather(1, tokens[idx][:, None])[:, 0]]
         # Non-blocking copies: a later wait covers them and nothing queued after them.
         self._host = [t.to("cpu", non_blocking=True) for t in host]
-        self._event = None
         if tokens.is_cuda:
             self._event = torch.cuda.Event()
             self._event.record()
@@ -104,8 +107,9 @@ class Sampled:
             return self._done
         if self._event is not None:
             self._event.synchronize()
-        token_list, valid_list = self._host[0].tolist()
-        failed = [i for i, ok in enumerate(valid_list) if not ok]
+        token_list, valid_list = ([t.tolist() for t in self._host] if self._on_host
+                                  else self._host[0].tolist())
+        failed = [] if all(valid_list) else [i for i, ok in enumerate(valid_list) if not ok]
         rows = self._rows
         logprobs: list = [None] * len(rows)
         token_logprobs: list = [None] * len(rows)
