@@ -68,6 +68,10 @@ ARCHITECTURES = {
         num_key_value_heads=4, kv_lora_rank=24, q_lora_rank=None, qk_rope_head_dim=8,
         qk_nope_head_dim=16, v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1, seed=1)),
+    # Grouped KV heads named in a sub-config (attn_config.kv_n_heads), clipped QKV.
+    "dbrx": ("DbrxConfig", "DbrxForCausalLM", dict(d_model=64,
+        attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+        ffn_config=dict(ffn_hidden_size=96, moe_num_experts=4, moe_top_k=2))),
 }
 NAMES = list(ARCHITECTURES)
 

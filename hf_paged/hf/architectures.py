@@ -30,7 +30,7 @@ SUPPORTED_ARCHITECTURES = (
     "GraniteForCausalLM", "Starcoder2ForCausalLM", "MixtralForCausalLM",
     "SmolLM3ForCausalLM", "Cohere2ForCausalLM", "GPTNeoXForCausalLM", "PhiForCausalLM",
     "Glm4ForCausalLM", "Exaone4ForCausalLM", "MinistralForCausalLM",
-    "DeepseekV3ForCausalLM", "Qwen2MoeForCausalLM", "PhimoeForCausalLM",
+    "DeepseekV3ForCausalLM", "Qwen2MoeForCausalLM", "PhimoeForCausalLM", "DbrxForCausalLM",
 )
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -146,10 +146,14 @@ def kv_spec(config) -> KVSpec:
     declared = ("num_key_value_heads" in getattr(type(config), "__dataclass_fields__", {})
                 or "num_key_value_heads" in getattr(config, "attribute_map", {}))
     kv_heads = (getattr(config, "num_key_value_heads", None) if declared else None) or heads
+    # DBRX keeps its attention's settings in a sub-config.
+    kv_heads = getattr(getattr(config, "attn_config", None), "kv_n_heads", None) or kv_heads
     if getattr(config, "multi_query", False):  # GPT-BigCode: one KV head for every query head
         kv_heads = 1
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return KVSpec(config.num_hidden_layers, kv_heads, head_dim, head_dim, False, windows)
+    # Values narrower or wider than keys without a latent (MiMo-V2-Flash).
+    v_head_dim = getattr(config, "v_head_dim", None) or head_dim
+    return KVSpec(config.num_hidden_layers, kv_heads, head_dim, v_head_dim, False, windows)
 
 
 def kv_layout(config) -> tuple[int, int, int]:

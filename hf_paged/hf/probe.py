@@ -1,5 +1,5 @@
 """Whether a model's layers really hand the paged KV to the attention: one forward of one
-token on a scratch pool, once per model class.
+token on a scratch pool, once per model class and KV layout.
 
 A class can say it uses the attention interface and still not let the paged KV through:
 a decoder layer that drops the forward's keywords before its attention (Nemotron), or an
@@ -25,7 +25,9 @@ from .architectures import attention_tp_size, kv_spec, tp_heads
 from .attention import KWARG
 from .switch import paged_attention
 
-_checked: dict[type, str | None] = {}
+# (class, KV layout) -> verdict: models of one class with different layouts (heads, head
+# sizes, windows) are probed apart.
+_checked: dict[tuple, str | None] = {}
 _lock = threading.Lock()
 
 
@@ -38,15 +40,18 @@ def route_reason(model, placement=None) -> str | None:
     numbers for dropout); its class is probed at its first call in eval mode. A probe that
     fails for another reason gives that as the reason: such a model cannot run paged.
     """
-    cls = type(model)
-    if cls in _checked:
-        return _checked[cls]
+    try:
+        key = (type(model), kv_spec(model.config), attention_tp_size(model))
+    except Exception as err:  # noqa: BLE001 - a layout that cannot be read cannot be served
+        return f"the KV layout of {type(model).__name__} cannot be read ({err})"
+    if key in _checked:
+        return _checked[key]
     if model.training:
         return None
     with _lock:
-        if cls not in _checked:
-            _checked[cls] = _probe(model, placement() if callable(placement) else placement)
-    return _checked[cls]
+        if key not in _checked:
+            _checked[key] = _probe(model, placement() if callable(placement) else placement)
+    return _checked[key]
 
 
 def _probe(model, placement: Placement | None) -> str | None:

@@ -191,3 +191,64 @@ def test_unservable_models_are_refused_by_name(kind):
                                  cache_implementation="paged", return_dict_in_generate=True)
         assert torch.equal(ref, out.sequences)
         assert not isinstance(out.past_key_values, PagedCache)
+
+
+# -- layouts read from the config ---------------------------------------------------------------
+def _ids(model, lens=(9, 5)):
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist() for n in lens]
+
+
+def _stock_and_paged(model, prompts):
+    """Per prompt: stock greedy, paged generate's and the engine's (12 tokens)."""
+    stock, paged = [], []
+    for p in prompts:
+        ids = torch.tensor([p])
+        kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                      eos_token_id=None)
+        stock.append(model.generate(ids, **kwargs)[0, len(p):].tolist())
+        paged.append(paged_run(model, inputs=ids, **kwargs)[0, len(p):].tolist())
+    llm = hf_paged.LLM(model, block_size=4, num_blocks=64)
+    engine = [o.outputs[0].token_ids for o in llm.generate(
+        prompts, hf_paged.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        use_tqdm=False)]
+    return stock, paged, engine
+
+
+def test_the_probe_judges_each_kv_layout_of_a_class_apart():
+    """One class, two layouts (DBRX with one KV head per query head, then grouped): the
+    second is probed and served on its own layout, not on the first one's verdict."""
+    mha = make_arch("dbrx", attn_config=dict(kv_n_heads=4, rope_theta=10000.0, clip_qkv=8.0))
+    gqa = make_arch("dbrx")
+    assert kv_spec(mha.config).num_kv_heads == 4 and kv_spec(gqa.config).num_kv_heads == 2
+    for model in (mha, gqa):
+        assert route_reason(model) is None
+        stock, paged, engine = _stock_and_paged(model, _ids(model))
+        assert paged == stock and engine == stock
+
+
+def test_values_of_their_own_size_without_a_latent():
+    """MiMo-V2-Flash's values are narrower than its keys (v_head_dim) with no latent KV: the
+    pool holds each at its size. (Its real layer pattern, whose sliding layers have twice
+    the KV heads, is refused: one pool holds one head count.)"""
+    import transformers as t
+
+    kwargs = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, v_head_dim=8,
+                  n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                  n_group=1, topk_group=1, sliding_window=6, pad_token_id=0, eos_token_id=1,
+                  bos_token_id=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    full = t.MiMoV2FlashForCausalLM(t.MiMoV2FlashConfig(
+        **kwargs, layer_types=["full_attention"] * 2)).eval()
+    with torch.no_grad():
+        full.lm_head.weight.mul_(8.0)
+    spec = kv_spec(full.config)
+    assert (spec.head_dim, spec.v_head_dim, spec.latent) == (16, 8, False)
+    stock, paged, engine = _stock_and_paged(full, _ids(full))
+    assert paged == stock and engine == stock
+    mixed = t.MiMoV2FlashForCausalLM(t.MiMoV2FlashConfig(
+        **kwargs, layer_types=["full_attention", "sliding_attention"])).eval()
+    assert "MiMoV2FlashForCausalLM" in (route_reason(mixed) or "")
+    with pytest.raises(hf_paged.UnsupportedModelError, match="MiMoV2FlashForCausalLM"):
+        hf_paged.LLM(mixed)
