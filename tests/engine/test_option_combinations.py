@@ -49,6 +49,14 @@ def stock(name: str, prompts, max_tokens):
     return _stock[key]
 
 
+def greedy_but_one(count: int, first: int, at: int, seeded: SamplingParams):
+    """Greedy params of `first`, `first` + 1, ... tokens, row `at` sampling as `seeded`."""
+    params = [SamplingParams(temperature=0, max_tokens=first + i, ignore_eos=True)
+              for i in range(count)]
+    params[at] = seeded
+    return params
+
+
 def repetitive_prompts(seed: int, count: int, shared: list[int] | None = None):
     """Prompts repeating a span (prompt lookup proposes), every other one after `shared`."""
     rng = random.Random(seed)
@@ -227,9 +235,8 @@ def test_int8_kv_with_speculation_async_and_preemption(name):
     swaps, and with async scheduling under recomputation."""
     model = model_of(name)
     prompts = repetitive_prompts(5, 7, shared=[5, 6, 7, 8, 9, 10, 11])
-    params = [SamplingParams(temperature=0, max_tokens=6 + i, ignore_eos=True)
-              for i in range(len(prompts))]
-    params[1] = SamplingParams(n=2, temperature=0.9, seed=7, max_tokens=9, ignore_eos=True)
+    params = greedy_but_one(len(prompts), 6, 1, SamplingParams(
+        n=2, temperature=0.9, seed=7, max_tokens=9, ignore_eos=True))
     max_tokens = [p.max_tokens for p in params]
     common = dict(block_size=4, max_num_seqs=6, max_num_batched_tokens=16, admission_headroom=0,
                   kv_cache_dtype="int8")
@@ -260,9 +267,8 @@ def traced(monkeypatch):
 def test_decode_graphs_with_speculation_or_async_and_int8(traced, options):
     model = model_of("mistral_sw")
     prompts = repetitive_prompts(6, 7)
-    params = [SamplingParams(temperature=0, max_tokens=5 + i, ignore_eos=True)
-              for i in range(len(prompts))]
-    params[2] = SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=8, logprobs=1)
+    params = greedy_but_one(len(prompts), 5, 2, SamplingParams(
+        n=2, temperature=0.8, seed=3, max_tokens=8, logprobs=1))
     common = dict(block_size=4, max_num_seqs=6, max_num_batched_tokens=16, admission_headroom=0,
                   num_blocks=24, **options)
     arrivals = [i % 3 for i in range(len(prompts))]
@@ -282,9 +288,8 @@ def test_draft_model_on_a_hybrid_target_with_forks_and_swaps():
     n > 1 and a pool that swaps: greedy equals stock, sampling equals no speculation."""
     model, draft = model_of("gemma3"), model_of("mistral_sw")
     prompts = repetitive_prompts(8, 6)
-    params = [SamplingParams(temperature=0, max_tokens=6 + i, ignore_eos=True)
-              for i in range(len(prompts))]
-    params[3] = SamplingParams(n=3, temperature=0.8, seed=9, max_tokens=8, ignore_eos=True)
+    params = greedy_but_one(len(prompts), 6, 3, SamplingParams(
+        n=3, temperature=0.8, seed=9, max_tokens=8, ignore_eos=True))
     max_tokens = [p.max_tokens for p in params]
     common = dict(block_size=4, max_num_seqs=6, max_num_batched_tokens=16, admission_headroom=0,
                   preemption_mode="swap")
@@ -306,9 +311,8 @@ def test_compiled_forward_with_speculation_int8_swaps_and_sampling():
     verification rows, 8-bit reads, swaps and seeded n > 1: the eager engine's tokens."""
     model = model_of("mistral_sw")
     prompts = repetitive_prompts(9, 6, shared=[4, 5, 6, 7, 8])
-    params = [SamplingParams(temperature=0, max_tokens=5 + i, ignore_eos=True)
-              for i in range(len(prompts))]
-    params[1] = SamplingParams(n=2, temperature=0.8, seed=5, max_tokens=8, logprobs=1)
+    params = greedy_but_one(len(prompts), 5, 1, SamplingParams(
+        n=2, temperature=0.8, seed=5, max_tokens=8, logprobs=1))
     common = dict(block_size=4, num_blocks=14, max_num_seqs=5, max_num_batched_tokens=16,
                   admission_headroom=0, preemption_mode="swap", kv_cache_dtype="int8",
                   speculative_config=NGRAM)
