@@ -89,12 +89,12 @@ def corpus() -> bytes:
     return text
 
 
-def train_text_model(text: bytes, steps: int):
-    model = llama(128, 2, 2, 256, max_len=1024)  # head dim 64
+def train_text_model(text: bytes, steps: int, seed: int = 0):
+    model = llama(128, 2, 2, 256, seed=seed, max_len=1024)  # head dim 64
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     data = torch.tensor(list(text), dtype=torch.long)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     start = time.perf_counter()
     with torch.enable_grad():
         for _ in range(steps):
@@ -105,15 +105,16 @@ def train_text_model(text: bytes, steps: int):
             loss.backward()
             opt.step()
     print(f"accuracy: a byte-level Llama (hidden 128, 2 layers, head dim 64) trained "
-          f"{steps} steps in {time.perf_counter() - start:.0f} s, loss {loss.item():.2f}",
+          f"{steps} steps (seed {seed}) in {time.perf_counter() - start:.0f} s, loss "
+          f"{loss.item():.2f}",
           flush=True)
     return model.eval().to(torch.bfloat16)
 
 
-def accuracy(rows, quick, steps=None):
+def accuracy(rows, quick, steps=None, seed=0):
     text = corpus()
     split = int(len(text) * 0.9)
-    model = train_text_model(text[:split], steps or (150 if quick else 400))
+    model = train_text_model(text[:split], steps or (150 if quick else 400), seed)
     held = text[split:]
     rng = random.Random(1)
     starts = [rng.randrange(0, len(held) - 600) for _ in range(16 if quick else 48)]
@@ -142,7 +143,7 @@ def accuracy(rows, quick, steps=None):
         agree = sum(sum(a == b for a, b in zip(t, r)) for t, r in zip(tokens, base_tokens))
         agree_gen = sum(sum(a == b for a, b in zip(t, r)) for t, r in zip(gen, base_gen))
         total = 32 * len(prompts)
-        row = dict(section="accuracy", kv_cache_dtype=kind,
+        row = dict(section="accuracy", seed=seed, kv_cache_dtype=kind,
                    engine_greedy_agreement=round(agree / total, 4),
                    generate_greedy_agreement=round(agree_gen / total, 4),
                    perplexity=round(ppl, 4), perplexity_rise=round(ppl / base_ppl - 1, 4))
@@ -160,13 +161,26 @@ def main(argv=None):
                         help="training steps of the accuracy model (400; --quick: 150)")
     parser.add_argument("--accuracy-only", action="store_true",
                         help="skip the capacity section")
+    parser.add_argument("--seeds", default="0",
+                        help="comma-separated seeds of the accuracy model's weights and "
+                             "batches: one model trained per seed (0)")
     args = parser.parse_args(argv)
     assert set(KINDS[1:]) <= set(KV_CACHE_DTYPES)
     rows: list[dict] = []
     print(f"threads {torch.get_num_threads()}", flush=True)
     if not args.accuracy_only:
         capacity(rows, args.quick)
-    accuracy(rows, args.quick, args.train_steps)
+    seeds = [int(x) for x in args.seeds.split(",")]
+    for seed in seeds:
+        accuracy(rows, args.quick, args.train_steps, seed)
+    if len(seeds) > 1:
+        for kind in KINDS[1:]:
+            mine = [r for r in rows if r.get("kv_cache_dtype") == kind]
+            each = [r["engine_greedy_agreement"] for r in mine]
+            worst = max(r["perplexity_rise"] for r in mine)
+            print(f"  {kind:9s} over seeds {args.seeds}: mean engine agreement "
+                  f"{sum(each) / len(each):.3f} (each: {', '.join(f'{a:.3f}' for a in each)}), "
+                  f"largest perplexity rise {100 * worst:+.2f}%", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=2))
 

@@ -13,6 +13,7 @@ from transformers import LlamaForCausalLM
 
 import hf_paged
 from hf_paged import HFPagedError, PagedCache
+from hf_paged.hf import probe
 from conftest import assert_same, both, left_padded_batch, make_model
 
 MODES = {
@@ -100,7 +101,10 @@ def test_prefix_tuning_that_the_cache_cannot_hold_runs_stock_with_a_warning():
 
 
 @pytest.mark.parametrize("kind", ["llama_gqa", "falcon_mq"])
-def test_mixed_adapter_batch(kind):
+def test_mixed_adapter_batch(kind, monkeypatch):
+    # The route probe then first runs inside PEFT's generate, whose hooks hand every LoRA
+    # layer the batch's adapter names: it must not trip on them (whatever ran before).
+    monkeypatch.setattr(probe, "_checked", {})
     lora = dict(task_type=TaskType.CAUSAL_LM, r=4, target_modules="all-linear",
                 init_lora_weights=False)
     model = get_peft_model(make_model(kind), LoraConfig(**lora), adapter_name="a")

@@ -12,6 +12,7 @@ name, before any real request runs.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -71,7 +72,7 @@ def _probe(model, placement: Placement | None) -> str | None:
     paged_kv = access.forward(metas[0], group_metas=metas)
     ids = torch.zeros(1, 1, dtype=torch.long, device=device)
     try:
-        with torch.no_grad(), paged_attention(model):
+        with torch.no_grad(), paged_attention(model), _without_call_hooks(model):
             model(input_ids=ids, position_ids=torch.zeros_like(ids), past_key_values=paged_kv,
                   use_cache=True, **{KWARG: paged_kv})
     except PagedRouteError as err:
@@ -81,3 +82,23 @@ def _probe(model, placement: Placement | None) -> str | None:
         return (f"a one-token forward of {type(model).__name__} on the paged cache failed "
                 f"({type(err).__name__}: {err})")
     return None
+
+
+@contextlib.contextmanager
+def _without_call_hooks(model):
+    """Forward pre-hooks that rewrite a call's keywords are set aside during the probe: they
+    belong to the call that is running (PEFT's mixed-adapter batches give every LoRA layer
+    the batch's `adapter_names`, one per row, which a one-token probe does not have)."""
+    parked = []
+    for module in model.modules():
+        hooks = module._forward_pre_hooks
+        if any(i in module._forward_pre_hooks_with_kwargs for i in hooks):
+            parked.append((module, dict(hooks)))  # (restored in their order)
+            for i in [i for i in hooks if i in module._forward_pre_hooks_with_kwargs]:
+                del hooks[i]
+    try:
+        yield
+    finally:
+        for module, hooks in parked:
+            module._forward_pre_hooks.clear()
+            module._forward_pre_hooks.update(hooks)
