@@ -10,6 +10,7 @@
    engine and for `generate()`.
 
 Run: python benchmarks/bench_kv_quant.py [--quick]
+     python benchmarks/bench_kv_quant.py --accuracy-only --seeds 0,1,2   # three models
 """
 
 from __future__ import annotations
