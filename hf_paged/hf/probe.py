@@ -41,10 +41,8 @@ def route_reason(model, placement=None) -> str | None:
     numbers for dropout); its class is probed at its first call in eval mode. A probe that
     fails for another reason gives that as the reason: such a model cannot run paged.
     """
-    try:
-        key = (type(model), kv_spec(model.config), attention_tp_size(model))
-    except Exception as err:  # noqa: BLE001 - a layout that cannot be read cannot be served
-        return f"the KV layout of {type(model).__name__} cannot be read ({err})"
+    # (Callers ask `unsupported_reason` first, which refuses a layout kv_spec cannot read.)
+    key = (type(model), kv_spec(model.config), attention_tp_size(model))
     if key in _checked:
         return _checked[key]
     if model.training:
