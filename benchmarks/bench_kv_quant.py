@@ -2,7 +2,8 @@
 
 1. Capacity: blocks in the same `kv_cache_bytes`, and the sequences that run at once on a
    long-context workload (prompts of 1,500 to 2,000 tokens) with that budget, with the
-   engine's throughput (a random Llama, head dim 64, bfloat16).
+   engine's throughput (a random Llama, head dim 64, bfloat16); and the largest batch of
+   long prompts `generate()` runs with a pool of the same bytes (`max_kv_bytes`).
 2. Accuracy: a byte-level Llama trained here for a few seconds on text found on this
    machine (Python's own sources), run in bfloat16: greedy agreement with bfloat16 KV over
    the first 32 tokens of each request, and the perplexity of held-out text (from the
@@ -77,6 +78,44 @@ def capacity(rows, quick):
               f"{row['bytes_per_token']} B/token, at most {peak} running "
               f"(x{row['running_x']:.2f}), {row['preemptions']} preemptions, "
               f"{seconds:.1f} s", flush=True)
+    generate_capacity(rows, model, budget, quick)
+
+
+def generate_capacity(rows, model, budget, quick):
+    """generate() with a pool of `budget` bytes: the largest batch of equal long prompts it
+    runs (one row more raises KVCacheExhaustedError, before anything is written)."""
+    length, new = (1000 if quick else 1500), 16
+    print(f"capacity of generate(): {budget / 2**20:.0f} MiB of KV, batches of "
+          f"{length}-token prompts, {new} new tokens each:", flush=True)
+    base = None
+    for kind in KINDS:
+        config = {"kv_cache_dtype": kind, "max_kv_bytes": budget}
+
+        def run(size):  # -> the cache's stats, or None when the pool ran out
+            ids = torch.randint(3, 1000, (size, length),
+                                generator=torch.Generator().manual_seed(size))
+            cache = hf_paged.PagedCache(model.config, config)
+            try:
+                model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                               min_new_tokens=new, do_sample=False, pad_token_id=0,
+                               past_key_values=cache)
+            except hf_paged.KVCacheExhaustedError:
+                return None
+            return cache.memory_stats()
+
+        stats = run(1)  # the pool's size in blocks, as generate() sized it
+        blocks = stats.num_blocks
+        batch = blocks // -(-(length + new) // stats.block_size)
+        fits = {size: run(size) is not None for size in (batch, batch + 1)}
+        largest = max(k for k, ok in fits.items() if ok) if any(fits.values()) else 0
+        base = base or largest
+        row = dict(section="generate_capacity", kv_cache_dtype=kind, blocks=blocks,
+                   largest_batch=largest, batch_x=round(largest / base, 2),
+                   one_more_fails=not fits[batch + 1])
+        rows.append(row)
+        print(f"  {kind:9s} {blocks:5d} blocks, largest batch {largest} "
+              f"(x{row['batch_x']:.2f}; one more row: "
+              f"{'KVCacheExhaustedError' if row['one_more_fails'] else 'ran'})", flush=True)
 
 
 def corpus() -> bytes:
