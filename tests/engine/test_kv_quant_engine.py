@@ -38,6 +38,33 @@ def test_twice_the_blocks_in_the_same_bytes(kind):
     assert small.pool.nbytes <= budget
 
 
+
+def test_generate_runs_twice_the_rows_in_the_same_bytes():
+    """generate() with a pool of fixed bytes: 1.9x the blocks in int8, and a batch that
+    fits there but not in bfloat16 runs; one row past the pool is a named error that leaves
+    the pool whole for the next call."""
+    model = head64()
+    length, new = 60, 4  # 4 blocks of 16 per row
+
+    def run(kind, rows):
+        cache = hf_paged.PagedCache(model.config, {"kv_cache_dtype": kind,
+                                                   "max_kv_bytes": 24 * 2**10 * 8})
+        ids = torch.randint(3, VOCAB, (rows, length), generator=torch.Generator().manual_seed(1))
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                       min_new_tokens=new, do_sample=False, pad_token_id=0,
+                       past_key_values=cache)
+        return cache.memory_stats()
+
+    plain = run("auto", 1).num_blocks  # 12 blocks of 16 KiB (int8: 23)
+    small = run("int8", 1).num_blocks
+    assert small >= 1.9 * plain
+    with pytest.raises(hf_paged.KVCacheExhaustedError):
+        run("auto", plain // 4 + 1)
+    assert run("int8", small // 4).blocks_in_use == small // 4 * 4
+    with pytest.raises(hf_paged.KVCacheExhaustedError):
+        run("int8", small // 4 + 1)
+    assert run("int8", 2).blocks_in_use == 8  # the pool, shared per model, is whole again
+
 def test_pool_copies_are_bit_exact():
     pool = KVPool(2, 2, 16, 4, 6, torch.float32, torch.device("cpu"), growable=True,
                   kv_dtype=torch.float8_e4m3fn)
