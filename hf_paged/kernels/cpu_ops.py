@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from ..errors import CpuKernelsUnavailable
 from .cuda_ops import source_dir
+from .library import define
 
 SOURCES = ("cpu_paged_attention.cpp", "cpu_sampling.cpp", "cpu_ops_binding.cpp")
 logger = logging.getLogger("hf_paged")
@@ -82,7 +83,13 @@ def load():
         raise CpuKernelsUnavailable(f"hf-paged CPU kernels failed to build: {err}") from err
 
 
-@torch.library.custom_op("hf_paged::cpu_decode", mutates_args=())
+def _like_query(query, *args) -> torch.Tensor:
+    return torch.empty_like(query)
+
+
+@define("cpu_decode", "(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, float scale, int window, float softcap, Tensor? alibi_slopes, "
+        "Tensor? sinks) -> Tensor", _like_query)
 def decode_op(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, window: int,
               softcap: float, alibi_slopes: torch.Tensor | None,
@@ -91,12 +98,6 @@ def decode_op(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     compiled forward traces it (and runs the same kernel as an eager one)."""
     return load().decode(query, k_cache, v_cache, block_tables, seq_lens, scale, window,
                          softcap, alibi_slopes, sinks)
-
-
-@decode_op.register_fake
-def _(query, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, alibi_slopes,
-      sinks):
-    return torch.empty_like(query)
 
 
 def decode(query, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap,

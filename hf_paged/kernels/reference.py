@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from ..kv.pool import split_layer
 from ..kv.quant import dequantize, is_quantized, quantize
+from .library import define
 
 
 def write_kv(
@@ -36,7 +37,12 @@ def write_kv(
             cache.index_put_((slot_mapping // bs, slot_mapping % bs), new)
 
 
-@torch.library.custom_op("hf_paged::write_layer_kv", mutates_args=("kv",))
+def _no_outputs(*args) -> None:
+    return None
+
+
+@define("write_layer_kv", "(Tensor(a!) kv, int index, Tensor key, Tensor value, "
+        "Tensor slot_mapping, int split, ScalarType? kv_dtype) -> ()", _no_outputs)
 def write_layer_kv(kv: torch.Tensor, index: int, key: torch.Tensor, value: torch.Tensor,
                    slot_mapping: torch.Tensor, split: int,
                    kv_dtype: torch.dtype | None) -> None:
@@ -47,11 +53,6 @@ def write_layer_kv(kv: torch.Tensor, index: int, key: torch.Tensor, value: torch
     layer's whole pool every step, where this op is kept in place."""
     k_cache, v_cache = split_layer(kv[index], split, kv_dtype)
     write_kv(k_cache, v_cache, key, value, slot_mapping)
-
-
-@write_layer_kv.register_fake
-def _(kv, index, key, value, slot_mapping, split, kv_dtype) -> None:
-    return None
 
 
 def copy_blocks(kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
