@@ -78,6 +78,36 @@ inline float8 sum8(const float8* v) {
 #undef HF_PAGED_SHUFFLE
 }
 
+// out[u] = q . keys[u] for eight keys: eight independent accumulators, one query load per
+// eight products (one accumulator chained over the head size waits on each multiply-add;
+// at head size 128 that latency was most of the kernel's time).
+inline void dot8(const float* __restrict q, const float* const* keys, int64_t n,
+                 float* __restrict out) {
+  float8 acc[8] = {};
+  int64_t d = 0;
+  for (; d + 8 <= n; d += 8) {
+    const float8 qv = load8(q + d);
+    for (int u = 0; u < 8; ++u) acc[u] += qv * load8(keys[u] + d);
+  }
+  const float8 sums = sum8(acc);
+  for (int u = 0; u < 8; ++u) {
+    float s = sums[u];
+    for (int64_t i = d; i < n; ++i) s += q[i] * keys[u][i];
+    out[u] = s;
+  }
+}
+
+// a += sum over u of p[u] * x[u], four rows at once: one load and store of `a` per four.
+inline void axpy4(float* __restrict a, const float* p, const float* const* x, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    float8 v = load8(a + i) + p[0] * load8(x[0] + i) + p[1] * load8(x[1] + i) +
+               p[2] * load8(x[2] + i) + p[3] * load8(x[3] + i);
+    std::memcpy(a + i, &v, sizeof(v));
+  }
+  for (; i < n; ++i) a[i] += p[0] * x[0][i] + p[1] * x[1][i] + p[2] * x[2][i] + p[3] * x[3][i];
+}
+
 // a += p * x over n floats.
 inline void axpy(float* __restrict a, float p, const float* __restrict x, int64_t n) {
   int64_t i = 0;
@@ -105,6 +135,15 @@ inline const float* as_float(const C* x, float* buffer, int64_t n) {
     std::memcpy(&scale, x + n, sizeof(scale));
     const float s = static_cast<float>(scale);
     for (int64_t i = 0; i < n; ++i) buffer[i] = static_cast<float>(x[i]) * s;
+    return buffer;
+  } else if constexpr (std::is_same<C, c10::BFloat16>::value) {
+    // A bfloat16 is a float32's upper half: a shift the compiler vectorizes (the
+    // element-wise conversion is a call per value).
+    const uint16_t* bits = reinterpret_cast<const uint16_t*>(x);
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t word = static_cast<uint32_t>(bits[i]) << 16;
+      std::memcpy(buffer + i, &word, sizeof(word));
+    }
     return buffer;
   } else {
     for (int64_t i = 0; i < n; ++i) buffer[i] = static_cast<float>(x[i]);
@@ -140,7 +179,8 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& k_cache,
   const int64_t jobs_per_row = (kv_heads + span - 1) / span;
   at::parallel_for(0, rows * jobs_per_row, 1, [&](int64_t begin, int64_t end) {
     const int64_t most = span * group;  // query heads of a job
-    std::vector<float> q(most * dim), acc(most * dim), row(dim), scores, top(most), total(most);
+    std::vector<float> q(most * dim), acc(most * dim), kbuf(8 * dim), scores, top(most),
+        total(most);
     for (int64_t job = begin; job < end; ++job) {
       const int64_t r = job / jobs_per_row, h0 = (job % jobs_per_row) * span;
       const int64_t h1 = std::min(kv_heads, h0 + span), n = lens[r];
@@ -154,20 +194,14 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& k_cache,
         top[j] = sinks != nullptr ? sinks[qh0 + j] : -INFINITY;
       }
       scores.resize(qheads * count);
-      // fn(i, t, j0, x): token i (position t) of KV head h, as float32 x; its query heads
-      // are j0 .. j0 + group of the job's.
-      // Block by block: one table read per block, no division per token; from the job's
-      // token `from` on.
-      auto each_head = [&](const C* base, int64_t sb, int64_t st, int64_t sh, auto&& fn,
-                           int64_t from = 0) {
-        for (int64_t t = first + from, b = t / bs; t < n; ++b) {
-          const C* block = base + table[b] * sb;
-          for (const int64_t end = std::min(n, (b + 1) * bs); t < end; ++t) {
-            const C* token = block + (t - b * bs) * st;
-            for (int64_t h = h0; h < h1; ++h) {
-              fn(t - first, t, (h - h0) * group, as_float(token + h * sh, row.data(), dim));
-            }
-          }
+      // Token i's pool row (its K or V heads of one view) for i in [i0, i0 + m): one
+      // division per tile, then block by block.
+      auto tile_rows = [&](const C* base, int64_t sb, int64_t st, int64_t i0, int64_t m,
+                           const C** rows_out) {
+        int64_t t = first + i0, b = t / bs, off = t - b * bs;
+        for (int64_t u = 0; u < m; ++u) {
+          rows_out[u] = base + table[b] * sb + off * st;
+          if (++off == bs) off = 0, ++b;
         }
       };
       // Query head j's score of token i (position t), from its dot product with the key.
@@ -178,38 +212,27 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& k_cache,
         scores[j * count + i] = s;
         top[j] = std::max(top[j], s);
       };
-      int64_t done = 0;
-      if constexpr (std::is_same<C, float>::value) {
-        // Eight tokens at a time: their eight products are summed lane-wise into one
-        // vector (sum8), one horizontal sum per eight dot products instead of per one;
-        // at small head sizes those sums were most of the work.
-        if (dim % 8 == 0) {
-          const float* token[8];
-          for (; done + 8 <= count; done += 8) {
-            for (int u = 0; u < 8; ++u) {
-              const int64_t t = first + done + u;
-              token[u] = k_ptr + table[t / bs] * kb + (t % bs) * kt;
+      const C* tokens[8];
+      const float* heads8[8];
+      for (int64_t i0 = 0; i0 < count; i0 += 8) {  // keys, eight tokens at a time
+        const int64_t m = std::min<int64_t>(8, count - i0);
+        tile_rows(k_ptr, kb, kt, i0, m, tokens);
+        for (int64_t h = h0; h < h1; ++h) {
+          for (int64_t u = 0; u < m; ++u) {
+            heads8[u] = as_float(tokens[u] + h * kh, kbuf.data() + u * dim, dim);
+          }
+          for (int64_t j = (h - h0) * group; j < (h - h0 + 1) * group; ++j) {
+            const float* qj = q.data() + j * dim;
+            float s[8];
+            if (m == 8) {
+              dot8(qj, heads8, dim, s);
+            } else {
+              for (int64_t u = 0; u < m; ++u) s[u] = dot(qj, heads8[u], dim);
             }
-            for (int64_t h = h0; h < h1; ++h) {
-              for (int64_t j = (h - h0) * group; j < (h - h0 + 1) * group; ++j) {
-                const float* qj = q.data() + j * dim;
-                float8 products[8];
-                for (int u = 0; u < 8; ++u) {
-                  const float* key = token[u] + h * kh;
-                  float8 acc = load8(qj) * load8(key);
-                  for (int64_t d = 8; d < dim; d += 8) acc += load8(qj + d) * load8(key + d);
-                  products[u] = acc;
-                }
-                const float8 sums = sum8(products);
-                for (int u = 0; u < 8; ++u) score(j, done + u, first + done + u, sums[u]);
-              }
-            }
+            for (int64_t u = 0; u < m; ++u) score(j, i0 + u, first + i0 + u, s[u]);
           }
         }
       }
-      each_head(k_ptr, kb, kt, kh, [&](int64_t i, int64_t t, int64_t j0, const float* kf) {
-        for (int64_t j = j0; j < j0 + group; ++j) score(j, i, t, dot(q.data() + j * dim, kf, dim));
-      }, done);
       for (int64_t j = 0; j < qheads; ++j) {
         float sum = sinks != nullptr ? std::exp(sinks[qh0 + j] - top[j]) : 0.f;
         float* s = scores.data() + j * count;
@@ -222,12 +245,23 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& k_cache,
         total[j] = sum;
       }
       std::fill(acc.begin(), acc.begin() + qheads * dim, 0.f);
-      each_head(v_ptr, vb, vt, vh, [&](int64_t i, int64_t, int64_t j0, const float* vf) {
-        for (int64_t j = j0; j < j0 + group; ++j) {
-          const float p = scores[j * count + i];
-          axpy(acc.data() + j * dim, p, vf, dim);
+      for (int64_t i0 = 0; i0 < count; i0 += 4) {  // values, four tokens at a time
+        const int64_t m = std::min<int64_t>(4, count - i0);
+        tile_rows(v_ptr, vb, vt, i0, m, tokens);
+        for (int64_t h = h0; h < h1; ++h) {
+          for (int64_t u = 0; u < m; ++u) {
+            heads8[u] = as_float(tokens[u] + h * vh, kbuf.data() + u * dim, dim);
+          }
+          for (int64_t j = (h - h0) * group; j < (h - h0 + 1) * group; ++j) {
+            const float* p = scores.data() + j * count + i0;
+            if (m == 4) {
+              axpy4(acc.data() + j * dim, p, heads8, dim);
+            } else {
+              for (int64_t u = 0; u < m; ++u) axpy(acc.data() + j * dim, p[u], heads8[u], dim);
+            }
+          }
         }
-      });
+      }
       for (int64_t j = 0; j < qheads; ++j) {
         const float inv = total[j] > 0.f ? 1.f / total[j] : 0.f;
         T* dst = o_ptr + (r * heads + qh0 + j) * dim;
