@@ -13,7 +13,8 @@ a tiny random model (hidden size 64, two layers, vocabulary 128) and compares st
   b  refused with a reason (UnsupportedModelError, or generate's fallback warning)
   c  wrong tokens
   d  any other failure (an exception, a request error, a crash or a timeout)
-  e  the tiny config could not be built, or stock generate itself fails
+  e  the tiny config could not be built, or stock generate itself fails (or the child was
+     killed or timed out before stock generate finished: BLT's defaults take >20 GB to build)
 One JSON line per model goes to --out (or stdout); a summary table follows at the end.
 """
 
@@ -32,6 +33,7 @@ from collections import defaultdict
 VOCAB, PAD, EOS, BOS = 128, 0, 1, 2
 PROMPT_LENS, NEW_TOKENS = (9, 5), 12
 RESULT_PREFIX = "SWEEP_RESULT "
+STOCK_DONE = "SWEEP_STOCK_DONE"  # the child built the model and ran stock generate
 UNSET = object()  # an override value that removes the base setting
 
 BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -182,6 +184,7 @@ def run_one(model_type):
     except Exception as e:
         return dict(rec, **{"class": "e", "error": error(e), "traceback": traceback.format_exc()[-1500:]})
     rec.update(stock_batch=stock_batch, stock_single=stock_single)
+    print(STOCK_DONE, flush=True)
     wrong, failed = [], []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -232,15 +235,22 @@ def run_child(model_type, timeout):
     start = time.time()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"model_type": model_type, "class": "d", "problems": [f"timed out after {timeout} s"]}
-    lines = [l for l in proc.stdout.splitlines() if l.startswith(RESULT_PREFIX)]
+        stdout, stderr, ended = proc.stdout, proc.stderr, f"exited {proc.returncode}"
+    except subprocess.TimeoutExpired as e:
+        stdout, stderr, ended = e.stdout or "", e.stderr or "", f"timed out after {timeout} s"
+        stdout, stderr = (x.decode(errors="replace") if isinstance(x, bytes) else x
+                          for x in (stdout, stderr))
+    lines = [l for l in stdout.splitlines() if l.startswith(RESULT_PREFIX)]
     if lines:
         rec = json.loads(lines[-1][len(RESULT_PREFIX):])
-    else:
-        rec = {"model_type": model_type, "class": "d",
-               "problems": [f"child exited {proc.returncode} without a result"],
-               "stderr": proc.stderr[-1500:]}
+    else:  # killed (out of memory, say) or timed out: whose fault depends on how far it got
+        stock_ran = STOCK_DONE in stdout.splitlines()
+        rec = {"model_type": model_type, "class": "d" if stock_ran else "e",
+               "problems": [f"child {ended} without a result, "
+                            + ("after stock generate" if stock_ran
+                               else "before stock generate finished (building the tiny model "
+                                    "or stock generate)")],
+               "stderr": stderr[-1500:]}
     rec["seconds"] = round(time.time() - start, 1)
     return rec
 
