@@ -194,14 +194,25 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& k_cache,
         top[j] = sinks != nullptr ? sinks[qh0 + j] : -INFINITY;
       }
       scores.resize(qheads * count);
-      // Token i's pool row (its K or V heads of one view) for i in [i0, i0 + m): one
-      // division per tile, then block by block.
-      auto tile_rows = [&](const C* base, int64_t sb, int64_t st, int64_t i0, int64_t m,
-                           const C** rows_out) {
-        int64_t t = first + i0, b = t / bs, off = t - b * bs;
-        for (int64_t u = 0; u < m; ++u) {
-          rows_out[u] = base + table[b] * sb + off * st;
-          if (++off == bs) off = 0, ++b;
+      // fn(i0, m, h): tokens i0 .. i0 + m (m <= tile) of KV head h of one view, as float32
+      // rows heads8[0 .. m). Rows are found block by block: one division per tile.
+      const C* tokens[8];
+      const float* heads8[8];
+      auto each_tile = [&](const C* base, int64_t sb, int64_t st, int64_t sh, int64_t tile,
+                           auto&& fn) {
+        for (int64_t i0 = 0; i0 < count; i0 += tile) {
+          const int64_t m = std::min<int64_t>(tile, count - i0);
+          int64_t t = first + i0, b = t / bs, off = t - b * bs;
+          for (int64_t u = 0; u < m; ++u) {
+            tokens[u] = base + table[b] * sb + off * st;
+            if (++off == bs) off = 0, ++b;
+          }
+          for (int64_t h = h0; h < h1; ++h) {
+            for (int64_t u = 0; u < m; ++u) {
+              heads8[u] = as_float(tokens[u] + h * sh, kbuf.data() + u * dim, dim);
+            }
+            fn(i0, m, h);
+          }
         }
       };
       // Query head j's score of token i (position t), from its dot product with the key.
@@ -212,27 +223,18 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& k_cache,
         scores[j * count + i] = s;
         top[j] = std::max(top[j], s);
       };
-      const C* tokens[8];
-      const float* heads8[8];
-      for (int64_t i0 = 0; i0 < count; i0 += 8) {  // keys, eight tokens at a time
-        const int64_t m = std::min<int64_t>(8, count - i0);
-        tile_rows(k_ptr, kb, kt, i0, m, tokens);
-        for (int64_t h = h0; h < h1; ++h) {
-          for (int64_t u = 0; u < m; ++u) {
-            heads8[u] = as_float(tokens[u] + h * kh, kbuf.data() + u * dim, dim);
+      each_tile(k_ptr, kb, kt, kh, 8, [&](int64_t i0, int64_t m, int64_t h) {  // keys
+        for (int64_t j = (h - h0) * group; j < (h - h0 + 1) * group; ++j) {
+          const float* qj = q.data() + j * dim;
+          float s[8];
+          if (m == 8) {
+            dot8(qj, heads8, dim, s);
+          } else {
+            for (int64_t u = 0; u < m; ++u) s[u] = dot(qj, heads8[u], dim);
           }
-          for (int64_t j = (h - h0) * group; j < (h - h0 + 1) * group; ++j) {
-            const float* qj = q.data() + j * dim;
-            float s[8];
-            if (m == 8) {
-              dot8(qj, heads8, dim, s);
-            } else {
-              for (int64_t u = 0; u < m; ++u) s[u] = dot(qj, heads8[u], dim);
-            }
-            for (int64_t u = 0; u < m; ++u) score(j, i0 + u, first + i0 + u, s[u]);
-          }
+          for (int64_t u = 0; u < m; ++u) score(j, i0 + u, first + i0 + u, s[u]);
         }
-      }
+      });
       for (int64_t j = 0; j < qheads; ++j) {
         float sum = sinks != nullptr ? std::exp(sinks[qh0 + j] - top[j]) : 0.f;
         float* s = scores.data() + j * count;
@@ -245,23 +247,16 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& k_cache,
         total[j] = sum;
       }
       std::fill(acc.begin(), acc.begin() + qheads * dim, 0.f);
-      for (int64_t i0 = 0; i0 < count; i0 += 4) {  // values, four tokens at a time
-        const int64_t m = std::min<int64_t>(4, count - i0);
-        tile_rows(v_ptr, vb, vt, i0, m, tokens);
-        for (int64_t h = h0; h < h1; ++h) {
-          for (int64_t u = 0; u < m; ++u) {
-            heads8[u] = as_float(tokens[u] + h * vh, kbuf.data() + u * dim, dim);
-          }
-          for (int64_t j = (h - h0) * group; j < (h - h0 + 1) * group; ++j) {
-            const float* p = scores.data() + j * count + i0;
-            if (m == 4) {
-              axpy4(acc.data() + j * dim, p, heads8, dim);
-            } else {
-              for (int64_t u = 0; u < m; ++u) axpy(acc.data() + j * dim, p[u], heads8[u], dim);
-            }
+      each_tile(v_ptr, vb, vt, vh, 4, [&](int64_t i0, int64_t m, int64_t h) {  // values
+        for (int64_t j = (h - h0) * group; j < (h - h0 + 1) * group; ++j) {
+          const float* p = scores.data() + j * count + i0;
+          if (m == 4) {
+            axpy4(acc.data() + j * dim, p, heads8, dim);
+          } else {
+            for (int64_t u = 0; u < m; ++u) axpy(acc.data() + j * dim, p[u], heads8[u], dim);
           }
         }
-      }
+      });
       for (int64_t j = 0; j < qheads; ++j) {
         const float inv = total[j] > 0.f ? 1.f / total[j] : 0.f;
         T* dst = o_ptr + (r * heads + qh0 + j) * dim;
