@@ -25,7 +25,9 @@ def decode(q, k, v, table, seq, scale, window=None, slopes=None, softcap=None, s
                                  slopes, sinks)
 
 
-@pytest.mark.parametrize("block_size, heads, kv_heads, head_dim", GRID + [(16, 16, 2, 80)])
+# Head sizes off the kernel's eight lanes (12, 20) take its scalar tails.
+@pytest.mark.parametrize("block_size, heads, kv_heads, head_dim",
+                         GRID + [(16, 16, 2, 80), (4, 6, 2, 12), (5, 4, 4, 20)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_equals_reference(block_size, heads, kv_heads, head_dim, dtype):
     lengths = [1, 17, 97, 250, 2]
@@ -113,25 +115,26 @@ def test_auto_takes_it_on_cpu_and_the_environment_can_turn_it_off(monkeypatch):
 
 @pytest.mark.parametrize("kind", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("window, alibi, softcap", [(None, False, None), (20, True, 4.0)])
-def test_decode_dequantizes_8bit_blocks(kind, dtype, window, alibi, softcap):
+@pytest.mark.parametrize("window, alibi, softcap, dim",
+                         [(None, False, None, 64), (20, True, 4.0, 64), (None, False, None, 12)])
+def test_decode_dequantizes_8bit_blocks(kind, dtype, window, alibi, softcap, dim):
     """8-bit pools ([NB, bs, Hkv, D + 2]: values and their bfloat16 scale) read as
     value * scale, against the reference over the dequantized values."""
     from test_kernel_features import expected
     from test_kv_quant import quantized_pool
 
-    k, v, table, seq = paged_inputs([1, 17, 97], 8, 2, 64, torch.float32, device="cpu")
+    k, v, table, seq = paged_inputs([1, 17, 97], 8, 2, dim, torch.float32, device="cpu")
     kq, vq, kf, vf = quantized_pool(k, v, kind)
-    q = torch.randn(3, 4, 64).to(dtype)
+    q = torch.randn(3, 4, dim).to(dtype)
     slopes = torch.rand(4) if alibi else None
     if softcap is None:
         ref = reference_attention(q[:, :, None], kf, vf, table, (seq - 1)[:, None], None,
-                                  0.125, window, slopes)[:, 0]
+                                  dim ** -0.5, window, slopes)[:, 0]
     else:
-        ref = expected(q[:, :, None], kf, vf, table, (seq - 1)[:, None], None, 0.125, window,
-                       softcap, None)[:, 0]
+        ref = expected(q[:, :, None], kf, vf, table, (seq - 1)[:, None], None, dim ** -0.5,
+                       window, softcap, None)[:, 0]
         slopes = None
-    out = decode(q, kq, vq, table, seq, 0.125, window, slopes, softcap=softcap)
+    out = decode(q, kq, vq, table, seq, dim ** -0.5, window, slopes, softcap=softcap)
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), ref, **TOLERANCE[dtype])
 
