@@ -151,13 +151,13 @@ def train_text_model(text: bytes, steps: int, seed: int = 0):
     return model.eval().to(torch.bfloat16)
 
 
-def accuracy(rows, quick, steps=None, seed=0, count=None):
+def accuracy(rows, quick, steps=None, seed=0, num_prompts=None):
     text = corpus()
     split = int(len(text) * 0.9)
     model = train_text_model(text[:split], steps or (150 if quick else 400), seed)
     held = text[split:]
     rng = random.Random(1)
-    starts = [rng.randrange(0, len(held) - 600) for _ in range(count or (16 if quick else 48))]
+    starts = [rng.randrange(0, len(held) - 600) for _ in range(num_prompts or (16 if quick else 48))]
     prompts = [list(held[s:s + 96]) for s in starts]
     scored = [list(held[s:s + 512]) for s in starts[:8]]
     greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
@@ -182,16 +182,16 @@ def accuracy(rows, quick, steps=None, seed=0, count=None):
     # against the paged bfloat16 pool) differ by their own rounding alone.
     stock = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32,
                            do_sample=False, pad_token_id=0, eos_token_id=None)[:, 96:].tolist()
+    total = 32 * len(prompts)
     floor = sum(sum(a == b for a, b in zip(t, r)) for t, r in zip(stock, base_tokens))
     rows.append(dict(section="accuracy", seed=seed, kv_cache_dtype="stock DynamicCache",
-                     engine_greedy_agreement=round(floor / (32 * len(prompts)), 4)))
+                     engine_greedy_agreement=round(floor / total, 4)))
     print(f"  stock Transformers (DynamicCache, bfloat16) agrees with the paged bfloat16 "
-          f"pool on {floor / (32 * len(prompts)):.3f}", flush=True)
+          f"pool on {floor / total:.3f}", flush=True)
     for kind in KINDS:
         tokens, ppl, gen = results[kind]
         agree = sum(sum(a == b for a, b in zip(t, r)) for t, r in zip(tokens, base_tokens))
         agree_gen = sum(sum(a == b for a, b in zip(t, r)) for t, r in zip(gen, base_gen))
-        total = 32 * len(prompts)
         row = dict(section="accuracy", seed=seed, kv_cache_dtype=kind,
                    engine_greedy_agreement=round(agree / total, 4),
                    generate_greedy_agreement=round(agree_gen / total, 4),

@@ -136,15 +136,6 @@ inline const float* as_float(const C* x, float* buffer, int64_t n) {
     const float s = static_cast<float>(scale);
     for (int64_t i = 0; i < n; ++i) buffer[i] = static_cast<float>(x[i]) * s;
     return buffer;
-  } else if constexpr (std::is_same<C, c10::BFloat16>::value) {
-    // A bfloat16 is a float32's upper half: a shift the compiler vectorizes (the
-    // element-wise conversion is a call per value).
-    const uint16_t* bits = reinterpret_cast<const uint16_t*>(x);
-    for (int64_t i = 0; i < n; ++i) {
-      const uint32_t word = static_cast<uint32_t>(bits[i]) << 16;
-      std::memcpy(buffer + i, &word, sizeof(word));
-    }
-    return buffer;
   } else {
     for (int64_t i = 0; i < n; ++i) buffer[i] = static_cast<float>(x[i]);
     return buffer;
