@@ -81,20 +81,18 @@ inline float8 sum8(const float8* v) {
 // out[u] = q . keys[u] for eight keys: eight independent accumulators, one query load per
 // eight products (one accumulator chained over the head size waits on each multiply-add;
 // at head size 128 that latency was most of the kernel's time).
-inline void dot8(const float* __restrict q, const float* const* keys, int64_t n,
-                 float* __restrict out) {
+inline float8 dot8(const float* __restrict q, const float* const* keys, int64_t n) {
   float8 acc[8] = {};
   int64_t d = 0;
   for (; d + 8 <= n; d += 8) {
     const float8 qv = load8(q + d);
     for (int u = 0; u < 8; ++u) acc[u] += qv * load8(keys[u] + d);
   }
-  const float8 sums = sum8(acc);
-  for (int u = 0; u < 8; ++u) {
-    float s = sums[u];
-    for (int64_t i = d; i < n; ++i) s += q[i] * keys[u][i];
-    out[u] = s;
+  float8 sums = sum8(acc);
+  for (int64_t i = d; i < n; ++i) {
+    for (int u = 0; u < 8; ++u) sums[u] += q[i] * keys[u][i];
   }
+  return sums;
 }
 
 // a += sum over u of p[u] * x[u], four rows at once: one load and store of `a` per four.
@@ -108,6 +106,24 @@ inline void axpy4(float* __restrict a, const float* p, const float* const* x, in
   for (; i < n; ++i) a[i] += p[0] * x[0][i] + p[1] * x[1][i] + p[2] * x[2][i] + p[3] * x[3][i];
 }
 
+// a += sum over u of p[u] * x[u], eight rows at once (two chains of four products).
+inline void axpy8(float* __restrict a, const float* p, const float* const* x, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const float8 lo = p[0] * load8(x[0] + i) + p[1] * load8(x[1] + i) +
+                      p[2] * load8(x[2] + i) + p[3] * load8(x[3] + i);
+    const float8 hi = p[4] * load8(x[4] + i) + p[5] * load8(x[5] + i) +
+                      p[6] * load8(x[6] + i) + p[7] * load8(x[7] + i);
+    const float8 v = load8(a + i) + (lo + hi);
+    std::memcpy(a + i, &v, sizeof(v));
+  }
+  for (; i < n; ++i) {
+    float lo = 0.f, hi = 0.f;
+    for (int u = 0; u < 4; ++u) lo += p[u] * x[u][i], hi += p[u + 4] * x[u + 4][i];
+    a[i] += lo + hi;
+  }
+}
+
 // a += p * x over n floats.
 inline void axpy(float* __restrict a, float p, const float* __restrict x, int64_t n) {
   int64_t i = 0;
@@ -116,6 +132,54 @@ inline void axpy(float* __restrict a, float p, const float* __restrict x, int64_
     std::memcpy(a + i, &v, sizeof(v));
   }
   for (; i < n; ++i) a[i] += p * x[i];
+}
+
+// exp(x) for x <= 0 (a softmax's shifted scores), on eight lanes or one (the same steps,
+// so a score's weight does not depend on its lane): x = n ln2 + r with |r| <= ln2 / 2, e^r
+// from its degree-6 Taylor-like polynomial (minimax coefficients), times 2^n built in the
+// exponent bits. Relative error about 2e-7; below -87 (2^n a denormal) it returns 0. libm's
+// expf is one call per score: at head sizes of 16 to 64 it was most of the kernel's time.
+template <typename V, typename I>
+inline V exp_nonpositive(V x) {
+  const V big = V{} + 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
+  V n = x * 1.44269504f + big;
+  n = n - big;
+  V r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  V p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  I bits;
+  if constexpr (std::is_same<V, float>::value) {
+    bits = (static_cast<I>(n) + 127) << 23;
+  } else {
+    bits = (__builtin_convertvector(n, I) + 127) << 23;
+  }
+  V scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x < -87.f ? V{} : p * scale;  // (lane by lane on vectors)
+}
+
+// s[i] = exp(s[i] - m) for i < n; returns their sum (lanes summed in a fixed order).
+inline float exp_shifted(float* s, int64_t n, float m) {
+  typedef int32_t int8x __attribute__((vector_size(32)));
+  float8 total = {};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const float8 e = exp_nonpositive<float8, int8x>(load8(s + i) - m);
+    std::memcpy(s + i, &e, sizeof(e));
+    total += e;
+  }
+  float sum = ((total[0] + total[1]) + (total[2] + total[3])) +
+              ((total[4] + total[5]) + (total[6] + total[7]));
+  for (; i < n; ++i) {
+    s[i] = exp_nonpositive<float, int32_t>(s[i] - m);
+    sum += s[i];
+  }
+  return sum;
 }
 
 template <typename C>
@@ -160,6 +224,7 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& k_cache,
   const int64_t vb = v_cache.stride(0), vt = v_cache.stride(1), vh = v_cache.stride(2);
   const int64_t table_stride = block_tables.stride(0);
   const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
+  const bool plain = cap <= 0.f && slopes == nullptr;  // a score is the scaled dot product
 
   // A job is a row and a run of `span` KV heads: per token it reads those heads' keys (and
   // later values) as one contiguous run, which is how the pool lays them out. Rows are
@@ -172,6 +237,7 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& k_cache,
     const int64_t most = span * group;  // query heads of a job
     std::vector<float> q(most * dim), acc(most * dim), kbuf(8 * dim), scores, top(most),
         total(most);
+    std::vector<float8> tops(most);  // per query head, the running maximum of its lanes
     for (int64_t job = begin; job < end; ++job) {
       const int64_t r = job / jobs_per_row, h0 = (job % jobs_per_row) * span;
       const int64_t h1 = std::min(kv_heads, h0 + span), n = lens[r];
@@ -183,6 +249,7 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& k_cache,
         const T* src = q_ptr + (r * heads + qh0 + j) * dim;
         for (int64_t d = 0; d < dim; ++d) q[j * dim + d] = static_cast<float>(src[d]);
         top[j] = sinks != nullptr ? sinks[qh0 + j] : -INFINITY;
+        tops[j] = float8{} - INFINITY;
       }
       scores.resize(qheads * count);
       // fn(i0, m, h): tokens i0 .. i0 + m (m <= tile) of KV head h of one view, as float32
@@ -217,32 +284,34 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& k_cache,
       each_tile(k_ptr, kb, kt, kh, 8, [&](int64_t i0, int64_t m, int64_t h) {  // keys
         for (int64_t j = (h - h0) * group; j < (h - h0 + 1) * group; ++j) {
           const float* qj = q.data() + j * dim;
-          float s[8];
-          if (m == 8) {
-            dot8(qj, heads8, dim, s);
+          if (m == 8 && plain) {  // eight scores at once, their maximum kept per lane
+            const float8 s = dot8(qj, heads8, dim) * fscale;
+            std::memcpy(scores.data() + j * count + i0, &s, sizeof(s));
+            tops[j] = s > tops[j] ? s : tops[j];
+          } else if (m == 8) {
+            const float8 s = dot8(qj, heads8, dim);
+            for (int64_t u = 0; u < 8; ++u) score(j, i0 + u, first + i0 + u, s[u]);
           } else {
-            for (int64_t u = 0; u < m; ++u) s[u] = dot(qj, heads8[u], dim);
+            for (int64_t u = 0; u < m; ++u) {
+              score(j, i0 + u, first + i0 + u, dot(qj, heads8[u], dim));
+            }
           }
-          for (int64_t u = 0; u < m; ++u) score(j, i0 + u, first + i0 + u, s[u]);
         }
       });
       for (int64_t j = 0; j < qheads; ++j) {
-        float sum = sinks != nullptr ? std::exp(sinks[qh0 + j] - top[j]) : 0.f;
-        float* s = scores.data() + j * count;
-        const float m = top[j];
-#pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < count; ++i) {
-          s[i] = std::exp(s[i] - m);
-          sum += s[i];
-        }
-        total[j] = sum;
+        for (int u = 0; u < 8; ++u) top[j] = std::max(top[j], tops[j][u]);
+        const float sink = sinks != nullptr ? std::exp(sinks[qh0 + j] - top[j]) : 0.f;
+        total[j] = sink + exp_shifted(scores.data() + j * count, count, top[j]);
       }
       std::fill(acc.begin(), acc.begin() + qheads * dim, 0.f);
-      each_tile(v_ptr, vb, vt, vh, 4, [&](int64_t i0, int64_t m, int64_t h) {  // values
+      each_tile(v_ptr, vb, vt, vh, 8, [&](int64_t i0, int64_t m, int64_t h) {  // values
         for (int64_t j = (h - h0) * group; j < (h - h0 + 1) * group; ++j) {
           const float* p = scores.data() + j * count + i0;
-          if (m == 4) {
+          if (m == 8) {
+            axpy8(acc.data() + j * dim, p, heads8, dim);
+          } else if (m >= 4) {
             axpy4(acc.data() + j * dim, p, heads8, dim);
+            for (int64_t u = 4; u < m; ++u) axpy(acc.data() + j * dim, p[u], heads8[u], dim);
           } else {
             for (int64_t u = 0; u < m; ++u) axpy(acc.data() + j * dim, p[u], heads8[u], dim);
           }

@@ -42,6 +42,20 @@ def test_decode_equals_reference(block_size, heads, kv_heads, head_dim, dtype):
     torch.testing.assert_close(out.float(), ref, **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("spread", [30.0, 400.0])
+def test_decode_sharp_softmax_equals_reference(spread):
+    """Scores hundreds apart: the kernel's own exp, on eight lanes and on the tails, takes
+    weights down to e^-87 and drops those below (their float32 value is 0 or a denormal)."""
+    lengths = [9, 61, 200, 8, 1]
+    k, v, table, seq = paged_inputs(lengths, 16, 2, 32, torch.float32, seed=3, device="cpu")
+    q = torch.randn(len(lengths), 4, 32) * spread
+    ref = reference_attention(q[:, :, None], k, v, table, (seq - 1)[:, None], None,
+                              32 ** -0.5, None, None)[:, 0]
+    out = decode(q, k, v, table, seq, 32 ** -0.5)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, **TOLERANCE[torch.float32])
+
+
 @pytest.mark.parametrize("window, alibi", [(5, False), (None, True), (40, True), (1, False)])
 def test_decode_window_and_alibi(window, alibi):
     k, v, table, seq = paged_inputs([3, 97, 50], 8, 2, 64, torch.float32, seed=1, device="cpu")
