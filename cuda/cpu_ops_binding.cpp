@@ -1,5 +1,6 @@
-// The CPU extension's Python module: the decode attention (cpu_paged_attention.cpp) and
-// the greedy argmax (cpu_sampling.cpp), built together by hf_paged/kernels/cpu_ops.py.
+// The CPU extension's Python module: the decode attention (cpu_paged_attention.cpp), the
+// pool write (cpu_cache_ops.cpp) and the greedy argmax (cpu_sampling.cpp), built together
+// by hf_paged/kernels/cpu_ops.py.
 
 #include <torch/extension.h>
 
@@ -10,9 +11,12 @@ torch::Tensor cpu_decode(torch::Tensor query, torch::Tensor k_cache, torch::Tens
                          int64_t window, double softcap,
                          c10::optional<torch::Tensor> alibi_slopes,
                          c10::optional<torch::Tensor> sinks);
+void cpu_write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor key,
+                  torch::Tensor value, torch::Tensor slot_mapping);
 std::tuple<torch::Tensor, torch::Tensor> cpu_greedy(torch::Tensor logits);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode", &cpu_decode, "Decode attention read from the paged pool (CPU)");
+  m.def("write_kv", &cpu_write_kv, "New keys and values into the paged pool (CPU)");
   m.def("greedy", &cpu_greedy, "Each row's first maximum and whether it is finite (CPU)");
 }

@@ -104,7 +104,8 @@ class CudaBackend(Backend):
 class CpuBackend(Backend):
     """The CPU C++ decode kernel (`cuda/cpu_paged_attention.cpp`): one new token per row,
     read from the pool where it lies (no gathered copy; 8-bit blocks dequantized as read);
-    rows with more (prefill, extend), writes and copies go through the PyTorch reference."""
+    rows with more (prefill, extend) and copies go through the PyTorch reference, writes
+    through the native one (`cuda/cpu_cache_ops.cpp`) where it applies."""
 
     name = "cpu"
     capabilities = Capabilities(softcap=True, sinks=True, devices=("cpu",), kv_dtypes=KINDS)
@@ -114,10 +115,11 @@ class CpuBackend(Backend):
 
         cpu_ops.load()
         self._decode = cpu_ops.decode
+        self._write = cpu_ops.write_kv
         self._reference = TorchBackend()
 
     def write_kv(self, k_cache, v_cache, key, value, slot_mapping):
-        reference.write_kv(k_cache, v_cache, key, value, slot_mapping)
+        self._write(k_cache, v_cache, key, value, slot_mapping)
 
     def copy_blocks(self, kv, src, dst):
         reference.copy_blocks(kv, src, dst)

@@ -1,5 +1,6 @@
 """The CPU C++ kernels, built on first use and cached: the decode attention
-(`cuda/cpu_paged_attention.cpp`) and the sampler's greedy argmax (`cuda/cpu_sampling.cpp`).
+(`cuda/cpu_paged_attention.cpp`), the pool write (`cuda/cpu_cache_ops.cpp`) and the
+sampler's greedy argmax (`cuda/cpu_sampling.cpp`).
 
 Building needs a C++ compiler and ninja (`pip install ninja`); `load()` raises
 `CpuKernelsUnavailable` saying what is missing, and `available()` answers without raising
@@ -21,9 +22,11 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from ..errors import CpuKernelsUnavailable
 from .cuda_ops import source_dir
+from . import reference
 from .library import define
 
-SOURCES = ("cpu_paged_attention.cpp", "cpu_sampling.cpp", "cpu_ops_binding.cpp")
+SOURCES = ("cpu_paged_attention.cpp", "cpu_cache_ops.cpp", "cpu_sampling.cpp",
+           "cpu_ops_binding.cpp")
 logger = logging.getLogger("hf_paged")
 
 
@@ -53,7 +56,7 @@ def _machine() -> str:
 
 
 # -fopenmp: at::parallel_for is OpenMP pragmas in ATen's headers (without it the kernel
-# runs on one thread); -fno-math-errno lets the softmax's exp loop use vector exp.
+# runs on one thread); -fno-math-errno: libm calls (tanh) need not set errno.
 CFLAGS = ["-O3", "-march=native", "-std=c++17", "-fopenmp", "-fno-math-errno"]
 
 
@@ -110,6 +113,20 @@ def decode(query, k_cache, v_cache, block_tables, seq_lens, scale, window, softc
                          softcap, alibi_slopes, sinks)
     return load().decode(query, k_cache, v_cache, block_tables, seq_lens, scale, window,
                          softcap, alibi_slopes, sinks)
+
+
+def write_kv(k_cache, v_cache, key, value, slot_mapping) -> None:
+    """`reference.write_kv` in one native call, where it applies: caches and new tokens of
+    one floating dtype (8-bit pools quantize through the reference), each head contiguous,
+    outside traced code (which must see the write's ops: a compiled forward writes through
+    its own op, a CPU stand-in for a CUDA graph records aten ops)."""
+    if (key.dtype == k_cache.dtype == value.dtype == v_cache.dtype and key.element_size() > 1
+            and k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and key.stride(2) == 1
+            and value.stride(2) == 1 and not torch.compiler.is_compiling()
+            and not is_in_torch_dispatch_mode()):
+        load().write_kv(k_cache, v_cache, key, value, slot_mapping)
+    else:
+        reference.write_kv(k_cache, v_cache, key, value, slot_mapping)
 
 
 def build_error() -> str | None:

@@ -16,6 +16,7 @@ from typing import Sequence
 
 import torch
 
+from ..errors import HFPagedError
 from ..utils import cdiv
 
 
@@ -34,13 +35,18 @@ def to_device(values, device: torch.device) -> torch.Tensor:
 class DeviceBlockTable:
     """Device mirror of `BlockTables` (or of `GroupedTables`' groups): block ids
     [G * R, cols] int32, group g's rows at g * R .. (g + 1) * R, and the rows' real lengths
-    [R] int64 (the same in every group)."""
+    [R] int64 (the same in every group).
+
+    host_mirror: also keep the ids as host lists (`host[g * R + r]`, row r of group g), for
+    metadata built on the host; such a table takes entries only (no `fork`)."""
 
     # The table is written in place; it is made outside inference mode so that a cache
     # started under torch.inference_mode() can continue under no_grad, and back.
-    def __init__(self, num_rows: int, num_cols: int, device: torch.device, num_groups: int = 1):
+    def __init__(self, num_rows: int, num_cols: int, device: torch.device, num_groups: int = 1,
+                 host_mirror: bool = False):
         self.device = device
         self.num_groups = num_groups
+        self.host = [[] for _ in range(num_groups * num_rows)] if host_mirror else None
         with torch.inference_mode(False):
             self.table = torch.zeros(num_groups * num_rows, max(num_cols, 1), dtype=torch.int32,
                                      device=device)
@@ -72,10 +78,18 @@ class DeviceBlockTable:
         self.ensure_cols(max(e[1] for e in entries) + 1)
         rows, cols, blocks = to_device(entries, self.device).T
         self.table[rows, cols] = blocks.to(torch.int32)
+        if self.host is not None:
+            for row, col, block in entries:
+                ids = self.host[row]
+                if col >= len(ids):
+                    ids.extend([0] * (col + 1 - len(ids)))
+                ids[col] = block
 
     def fork(self, src_rows: torch.Tensor) -> None:
         """Row i becomes old row src_rows[i] in every group (device-side mirror of
         `BlockTables.fork_rows`)."""
+        if self.host is not None:
+            raise HFPagedError("a block table mirrored on the host takes entries only")
         src_rows = src_rows.to(self.device)
         index = src_rows
         if self.num_groups > 1:

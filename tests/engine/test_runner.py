@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from conftest import make_model
 from hf_paged import LLMEngine, SamplingParams
 from hf_paged.engine import ModelRunner
+from hf_paged.errors import HFPagedError
 from hf_paged.hf.switch import paged_attention
+from hf_paged.kv.metadata import DeviceBlockTable, build_metadata
+from zoo import make_arch
 
 
 def _decode_inputs(engine):
@@ -59,3 +63,58 @@ def test_a_runner_alone_runs_the_engines_steps():
     (logits,) = worker.execute(sent[0])
     assert logits.shape == (1, model.config.vocab_size)
     torch.testing.assert_close(worker.pool.layer_kv(0), engine.pool.layer_kv(0))
+
+
+def _same_metadata(host_built, reference):
+    for name in ("block_tables", "block_tables_i32", "context_lens", "seq_lens", "query_pos",
+                 "slot_mapping"):
+        assert torch.equal(getattr(host_built, name), getattr(reference, name)), name
+    for name in ("is_query", "token_index", "max_seq_len", "num_new", "packed",
+                 "seq_lens_host", "parts"):
+        assert getattr(host_built, name) == getattr(reference, name), name
+
+
+@pytest.mark.parametrize("kind", ["llama_gqa", "gemma3"])
+def test_decode_metadata_from_the_host_mirror_equals_the_device_build(kind):
+    """A decode step's slots come from the block table's host lists: for rows that crossed
+    block boundaries, were preempted and came back (new blocks in reused rows), in every KV
+    group of a hybrid model, the metadata equals `build_metadata` over the device table."""
+    model = make_arch("gemma3") if kind == "gemma3" else make_model(kind)
+    engine = LLMEngine(model, num_blocks=24, block_size=4, max_num_seqs=6,
+                       admission_headroom=0)
+    for i in range(6):
+        engine.add_request(str(i), [5 + i] * (3 + 4 * i), SamplingParams(max_tokens=12 + i,
+                                                                         ignore_eos=True))
+    runner, table, checked = engine.runner, engine.runner.device_table, []
+    own = runner.metadata
+
+    def metadata(rows, context, counts, context_t=None):  # the engine's own calls
+        metas = own(rows, context, counts, context_t)
+        if counts.count(1) == len(counts):
+            for g, meta in enumerate(metas):
+                device = table.group(g).index_select(0, torch.tensor(rows))
+                for r, ids in zip(rows, device.tolist()):
+                    host = table.host[g * runner.max_num_seqs + r]
+                    assert ids[:len(host)] == host and not any(ids[len(host):])
+                _same_metadata(meta, build_metadata(
+                    device, torch.tensor(context), counts, 1, max(context) + 1,
+                    runner.block_size, packed=True, seq_lens_host=[c + 1 for c in context]))
+                checked.append(len(rows))
+        return metas
+
+    runner.metadata = metadata
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert len(checked) > 10 and max(checked) > 1
+    assert engine.stats().num_preemptions > 0 or kind == "gemma3"  # (its windows free blocks)
+
+
+def test_a_mirrored_table_grows_and_refuses_forks():
+    table = DeviceBlockTable(3, 2, torch.device("cpu"), num_groups=2, host_mirror=True)
+    table.apply([(0, 0, 7), (4, 5, 9), (2, 1, 3)])  # row 4: group 1's row 1; column 5 grows it
+    assert table.table.shape[1] >= 6
+    for row, ids in enumerate(table.host):
+        assert ids == table.table[row, :len(ids)].tolist()
+        assert not table.table[row, len(ids):].any()
+    with pytest.raises(HFPagedError, match="takes entries only"):
+        table.fork(torch.tensor([0, 0, 1]))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_paged.kernels import cpu_ops
+from hf_paged.kernels import cpu_ops, reference
 from hf_paged.kernels.backends import CpuBackend, TorchBackend, select_backend
 from hf_paged.kv.metadata import DeviceBlockTable, build_metadata
 from test_kernels import GRID, TOLERANCE, extend_layout, paged_inputs, reference_attention
@@ -232,3 +232,52 @@ def test_greedy_serves_only_float32_rows_on_cpu():
     assert cpu_ops.greedy(x.bfloat16()) is None
     assert cpu_ops.greedy(x.t()) is None
     assert cpu_ops.greedy(x[None]) is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_native_write_equals_reference_on_strided_views(dtype):
+    """The native pool write: K and V of a layer view of a whole pool [L, 2, NB, bs, H, D],
+    new tokens as the transposed [N, H, D] views a layer's projections give; every slot
+    equals the reference's write, every other slot is untouched."""
+    pool = torch.randn(2, 2, 9, 4, 3, 8).to(dtype)
+    expected = pool.clone()
+    key = torch.randn(1, 3, 6, 8).to(dtype).transpose(1, 2)[0]  # [6, 3, 8], strided
+    value = torch.randn(1, 3, 6, 8).to(dtype).transpose(1, 2)[0]
+    slots = torch.tensor([0, 5, 35, 17, 18, 3])
+    reference.write_kv(expected[1, 0], expected[1, 1], key, value, slots)
+    cpu_ops.write_kv(pool[1, 0], pool[1, 1], key, value, slots)
+    assert torch.equal(pool, expected)
+
+
+def test_native_write_checks_every_slot_before_writing():
+    pool = torch.zeros(2, 5, 4, 2, 8)
+    key = value = torch.ones(3, 2, 8)
+    with pytest.raises(RuntimeError, match="slot 20 of token 2 is outside the pool's 20 slots"):
+        cpu_ops.load().write_kv(pool[0], pool[1], key, value, torch.tensor([1, 2, 20]))
+    assert not pool.any()  # nothing written
+    with pytest.raises(RuntimeError, match="the new tokens must have the cache's dtype"):
+        cpu_ops.load().write_kv(pool[0], pool[1], key.double(), value, torch.tensor([1, 2, 3]))
+
+
+def test_native_write_leaves_8bit_pools_and_traces_to_the_reference():
+    """An 8-bit pool quantizes through the reference; under a make_fx trace the write is
+    aten ops the trace records (a CPU stand-in for a CUDA graph replays them)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from hf_paged.kv.quant import dequantize
+
+    pool = torch.zeros(2, 6, 4, 2, 10, dtype=torch.int8)
+    key, value = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    slots = torch.tensor([4, 0, 9])
+    cpu_ops.write_kv(pool[0], pool[1], key, value, slots)
+    stored = dequantize(pool[0].view(-1, 2, 10)[slots], torch.int8, torch.float32)
+    torch.testing.assert_close(stored, key, rtol=0.02, atol=0.02)
+
+    cache = torch.zeros(2, 6, 4, 2, 8)
+
+    def write(k, v):
+        cpu_ops.write_kv(cache[0], cache[1], k, v, slots)
+        return cache.sum()
+
+    trace = make_fx(write)(key, value)
+    assert any("index_copy" in str(node.target) for node in trace.graph.nodes)
