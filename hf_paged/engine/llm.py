@@ -93,6 +93,9 @@ class LLM:
         ids = [f"llm-{batch}-{i}" for i in range(len(prompts))]
         results: dict[str, RequestOutput] = {}
         engine = self.engine
+        once: dict[int, SamplingParams] = {}  # a resolved copy per distinct settings object
+        params = [once.get(id(p)) or once.setdefault(id(p), (p or SamplingParams()).resolved(
+            engine.defaults)) for p in params]
         prepared = []
         for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params)):
             try:  # every request checked before any is queued

@@ -46,6 +46,7 @@ class PoolAccess:
             raise ValueError(f"the KV groups put {self.groups.slots} layers in a block; the "
                              f"pool's blocks hold {pool.num_layers}")
         self.where = self.groups.where()  # per layer: (group, slot)
+        self.layer_shards = [pool.placement.where[slot][0] for _, slot in self.where]
         self.windows = (tuple(windows) if windows is not None
                         else (None,) * self.groups.num_layers)
         self.backend_name = backend

@@ -113,8 +113,8 @@ class PagedForward(PagedLayers, Cache):
                              else [group_metas[g] for g, _ in access.where])
         self.released_blocks = released_blocks
         self._switch = access.switches()
-        # Per layer, the pool shard holding its slot.
-        self._shard = [pool.placement.where[slot][0] for _, slot in access.where]
+        self._bare = not any(self._switch)  # no shard's device to make current
+        self._shard = access.layer_shards  # per layer, the pool shard holding its slot
         if pool.placement.is_single:
             self._metas = [meta]
         else:
@@ -186,15 +186,19 @@ class PagedForward(PagedLayers, Cache):
         if meta.token_index is not None and not meta.packed:
             key = key.index_select(0, meta.token_index)
             value = value.index_select(0, meta.token_index)
-        shard = self._shard[layer_idx]
+        shard, dtype = self._shard[layer_idx], self.access.pool.dtype
+        if key.dtype != dtype or value.dtype != dtype:  # (8-bit pools quantize from it)
+            key, value = key.to(dtype), value.to(dtype)
+        if torch.compiler.is_compiling():
+            with torch.no_grad():
+                self.access.write_traced(layer_idx, key, value, meta.slot_mapping)
+            return
+        write = self.access.backends[shard].write_kv
+        if self._bare and not torch.is_grad_enabled():  # (inference: nothing to enter)
+            write(k_cache, v_cache, key, value, meta.slot_mapping)
+            return
         with torch.no_grad(), self.access.on_device(shard, self._switch):  # plain values
-            dtype = self.access.pool.dtype  # (an 8-bit pool's write quantizes from it)
-            if torch.compiler.is_compiling():
-                self.access.write_traced(layer_idx, key.to(dtype), value.to(dtype),
-                                         meta.slot_mapping)
-            else:
-                self.access.backends[shard].write_kv(k_cache, v_cache, key.to(dtype),
-                                                     value.to(dtype), meta.slot_mapping)
+            write(k_cache, v_cache, key, value, meta.slot_mapping)
 
     def attend(self, query: torch.Tensor, layer_idx: int, scale: float,
                sliding_window: int | None = None,
@@ -237,10 +241,13 @@ class PagedForward(PagedLayers, Cache):
                         f"Layer {layer_idx} changed its {which} between the cache update and "
                         "the attention (repeated, split or re-laid them out), so the attention "
                         "cannot read them from the pool's blocks.")
-                out = self._attend(query.to(pool_dtype), layer_idx, shard, scale,
-                                   sliding_window, alibi_slopes, caller_mask, softcap,
+                same = query.dtype == pool_dtype
+                out = self._attend(query if same else query.to(pool_dtype),
+                                   layer_idx, shard, scale, sliding_window, alibi_slopes,
+                                   caller_mask, softcap,
                                    None if sinks is None else sinks.to(pool_dtype))
-            out = out.to(query.dtype)
+            if out.dtype != query.dtype:
+                out = out.to(query.dtype)
         if torch.is_grad_enabled() and query.requires_grad:
             out = _NoBackward.apply(out, query)
         return out
