@@ -30,7 +30,8 @@ from ..hf.probe import route_reason
 from ..hf.register import register
 from ..hf.switch import paged_attention
 from ..kernels.dispatch import PoolAccess
-from ..kv.metadata import DeviceBlockTable, ForwardMetadata, build_metadata, to_device
+from ..kv.metadata import (DeviceBlockTable, ForwardMetadata, build_metadata,
+                           decode_metadata, to_device)
 from ..kv.placement import group_layers
 from ..kv import quant
 from ..kv.pool import KVPool, block_bytes
@@ -331,7 +332,9 @@ class ModelRunner:
         group's tables are rows g * max_num_seqs + row)."""
         device = self.kv_device
         if counts.count(1) == len(counts):  # decodes: slots from the host mirror
-            return self._decode_metadata(rows, context, context_t)
+            # (A compiled forward gets no host lengths: it would specialize on them.)
+            return decode_metadata(self.device_table, rows, context, context_t,
+                                   self.block_size, host_lengths=self.compiled is None)
         index = to_device(rows, device)
         if context_t is None or context_t.device != device:
             context_t = to_device(context, device)
@@ -344,33 +347,6 @@ class ModelRunner:
                                         self.block_size, packed=True,
                                         seq_lens_host=lens if self.compiled is None else None,
                                         split_decodes=True, uniform=self.compiled is not None))
-        return metas
-
-    def _decode_metadata(self, rows: list[int], context: list[int],
-                         context_t: torch.Tensor | None) -> list[ForwardMetadata]:
-        """`metadata` of a token per row: its slots read from the table's host lists (a
-        dozen tensor ops fewer than `build_metadata`), one copy to the device."""
-        bs, n, table = self.block_size, len(rows), self.device_table
-        lens = [c + 1 for c in context]
-        longest = max(lens)
-        cols = cdiv(longest, bs)
-        metas = []
-        for g in range(self.groups.num_groups):
-            host = table.host[g * self.max_num_seqs:] if g else table.host
-            slots = [host[r][c // bs] * bs + c % bs for r, c in zip(rows, context)]
-            packed = to_device(rows + slots + lens if g == 0 else rows + slots, self.kv_device)
-            if g == 0:
-                seq_lens = packed[2 * n:]
-                if context_t is None or context_t.device != seq_lens.device:
-                    context_t = seq_lens - 1
-            tables = table.group(g).index_select(0, packed[:n])[:, :cols]
-            metas.append(ForwardMetadata(
-                block_tables=tables.long(), block_tables_i32=tables, context_lens=context_t,
-                seq_lens=seq_lens, query_pos=context_t.unsqueeze(1), is_query=None,
-                slot_mapping=packed[n:2 * n], token_index=None, max_seq_len=longest,
-                block_size=bs, num_new=n, packed=True,
-                # A compiled forward gets no host lengths: it would specialize on them.
-                seq_lens_host=lens if self.compiled is None else None))
         return metas
 
     def forward(self, f: Forward, check=None) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Per-forward paging metadata, built once per model forward and shared by all layers.
 
 This is the contract between whoever plans a forward (generate's cache, the engine's model
-runner) and the attention backends: `build_metadata` makes it, `kernels/` reads it.
+runner) and the attention backends: `build_metadata` makes it (`decode_metadata`, a
+decode step's, from a block table's host mirror), `kernels/` reads it.
 
 The device copy of the block tables is kept in step with `BlockTables` incrementally:
 new entries are scattered in, beam reorders gather rows; nothing is rebuilt from
@@ -280,3 +281,38 @@ def build_metadata(
         seq_lens_host=seq_lens_host,
         parts=parts,
     )
+
+
+def decode_metadata(table: DeviceBlockTable, rows: list[int], context: list[int],
+                    context_t: torch.Tensor | None, block_size: int,
+                    host_lengths: bool = True) -> list[ForwardMetadata]:
+    """The packed metadata of a forward adding one token to each of `rows`, per KV group,
+    from a table kept with `host_mirror`: each row's slot is read from the host lists (a
+    dozen tensor ops fewer than `build_metadata`), slots and lengths reach the device in
+    one copy.
+
+    context: the tokens each row holds (its new token's position); context_t: the same on
+    the device, if the caller has it. host_lengths: keep `seq_lens_host`.
+    """
+    n, per_group = len(rows), table.num_rows
+    lens = [c + 1 for c in context]
+    longest = max(lens)
+    cols = cdiv(longest, block_size)
+    metas = []
+    for g in range(table.num_groups):
+        host = table.host[g * per_group:] if g else table.host
+        slots = [host[r][c // block_size] * block_size + c % block_size
+                 for r, c in zip(rows, context)]
+        packed = to_device(rows + slots + lens if g == 0 else rows + slots, table.device)
+        if g == 0:
+            seq_lens = packed[2 * n:]
+            if context_t is None or context_t.device != seq_lens.device:
+                context_t = seq_lens - 1
+        tables = table.group(g).index_select(0, packed[:n])[:, :cols]
+        metas.append(ForwardMetadata(
+            block_tables=tables.long(), block_tables_i32=tables, context_lens=context_t,
+            seq_lens=seq_lens, query_pos=context_t.unsqueeze(1), is_query=None,
+            slot_mapping=packed[n:2 * n], token_index=None, max_seq_len=longest,
+            block_size=block_size, num_new=n, packed=True,
+            seq_lens_host=lens if host_lengths else None))
+    return metas
