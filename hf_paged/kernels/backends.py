@@ -131,12 +131,16 @@ class CpuBackend(Backend):
     def attention(self, query, k_cache, v_cache, meta, scale, sliding_window=None,
                   alibi_slopes=None, caller_mask=None, softcap=None, sinks=None):
         if query.shape[2] == 1 and meta.is_query is None:
-            out = self._decode(query[:, :, 0].contiguous(), k_cache, v_cache,
-                               meta.block_tables_i32, meta.seq_lens, scale, sliding_window or 0,
-                               softcap or 0.0, alibi_slopes, sinks)
-            return out.unsqueeze(1)
+            return self.decode_packed(query[:, :, 0], k_cache, v_cache, meta, scale,
+                                      sliding_window, alibi_slopes, softcap, sinks).unsqueeze(1)
         return self._reference.attention(query, k_cache, v_cache, meta, scale, sliding_window,
                                          alibi_slopes, softcap=softcap, sinks=sinks)
+
+    def decode_packed(self, query, k_cache, v_cache, meta, scale, sliding_window=None,
+                      alibi_slopes=None, softcap=None, sinks=None):
+        return self._decode(query.contiguous(), k_cache, v_cache, meta.block_tables_i32,
+                            meta.seq_lens, scale, sliding_window or 0, softcap or 0.0,
+                            alibi_slopes, sinks)
 
 
 class FlashAttnBackend(Backend):

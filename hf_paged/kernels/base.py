@@ -92,3 +92,12 @@ class Backend(ABC):
         softcap c: scores -> c * tanh(scores / c), before masking; sinks [Hq]: per-head
         logits joining each softmax's denominator (only where declared).
         """
+
+    def decode_packed(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      meta: ForwardMetadata, scale: float, sliding_window: int | None = None,
+                      alibi_slopes: torch.Tensor | None = None, softcap: float | None = None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """A packed forward of one new token per row (row r's at r): query [N, Hq, D] ->
+        [N, Hq, Dv]. By default `attention` over the padded layout of one column."""
+        return self.attention(query.unsqueeze(2), k_cache, v_cache, meta, scale,
+                              sliding_window, alibi_slopes, softcap=softcap, sinks=sinks)[:, 0]

@@ -332,6 +332,9 @@ def _gather_packed(out: torch.Tensor, meta: ForwardMetadata) -> torch.Tensor:
 
 def _attend_packed(query, k_cache, v_cache, meta, backend, args, extra):
     """query [1, Hq, N, D], the rows' tokens back to back -> [1, N, Hq, Dv]."""
+    if meta.token_index is None and meta.query_pos.shape[1] == 1:  # a token per row
+        tokens = query[0].transpose(0, 1)  # [N, Hq, D]
+        return backend.decode_packed(tokens, k_cache, v_cache, meta, *args, **extra)[None]
     out = backend.attention(_spread_packed(query, meta), k_cache, v_cache, meta, *args,
                             **extra)
     return _gather_packed(out, meta)
