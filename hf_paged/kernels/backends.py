@@ -114,6 +114,7 @@ class CpuBackend(Backend):
         from . import cpu_ops
 
         cpu_ops.load()
+        cpu_ops.serve_traced_writes()
         self._decode = cpu_ops.decode
         self._write = cpu_ops.write_kv
         self._reference = TorchBackend()

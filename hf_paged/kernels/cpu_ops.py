@@ -23,7 +23,8 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 from ..errors import CpuKernelsUnavailable
 from .cuda_ops import source_dir
 from . import reference
-from .library import define
+from ..kv.pool import split_layer
+from .library import define, impl_on
 
 SOURCES = ("cpu_paged_attention.cpp", "cpu_cache_ops.cpp", "cpu_sampling.cpp",
            "cpu_ops_binding.cpp")
@@ -127,6 +128,18 @@ def write_kv(k_cache, v_cache, key, value, slot_mapping) -> None:
         load().write_kv(k_cache, v_cache, key, value, slot_mapping)
     else:
         reference.write_kv(k_cache, v_cache, key, value, slot_mapping)
+
+
+@functools.lru_cache(maxsize=1)
+def serve_traced_writes() -> None:
+    """A compiled forward writes the pool through `hf_paged::write_layer_kv`; from now on
+    that op takes the native write on CPU tensors too (`write_kv`: where it applies)."""
+    impl_on("write_layer_kv", "CPU", _write_layer_kv)
+
+
+def _write_layer_kv(kv, index, key, value, slot_mapping, split, kv_dtype) -> None:
+    """`reference.write_layer_kv` on CPU."""
+    write_kv(*split_layer(kv[index], split, kv_dtype), key, value, slot_mapping)
 
 
 def build_error() -> str | None:

@@ -29,3 +29,9 @@ def define(name: str, schema: str, fake: Callable) -> Callable[[Callable], Calla
         return getattr(torch.ops.hf_paged, name).default
 
     return register
+
+
+def impl_on(name: str, device: str, kernel: Callable) -> None:
+    """Runs `kernel` for `hf_paged::<name>` on tensors of `device` ("CPU", "CUDA"): a
+    device's kernel wins over the one `define` registers for every device."""
+    _LIBRARY.impl(name, kernel, device)

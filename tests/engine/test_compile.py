@@ -250,3 +250,22 @@ def test_requests_naming_lora_adapters_run_eagerly_in_a_compiled_engine():
         assert all(done[str(i)].error is None for i in range(4))
         results.append([done[str(i)].outputs[0].token_ids for i in range(4)])
     assert results[0] == results[1]
+
+
+def test_the_compiled_forward_guards_its_inputs_not_the_weights():
+    """The guards a compiled forward re-checks every call leave out the model's parameters
+    and buffers (tensors the engine holds for its life; an adapter change is refused under
+    compile) and keep everything else: inputs, metadata, modules, attributes, globals."""
+    from types import SimpleNamespace
+
+    from hf_paged.engine.runner import _not_on_weights
+
+    names = ["L['self']._modules['model']._modules['norm']._parameters['weight']",
+             "L['self']._modules['model']._modules['rotary_emb']._buffers['inv_freq']",
+             "L['kwargs']['input_ids']",
+             "L['kwargs']['past_key_values'].meta.seq_lens",
+             "L['self']._modules['model']._modules['layers']._modules['0']._modules['mlp']",
+             "L['self']._modules['model']._modules['norm'].variance_epsilon",
+             "G['__import_torch'].compiler"]
+    kept = _not_on_weights([SimpleNamespace(name=n) for n in names])
+    assert kept == [False, False, True, True, True, True, True]

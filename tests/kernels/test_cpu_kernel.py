@@ -281,3 +281,23 @@ def test_native_write_leaves_8bit_pools_and_traces_to_the_reference():
 
     trace = make_fx(write)(key, value)
     assert any("index_copy" in str(node.target) for node in trace.graph.nodes)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8])
+def test_the_compiled_forwards_write_op_takes_the_native_write_on_cpu(kv_dtype):
+    """`hf_paged::write_layer_kv` (what a compiled forward calls) on a CPU pool shard, once
+    the CPU backend registered its kernel: the reference's result, the other layer
+    untouched; an 8-bit shard still quantizes through the reference."""
+    from hf_paged.kv.pool import split_layer
+
+    CpuBackend()  # registers the op's CPU kernel
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("hf_paged::write_layer_kv", "CPU")
+    dtype = torch.int8 if kv_dtype else torch.float32
+    shard = torch.zeros(2, 2, 5, 4, 2, 10 if kv_dtype else 8).to(dtype)
+    expected = shard.clone()
+    key = torch.randn(1, 2, 3, 8).transpose(1, 2)[0]  # [3, 2, 8], strided
+    value = torch.randn(3, 2, 8)
+    slots = torch.tensor([7, 0, 19])
+    torch.ops.hf_paged.write_layer_kv(shard, 1, key, value, slots, 0, kv_dtype)
+    reference.write_kv(*split_layer(expected[1], 0, kv_dtype), key, value, slots)
+    assert torch.equal(shard, expected) and shard[1].any() and not shard[0].any()
