@@ -108,7 +108,7 @@ def paged_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
-    mask: torch.Tensor,
+    mask: torch.Tensor | None,
     scale: float,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
     softcap: float | None = None,
@@ -118,6 +118,7 @@ def paged_attention(
 
     query [R, Hq, q, D], mask [R, 1, q, T] bool or [R, Hq, q, T] float bias (see `key_mask`)
     -> out [R, q, Hq, Dv]. Covers decode (q = 1), prefill and extend (q > 1) alike.
+    mask None: query column j is position j of its row and sees keys 0..j (see `attend`).
     workspace: optional buffers [>= R * nb, bs, Hkv, D] for the gathered K and V.
     softcap, sinks: see `attend`.
     """
@@ -144,13 +145,15 @@ def attend(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    mask: torch.Tensor,
+    mask: torch.Tensor | None,
     scale: float,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Masked attention over gathered keys: query [R, Hq, q, D], key [R, Hkv, T, D], value
     [R, Hkv, T, Dv], mask as in `paged_attention` -> out [R, q, Hq, Dv].
+    mask None: causal from the first key (query j sees keys 0..j, T >= q), which SDPA's
+    kernels compute without the scores above the diagonal (neither softcap nor sinks).
 
     softcap c: scores become c * tanh(scores / c) before masking (Gemma 2).
     sinks [Hq]: a per-head logit that joins each softmax's denominator and adds no value
@@ -160,8 +163,10 @@ def attend(
         # Traced head counts are symbolic; GQA's broadcast is exact for equal counts too.
         gqa = True if torch.compiler.is_compiling() else query.shape[1] != key.shape[1]
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
-                                             enable_gqa=gqa)
+                                             is_causal=mask is None, enable_gqa=gqa)
         return out.transpose(1, 2)
+    if mask is None:
+        raise ValueError("Causal attention without a mask takes neither softcap nor sinks.")
     group = query.shape[1] // key.shape[1]
     if group > 1:
         key = key.repeat_interleave(group, dim=1)

@@ -44,10 +44,6 @@ class TorchBackend(Backend):
         caller_mask: a caller's 4D mask over columns (see `caller_mask_on_slots`), used
         instead of the causal / sliding-window mask, as SDPA uses it.
         """
-        if caller_mask is not None:
-            mask = caller_mask_on_slots(meta, caller_mask)
-        else:
-            mask = attention_mask(meta, sliding_window, alibi_slopes)
         workspace = None
         # A compiled forward plans its own buffers; one captured in a CUDA graph must not
         # keep a buffer that eager forwards later replace (the graph would write freed memory).
@@ -55,6 +51,16 @@ class TorchBackend(Backend):
             blocks = meta.block_tables.numel()
             workspace = (self._gather_workspace(blocks, reference.as_stored(k_cache), 0),
                          self._gather_workspace(blocks, reference.as_stored(v_cache), 1))
+        if (query.shape[2] > 1 and caller_mask is None and alibi_slopes is None
+                and softcap is None and sinks is None and workspace is not None):
+            split = causal_rows(meta, sliding_window)
+            if split is not None:
+                return self._causal(query, k_cache, v_cache, meta, scale, sliding_window,
+                                    workspace, split)
+        if caller_mask is not None:
+            mask = caller_mask_on_slots(meta, caller_mask)
+        else:
+            mask = attention_mask(meta, sliding_window, alibi_slopes)
         groups = length_groups(meta) if query.shape[2] == 1 and caller_mask is None else None
         if groups is not None:  # decode rows of very different lengths: gather each bucket
             out = query.new_empty(query.shape[0], 1, query.shape[1],
@@ -71,6 +77,36 @@ class TorchBackend(Backend):
                                         scale, workspace, softcap, sinks)
         if meta.is_query is not None:  # padding columns: zeros, as the kernels give
             out = out.masked_fill(~meta.is_query[:, :, None, None], 0.0)
+        return out
+
+    def _causal(self, query, k_cache, v_cache, meta, scale, sliding_window, workspace,
+                split) -> torch.Tensor:
+        """`attention` of a forward with rows that start their sequences (`causal_rows`):
+        those, left-aligned in buckets of similar lengths, causally without a mask; the
+        others with theirs. The padded layout in and out; padding columns are zeros."""
+        buckets, others = split
+        rows, heads, q_len, dim = query.shape
+        out = query.new_zeros(rows * q_len, heads, reference.value_dim(v_cache))
+        for index, cols, src, dest in buckets:
+            part = query.index_select(0, index)
+            part = part.gather(2, cols[:, None, :, None].expand(-1, heads, -1, dim))
+            blocks = cdiv(cols.shape[1], meta.block_size)
+            done = reference.paged_attention(part, k_cache, v_cache,
+                                             meta.block_tables.index_select(0, index)[:, :blocks],
+                                             None, scale, workspace)  # [n, L, Hq, Dv]
+            out.index_copy_(0, dest, done.reshape(-1, heads, done.shape[-1]).index_select(0, src))
+        out = out.view(rows, q_len, heads, -1)
+        if others is not None:
+            index, blocks = others
+            mask = attention_mask(meta, sliding_window).index_select(0, index)
+            done = reference.paged_attention(
+                query.index_select(0, index), k_cache, v_cache,
+                meta.block_tables.index_select(0, index)[:, :blocks],
+                mask[..., :blocks * meta.block_size], scale, workspace)
+            if meta.is_query is not None:
+                done = done.masked_fill(~meta.is_query.index_select(0, index)[:, :, None, None],
+                                        0.0)
+            out.index_copy_(0, index, done)
         return out
 
     def _gather_workspace(self, num_blocks: int, like: torch.Tensor, which: int) -> torch.Tensor:
@@ -149,6 +185,56 @@ def length_groups(meta: ForwardMetadata) -> list[tuple[torch.Tensor, int]] | Non
                       for k, rows in sorted(buckets.items())]
     meta.scratch["groups"] = groups
     return groups
+
+
+def causal_rows(meta: ForwardMetadata, sliding_window: int | None):
+    """Rows of more than one new token with nothing cached before them (fresh prompts) need
+    no mask: their query j is position j and sees keys 0..j. Bucketed by length (within
+    25%, as `length_groups`), as ([n] rows, [n, L] columns of each row's tokens in the
+    padded layout, left-aligned, the last repeated on the right; [m] of the bucket's
+    outputs and their [m] flat places in the padded output), plus (rows, block columns)
+    of the other rows or None. None when no row qualifies or the host lengths are unknown;
+    built once per forward."""
+    key = ("causal", sliding_window)
+    if key in meta.scratch:
+        return meta.scratch[key]
+    split = None
+    lens, counts = meta.seq_lens_host, meta.query_lens_host
+    if lens is not None and counts is not None and meta.key_hidden is None:
+        window = sliding_window or math.inf  # (a row no longer than it sees all its keys)
+        fresh = [r for r, (n, c) in enumerate(zip(lens, counts))
+                 if n == c > 1 and c <= window]
+        if fresh:
+            split = _causal_split(meta, fresh, lens, counts)
+    meta.scratch[key] = split
+    return split
+
+
+def _causal_split(meta: ForwardMetadata, fresh: list[int], lens: list[int],
+                  counts: list[int]):
+    device = meta.block_tables.device
+    q_len = meta.query_pos.shape[1]
+    by_size: dict[int, list[int]] = {}
+    for r in fresh:
+        by_size.setdefault(int(math.log(counts[r], 1.25)), []).append(r)
+    buckets = []
+    for _, rows in sorted(by_size.items()):
+        n = torch.tensor([counts[r] for r in rows], device=device)
+        index = torch.tensor(rows, device=device)
+        width = max(counts[r] for r in rows)
+        j = torch.arange(width, device=device)
+        cols = (q_len - n[:, None] + j).clamp_(max=q_len - 1)  # [n, L]
+        real = (j < n[:, None]).reshape(-1)
+        src = real.nonzero().squeeze(1)
+        dest = (index[:, None] * q_len + cols).reshape(-1)[src]
+        buckets.append((index, cols, src, dest))
+    fresh_set = set(fresh)
+    others = [r for r in range(len(lens)) if r not in fresh_set]
+    rest = None
+    if others:
+        rest = (torch.tensor(others, device=device),
+                max(cdiv(max(lens[r] for r in others), meta.block_size), 1))
+    return buckets, rest
 
 
 def caller_mask_on_slots(meta: ForwardMetadata, mask: torch.Tensor) -> torch.Tensor:

@@ -129,6 +129,8 @@ class ForwardMetadata:
                   column t + columns - seq_lens[r]
     seq_lens_host: seq_lens as a host list, when the builder knows it (lets the reference
                   backend group decode rows of similar lengths)
+    query_lens_host: each row's new tokens as a host list, given with seq_lens_host (rows
+                  with nothing cached before take the reference's causal path)
     parts:        for a packed forward mixing single-token rows (decodes) and longer ones
                   (prompt chunks), attention runs per part: (metadata of some rows, [n] int64
                   positions of their tokens in the packed input), so decode rows are not
@@ -152,6 +154,7 @@ class ForwardMetadata:
     key_hidden: torch.Tensor | None = None
     columns: int = 0
     seq_lens_host: list[int] | None = None
+    query_lens_host: list[int] | None = None
     parts: list | None = None
     scratch: dict = field(default_factory=dict, repr=False)
 
@@ -279,6 +282,7 @@ def build_metadata(
         key_hidden=key_hidden,
         columns=columns,
         seq_lens_host=seq_lens_host,
+        query_lens_host=None if seq_lens_host is None else list(counts),
         parts=parts,
     )
 

@@ -288,6 +288,39 @@ def test_torch_backend_length_buckets_equal_one_padded_batch(window, alibi):
     torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 20, 200])
+@pytest.mark.parametrize("ctx, new", [
+    ([0, 0, 0, 0, 0], [2, 17, 40, 3, 120]),   # prompts only, several length buckets
+    ([0, 5, 0, 30, 0], [60, 9, 1, 4, 8]),     # with chunk continuations and a 1-token row
+    ([3, 9], [5, 2]),                         # no fresh prompt: the masked path alone
+])
+def test_torch_backend_causal_prompts_equal_the_masked_batch(dtype, window, ctx, new):
+    """Rows that start their sequences attend causally without a mask, left-aligned in
+    length buckets; the others keep their mask: the same outputs as one masked batch,
+    zeros on padding columns, GQA, any sliding window (rows longer than it stay masked)."""
+    from hf_paged.kernels.backends import TorchBackend
+    from hf_paged.kernels.torch_backend import causal_rows
+    from hf_paged.metadata import DeviceBlockTable, build_metadata
+
+    lengths = [c + n for c, n in zip(ctx, new)]
+    k, v, table, seq = paged_inputs(lengths, 4, 2, 16, dtype, device="cpu")
+    dev = DeviceBlockTable(len(lengths), table.shape[1], torch.device("cpu"))
+    dev.table.copy_(table)
+    ctx_t = torch.tensor(ctx)
+    plain = build_metadata(dev, ctx_t, new, max(new), max(lengths), 4)
+    split = build_metadata(dev, ctx_t, new, max(new), max(lengths), 4, seq_lens_host=lengths)
+    fresh = any(c == 0 and n > 1 and (window is None or n <= window)
+                for c, n in zip(ctx, new))
+    assert (causal_rows(split, window) is not None) == fresh
+    assert causal_rows(plain, window) is None
+    q = torch.randn(len(lengths), 4, max(new), 16).to(dtype)
+    a = TorchBackend().attention(q, k, v, plain, 0.25, window)
+    b = TorchBackend().attention(q, k, v, split, 0.25, window)
+    assert torch.all(b[~plain.is_query] == 0)
+    torch.testing.assert_close(b.float(), a.float(), **TOLERANCE[dtype])
+
+
 def test_backend_from_environment(monkeypatch, llama):
     monkeypatch.setenv("HF_PAGED_BACKEND", "torch")
     ids, _ = left_padded_batch([5], seed=1)
