@@ -37,6 +37,7 @@ from ..kv import quant
 from ..kv.pool import KVPool, block_bytes
 from ..utils import cdiv
 from .adapters import BASE
+from .compiled import compile_forward
 from .graphs import DecodeGraphs, wants_graphs
 
 logger = logging.getLogger("hf_paged")
@@ -277,8 +278,7 @@ class ModelRunner:
             raise ValueError("compile=True runs a model on one device; this one is split "
                              "(tensor parallelism or device_map). Use compile=False.")
         backend = "inductor" if compile is True else compile
-        return torch.compile(self.model, fullgraph=True, dynamic=True, backend=backend,
-                             options={"guard_filter_fn": _not_on_weights})
+        return compile_forward(self.model, backend)
 
     def _pool_blocks(self, num_blocks, kv_cache_bytes, utilization, per_layer,
                      placement) -> int:
@@ -413,14 +413,6 @@ class ModelRunner:
     def worker_loop(self) -> None:
         """Ranks above 0: run the steps rank 0 broadcasts until it stops them."""
         tp.worker_loop(self)
-
-
-def _not_on_weights(entries) -> list[bool]:
-    """Keeps the compiled forward's guards but those on the model's parameters and buffers:
-    a few per tensor (about ten per layer), re-checked on every call, on tensors that live
-    as long as the engine. Its inputs, the modules' structure and their attributes stay
-    guarded (an adapter injected into a layer recompiles)."""
-    return ["._parameters[" not in e.name and "._buffers[" not in e.name for e in entries]
 
 
 def step_budget(runner: ModelRunner, max_num_batched_tokens: int | None,

@@ -258,7 +258,7 @@ def test_the_compiled_forward_guards_its_inputs_not_the_weights():
     compile) and keep everything else: inputs, metadata, modules, attributes, globals."""
     from types import SimpleNamespace
 
-    from hf_paged.engine.runner import _not_on_weights
+    from hf_paged.engine.compiled import not_on_weights
 
     names = ["L['self']._modules['model']._modules['norm']._parameters['weight']",
              "L['self']._modules['model']._modules['rotary_emb']._buffers['inv_freq']",
@@ -267,5 +267,29 @@ def test_the_compiled_forward_guards_its_inputs_not_the_weights():
              "L['self']._modules['model']._modules['layers']._modules['0']._modules['mlp']",
              "L['self']._modules['model']._modules['norm'].variance_epsilon",
              "G['__import_torch'].compiler"]
-    kept = _not_on_weights([SimpleNamespace(name=n) for n in names])
+    kept = not_on_weights([SimpleNamespace(name=n) for n in names])
     assert kept == [False, False, True, True, True, True, True]
+
+
+@pytest.mark.parametrize("backend", [CAPTURE, pytest.param("inductor", marks=pytest.mark.slow)])
+def test_engines_of_two_sizes_in_one_process_each_get_their_own_graphs(backend):
+    """Two compiled engines on models of one class but other widths, one after the other
+    in one process (Dynamo's cache not reset): the second must not run the first's graphs
+    (their guards leave the weights out), and both give the eager tokens."""
+    from conftest import make_model
+
+    prompts = random_prompts(5, 3, 3, 10)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    compiled_before = 0
+    for intermediate in (128, 192):  # (the same head size: only the MLP's weights differ)
+        model = make_model("llama_gqa", intermediate_size=intermediate)
+        tokens = []
+        for compile in (False, backend):
+            engine = LLMEngine(model, block_size=4, num_blocks=60, max_num_seqs=4,
+                               compile=compile)
+            done = run_engine(engine, prompts, [params] * len(prompts))
+            assert all(done[str(i)].error is None for i in range(len(prompts)))
+            tokens.append([done[str(i)].outputs[0].token_ids for i in range(len(prompts))])
+        assert tokens[0] == tokens[1]
+        assert graphs() > compiled_before  # its own graphs, not the other engine's
+        compiled_before = graphs()

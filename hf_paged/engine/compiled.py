@@ -1,0 +1,47 @@
+"""The engine's forward under torch.compile: fullgraph, dynamic token counts, and guards
+that leave the model's weights out, in a code object of the model's own."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import types
+import weakref
+
+import torch
+
+# model -> {(backend, its weights' names, shapes, dtypes, devices): compiled entry point}.
+# The entry points take the model as an argument: none keeps it alive.
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def compile_forward(model, backend: str):
+    """`model(**inputs)` compiled with `backend` (fullgraph, dynamic shapes).
+
+    Dynamo re-checks a compiled function's guards before every call; those on the model's
+    parameters and buffers (a tensor match and five dynamic-shape checks per weight, about
+    ten per layer) are left out: the engine holds the same tensors for its life and refuses
+    adapter changes under compile. Dynamo keeps graphs and guards per code object, and
+    every model of a class shares its forward's, so the entry point is a code object of
+    this model's own (and of its weights' shapes, dtypes and devices as they are now):
+    engines on the same model share its graphs, and no other model ever finds graphs
+    whose guards no longer look at the weights.
+    """
+    tensors = itertools.chain(model.named_parameters(), model.named_buffers())
+    key = (backend, tuple((n, tuple(t.shape), t.dtype, t.device) for n, t in tensors))
+    compiled = _COMPILED.setdefault(model, {})
+    if key not in compiled:
+        def forward(module, **inputs):
+            return module(**inputs)
+
+        own = types.FunctionType(forward.__code__.replace(), forward.__globals__, "forward",
+                                 None, forward.__closure__)
+        compiled[key] = torch.compile(own, fullgraph=True, dynamic=True, backend=backend,
+                                      options={"guard_filter_fn": not_on_weights})
+    return functools.partial(compiled[key], model)
+
+
+def not_on_weights(entries) -> list[bool]:
+    """Keeps every guard but those on a parameter or buffer (by the guard's source name);
+    inputs, metadata, modules' structure and attributes, and globals stay guarded."""
+    return ["._parameters[" not in e.name and "._buffers[" not in e.name for e in entries]
