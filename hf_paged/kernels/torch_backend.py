@@ -51,39 +51,38 @@ class TorchBackend(Backend):
             blocks = meta.block_tables.numel()
             workspace = (self._gather_workspace(blocks, reference.as_stored(k_cache), 0),
                          self._gather_workspace(blocks, reference.as_stored(v_cache), 1))
+        split = None
         if (query.shape[2] > 1 and caller_mask is None and alibi_slopes is None
                 and softcap is None and sinks is None and workspace is not None):
             split = causal_rows(meta, sliding_window)
-            if split is not None:
-                return self._causal(query, k_cache, v_cache, meta, scale, sliding_window,
-                                    workspace, split)
-        if caller_mask is not None:
+        if split is not None and split[1] is None:
+            mask = None  # every row causal: no mask to build
+        elif caller_mask is not None:
             mask = caller_mask_on_slots(meta, caller_mask)
         else:
             mask = attention_mask(meta, sliding_window, alibi_slopes)
         groups = length_groups(meta) if query.shape[2] == 1 and caller_mask is None else None
-        if groups is not None:  # decode rows of very different lengths: gather each bucket
+        if split is not None:
+            out = self._causal(query, k_cache, v_cache, meta, mask, scale, workspace, split)
+        elif groups is not None:  # decode rows of very different lengths: gather each bucket
             out = query.new_empty(query.shape[0], 1, query.shape[1],
                                   reference.value_dim(v_cache))
             for rows, cols in groups:
-                keys = cols * meta.block_size
-                part = reference.paged_attention(
-                    query.index_select(0, rows), k_cache, v_cache,
-                    meta.block_tables.index_select(0, rows)[:, :cols],
-                    mask.index_select(0, rows)[..., :keys], scale, workspace, softcap, sinks)
-                out.index_copy_(0, rows, part)
+                out.index_copy_(0, rows, _row_subset(query, k_cache, v_cache, meta, mask, rows,
+                                                     cols, scale, workspace, softcap, sinks))
             return out
-        out = reference.paged_attention(query, k_cache, v_cache, meta.block_tables, mask,
-                                        scale, workspace, softcap, sinks)
+        else:
+            out = reference.paged_attention(query, k_cache, v_cache, meta.block_tables, mask,
+                                            scale, workspace, softcap, sinks)
         if meta.is_query is not None:  # padding columns: zeros, as the kernels give
             out = out.masked_fill(~meta.is_query[:, :, None, None], 0.0)
         return out
 
-    def _causal(self, query, k_cache, v_cache, meta, scale, sliding_window, workspace,
+    def _causal(self, query, k_cache, v_cache, meta, mask, scale, workspace,
                 split) -> torch.Tensor:
         """`attention` of a forward with rows that start their sequences (`causal_rows`):
         those, left-aligned in buckets of similar lengths, causally without a mask; the
-        others with theirs. The padded layout in and out; padding columns are zeros."""
+        others with theirs (`mask`). The padded layout in and out."""
         buckets, others = split
         rows, heads, q_len, dim = query.shape
         out = query.new_zeros(rows * q_len, heads, reference.value_dim(v_cache))
@@ -98,15 +97,8 @@ class TorchBackend(Backend):
         out = out.view(rows, q_len, heads, -1)
         if others is not None:
             index, blocks = others
-            mask = attention_mask(meta, sliding_window).index_select(0, index)
-            done = reference.paged_attention(
-                query.index_select(0, index), k_cache, v_cache,
-                meta.block_tables.index_select(0, index)[:, :blocks],
-                mask[..., :blocks * meta.block_size], scale, workspace)
-            if meta.is_query is not None:
-                done = done.masked_fill(~meta.is_query.index_select(0, index)[:, :, None, None],
-                                        0.0)
-            out.index_copy_(0, index, done)
+            out.index_copy_(0, index, _row_subset(query, k_cache, v_cache, meta, mask, index,
+                                                  blocks, scale, workspace))
         return out
 
     def _gather_workspace(self, num_blocks: int, like: torch.Tensor, which: int) -> torch.Tensor:
@@ -127,6 +119,17 @@ class TorchBackend(Backend):
     @property
     def workspace_bytes(self) -> int:
         return sum(ws.numel() * ws.element_size() for ws in self._workspace.values())
+
+
+def _row_subset(query, k_cache, v_cache, meta, mask, rows, cols, scale, workspace,
+                softcap=None, sinks=None) -> torch.Tensor:
+    """`reference.paged_attention` of the rows `rows` [n] over their first `cols` block
+    columns -> [n, q, Hq, Dv]."""
+    return reference.paged_attention(
+        query.index_select(0, rows), k_cache, v_cache,
+        meta.block_tables.index_select(0, rows)[:, :cols],
+        mask.index_select(0, rows)[..., :cols * meta.block_size], scale, workspace, softcap,
+        sinks)
 
 
 def _capturing(t: torch.Tensor) -> bool:
