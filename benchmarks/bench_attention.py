@@ -124,7 +124,7 @@ def bench_decode(args, device, dtype, run, copy_bw):
                 else:
                     ops = backend._ops
                     fn = lambda: ops.decode(q, k, v, table, seq, None, scale, 0, context,  # noqa: E731
-                                            512)
+                                            512, 0.0, None)
                 times[f"{name}_paged"] = run(fn)
             if device.type == "cpu":  # int8 blocks: the reference and the CPU kernel
                 times.update(decode_int8(q, k, v, table, seq, scale, run))

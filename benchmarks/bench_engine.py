@@ -492,8 +492,10 @@ def main():
     }
     results = {}
     for name in methods:
-        print(f"running {name} ...", flush=True)
+        print(f"running {name} ...", end=" ", flush=True)
         results[name] = runners[name]()
+        seconds = results[name]["seconds"]  # shown at once: a time-limited run keeps it
+        print(f"{seconds:.2f} s, {sum(n for _, n in requests) / seconds:.1f} tokens/s", flush=True)
     reference = results.get("static-dynamic", results.get("engine"))["tokens"]
     rows = [report(name, results[name], requests, reference) for name in methods]
     print()

@@ -1,67 +1,86 @@
 #!/usr/bin/env bash
 # One command for a CUDA machine: install what is missing, run the GPU tests (kernels,
-# device_map across devices) and the benchmarks (kernels, generate, engine; tensor
-# parallelism with two or more GPUs), write everything to OUT_DIR. Its timeouts add up to
-# under 10 minutes on one GPU.
+# compiled forward, CUDA graphs, device_map across devices) and the benchmarks (kernels,
+# engine, generate; tensor parallelism with two or more GPUs). Everything printed goes to
+# OUT_DIR/log.txt (with a per-step summary at its end), the benchmark rows to OUT_DIR/*.json.
+# The steps' time limits add up to 9 minutes on one GPU; the most telling run first.
 #
 #   bash benchmarks/gpu_check.sh OUT_DIR [WHEEL_DIR]
 #
-# WHEEL_DIR: optional folder of wheels (transformers 5.23 and its needs, hypothesis, ...)
-# installed offline into a private site folder when the machine lacks them.
+# WHEEL_DIR: optional folder of wheels (transformers 5.23 and its needs, ...) installed
+# offline into a private site folder when the machine lacks them (benchmarks/fetch_gpu_wheels.sh).
 set -uo pipefail
 out=${1:?usage: gpu_check.sh OUT_DIR [WHEEL_DIR]}
 wheels=${2:-}
 cd "$(dirname "$0")/.."
 mkdir -p "$out"
+log="$out/log.txt"
+: > "$log"
 export PYTHONUNBUFFERED=1
 if [ -n "$wheels" ] && ls "$wheels"/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/hf_paged_site "$wheels"/*.whl || exit 1
+    --target /tmp/hf_paged_site "$wheels"/*.whl >>"$log" 2>&1 || exit 1
   export PYTHONPATH=/tmp/hf_paged_site:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 export HF_PAGED_CACHE=${HF_PAGED_CACHE:-/tmp/hf_paged_cache}
+summary=""
+failed=0
 
-{ nvidia-smi; python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__)"; } > "$out/env.txt" 2>&1
-cat "$out/env.txt"
+# step NAME SECONDS [--bench] COMMAND...: runs COMMAND under a time limit, its output appended
+# to the log; a failing test step makes the script fail, a failing benchmark is only reported.
+step() {
+  local name=$1 limit=$2 bench=0; shift 2
+  if [ "$1" = "--bench" ]; then bench=1; shift; fi
+  local start=$SECONDS
+  echo "=== $name (limit ${limit}s): $*" | tee -a "$log"
+  timeout "$limit" "$@" >>"$log" 2>&1
+  local rc=$?
+  local line="$name: rc=$rc in $((SECONDS - start))s"
+  echo "$line" | tee -a "$log"
+  summary+="$line"$'\n'
+  if [ "$rc" -ne 0 ] && [ "$bench" -eq 0 ]; then failed=1; fi
+}
 
-# Build the CUDA extension once up front so its compile time shows on its own.
-timeout 90 python3 -c "import time; t=time.time(); from hf_paged.kernels import cuda_ops; cuda_ops.load(); print(f'cuda kernels built in {time.time()-t:.0f}s')" 2>&1 | tee "$out/cuda_build.txt"
+# A test that hangs fails alone with its traceback (pytest-timeout, where installed) rather
+# than taking its step's later tests and summary down with it.
+per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout=50")
+pytest=(python3 -m pytest -q -p no:cacheprovider -o addopts="" -rfE --tb=short $per_test)
 
+step env 15 --bench bash -c "nvidia-smi; python3 -c \"import torch, triton, transformers; \
+print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, \
+'transformers', transformers.__version__)\""
+# The CUDA extension built once up front so that its compile time shows on its own.
+step cuda-build 60 python3 -c "import time; t=time.time(); from hf_paged.kernels import cuda_ops; \
+cuda_ops.load(); print(f'cuda kernels built in {time.time()-t:.0f}s')"
 # CPU-side checks (generate parity, emulated CUDA, compile-only) run in CI: GPU tests only here.
-timeout 130 python3 -m pytest tests/kernels/test_kernels.py tests/kernels/test_kernel_features.py \
-  tests/kernels/test_kv_quant.py \
-  -q -x -p no:cacheprovider -k "not emulated and not compile" 2>&1 | tee "$out/tests.txt" | tail -15
-tests_rc=${PIPESTATUS[0]}
-# device_map across real device boundaries: CPU + GPU here, two GPUs where there are two.
-timeout 45 python3 -m pytest tests/distributed/test_device_map.py -q -p no:cacheprovider \
-  -k "cpu_and_gpu or two_gpus" 2>&1 | tee "$out/tests_device_map.txt" | tail -5
-[ "${PIPESTATUS[0]}" -eq 0 ] || tests_rc=1
-
-# The engine's compiled forward (torch.compile, Inductor), async scheduling and CUDA graphs
-# (captured for real; eager and compiled, against the engine without graphs) on the GPU.
-timeout 50 python3 -m pytest tests/engine/test_compile.py tests/engine/test_async_scheduling.py \
-  -q -p no:cacheprovider -k cuda 2>&1 | tee "$out/tests_compile.txt" | tail -5
-[ "${PIPESTATUS[0]}" -eq 0 ] || tests_rc=1
-timeout 40 python3 -m pytest tests/engine/test_cuda_graphs.py -q -s -p no:cacheprovider \
-  -k on_gpu 2>&1 | tee "$out/tests_cuda_graphs.txt" | tail -8
-[ "${PIPESTATUS[0]}" -eq 0 ] || tests_rc=1
+step kernel-tests 120 "${pytest[@]}" --maxfail=8 tests/kernels/test_kernels.py \
+  tests/kernels/test_kernel_features.py tests/kernels/test_kv_quant.py -k "not emulated and not compile"
+# The engine on the GPU: eager against stock generate, async scheduling, the compiled forward
+# (torch.compile, Inductor) and CUDA graphs captured for real (eager and compiled).
+step engine-tests 120 "${pytest[@]}" --durations=6 tests/engine/test_async_scheduling.py \
+  tests/engine/test_compile.py tests/engine/test_cuda_graphs.py -k "cuda or on_gpu"
 # Decode steps with and without CUDA graphs (tiny Llama: the host's share shows).
-timeout 40 python3 benchmarks/bench_engine.py --device cuda --cuda-graphs \
-  --out "$out/bench_cuda_graphs.json" 2>&1 | tee "$out/bench_cuda_graphs.txt"
-
-timeout 75 python3 benchmarks/bench_attention.py --out "$out/bench_attention.json" 2>&1 | tee "$out/bench_attention.txt"
-timeout 45 python3 benchmarks/bench_generate.py --device cuda --repeats 1 --no-cb 2>&1 | tee "$out/bench_generate.txt"
-# The engine on a Llama-7B-shaped random model in bf16 (16 GiB of KV).
-timeout 80 python3 benchmarks/bench_engine.py --device cuda --dtype bfloat16 --model-size 7b \
-  --requests 48 --kv-mib 16384 --methods engine,static-paged,static-dynamic --no-prefix-section \
-  --out "$out/bench_engine.json" 2>&1 | tee "$out/bench_engine.txt"
+step bench-cuda-graphs 30 --bench python3 benchmarks/bench_engine.py --device cuda --cuda-graphs \
+  --out "$out/bench_cuda_graphs.json"
+step bench-attention 50 --bench python3 benchmarks/bench_attention.py --iters 10 \
+  --out "$out/bench_attention.json"
+# The engine on a Llama-7B-shaped random model in bf16 (16 GiB of KV); each method's time is
+# printed as it ends.
+step bench-engine-7b 90 --bench python3 benchmarks/bench_engine.py --device cuda --dtype bfloat16 \
+  --model-size 7b --requests 48 --kv-mib 16384 --methods engine,static-paged,static-dynamic \
+  --no-prefix-section --no-policy-rows --out "$out/bench_engine.json"
+# device_map across real device boundaries: CPU + GPU here, two GPUs where there are two.
+step device-map-tests 40 "${pytest[@]}" tests/distributed/test_device_map.py \
+  -k "cpu_and_gpu or two_gpus"
+step bench-generate 30 --bench python3 benchmarks/bench_generate.py --device cuda --repeats 1 --no-cb
 # Tensor parallelism (NCCL) where there are at least two GPUs: TP=1 vs TP=2, 7B shape.
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 if [ "$gpus" -ge 2 ]; then
   for n in 1 2; do
-    timeout 100 torchrun --nproc-per-node "$n" benchmarks/bench_tp.py --device cuda \
-      --dtype bfloat16 --model-size 7b --requests 48 --kv-mib 8192 2>&1 | tee "$out/bench_tp_$n.txt" | tail -3
+    step "bench-tp-$n" 100 --bench torchrun --nproc-per-node "$n" benchmarks/bench_tp.py \
+      --device cuda --dtype bfloat16 --model-size 7b --requests 48 --kv-mib 8192
   done
 fi
-exit "$tests_rc"
+printf '\n=== summary\n%s' "$summary" | tee -a "$log"
+exit "$failed"

@@ -15,7 +15,56 @@ import torch
 from . import reference
 from .base import Backend, Capabilities
 from ..kv.quant import KINDS, is_quantized
+from .library import define, like_first, tracing
 from .torch_backend import TorchBackend
+
+
+# The GPU kernels as torch ops, called where a forward is traced: a compiled graph (or a
+# CUDA graph's CPU stand-in) records each as one opaque op, instead of Dynamo tracing
+# into a Triton launch or an extension call. In them the longest row is bounded by the
+# block table's width rather than a host int, which a graph would otherwise guard on.
+def _decode_out(query: torch.Tensor, *args) -> torch.Tensor:
+    return query.new_empty(query.shape)
+
+
+_DECODE_ARGS = ("(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+                "Tensor seq_lens, float scale, int window, Tensor? alibi_slopes, float softcap, "
+                "Tensor? sinks")
+
+
+@define("triton_decode", _DECODE_ARGS + ") -> Tensor", _decode_out)
+def triton_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, window, alibi_slopes,
+                  softcap, sinks):
+    """`triton_attention.decode_attention`: query [R, Hq, D] -> [R, Hq, D] (contiguous);
+    window 0 / softcap 0.0: none."""
+    from .triton_attention import decode_attention
+
+    return decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale,
+                            window or None, alibi_slopes, softcap=softcap or None, sinks=sinks)
+
+
+@define("triton_extend", "(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor query_pos, Tensor context_lens, Tensor seq_lens, float scale, int window, "
+        "Tensor? alibi_slopes, float softcap, Tensor? sinks) -> Tensor", like_first)
+def triton_extend(query, k_cache, v_cache, block_tables, query_pos, context_lens, seq_lens,
+                  scale, window, alibi_slopes, softcap, sinks):
+    """`triton_attention.extend_attention`: query [R, q, Hq, D] -> out like it."""
+    from .triton_attention import extend_attention
+
+    return extend_attention(query, k_cache, v_cache, block_tables, query_pos, context_lens,
+                            seq_lens, scale, window or None, alibi_slopes, softcap=softcap or None,
+                            sinks=sinks)
+
+
+@define("cuda_decode", _DECODE_ARGS + ", int partition) -> Tensor", _decode_out)
+def cuda_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, window, alibi_slopes,
+                softcap, sinks, partition):
+    """The CUDA C++ decode kernel (`cuda/paged_attention.cu`), arguments as `triton_decode`."""
+    from . import cuda_ops
+
+    return cuda_ops.load().decode(query, k_cache, v_cache, block_tables, seq_lens, alibi_slopes,
+                                  scale, window, block_tables.shape[1] * k_cache.shape[1],
+                                  partition, softcap, sinks)
 
 
 class TritonBackend(Backend):
@@ -47,15 +96,22 @@ class TritonBackend(Backend):
                   alibi_slopes=None, caller_mask=None, softcap=None, sinks=None):
         """query [R, Hq, q, D] -> [R, q, Hq, D] (padded layout, see ForwardMetadata)."""
         if query.shape[2] == 1 and meta.is_query is None:
-            out = self._attn.decode_attention(
-                query[:, :, 0], k_cache, v_cache, meta.block_tables_i32, meta.seq_lens, scale,
-                sliding_window, alibi_slopes, max_seq_len=meta.max_seq_len, softcap=softcap,
-                sinks=sinks)
+            if tracing():
+                out = triton_decode(query[:, :, 0], k_cache, v_cache, meta.block_tables_i32,
+                                    meta.seq_lens, scale, sliding_window or 0, alibi_slopes,
+                                    softcap or 0.0, sinks)
+            else:
+                out = self._attn.decode_attention(
+                    query[:, :, 0], k_cache, v_cache, meta.block_tables_i32, meta.seq_lens,
+                    scale, sliding_window, alibi_slopes, max_seq_len=meta.max_seq_len,
+                    softcap=softcap, sinks=sinks)
             return out.unsqueeze(1)
-        return self._attn.extend_attention(
-            query.transpose(1, 2), k_cache, v_cache, meta.block_tables_i32, meta.query_pos,
-            meta.context_lens, meta.seq_lens, scale, sliding_window, alibi_slopes,
-            softcap=softcap, sinks=sinks)
+        args = (query.transpose(1, 2), k_cache, v_cache, meta.block_tables_i32, meta.query_pos,
+                meta.context_lens, meta.seq_lens, scale)
+        if tracing():
+            return triton_extend(*args, sliding_window or 0, alibi_slopes, softcap or 0.0, sinks)
+        return self._attn.extend_attention(*args, sliding_window, alibi_slopes, softcap=softcap,
+                                           sinks=sinks)
 
 
 class CudaBackend(Backend):
@@ -90,9 +146,14 @@ class CudaBackend(Backend):
     def attention(self, query, k_cache, v_cache, meta, scale, sliding_window=None,
                   alibi_slopes=None, caller_mask=None, softcap=None, sinks=None):
         if query.shape[2] == 1 and meta.is_query is None:
-            out = self._ops.decode(query[:, :, 0], k_cache, v_cache, meta.block_tables_i32,
-                                   meta.seq_lens, alibi_slopes, scale, sliding_window or 0,
-                                   meta.max_seq_len, self._partition, softcap or 0.0, sinks)
+            if tracing():
+                out = cuda_decode(query[:, :, 0], k_cache, v_cache, meta.block_tables_i32,
+                                  meta.seq_lens, scale, sliding_window or 0, alibi_slopes,
+                                  softcap or 0.0, sinks, self._partition)
+            else:
+                out = self._ops.decode(query[:, :, 0], k_cache, v_cache, meta.block_tables_i32,
+                                       meta.seq_lens, alibi_slopes, scale, sliding_window or 0,
+                                       meta.max_seq_len, self._partition, softcap or 0.0, sinks)
             return out.unsqueeze(1)
         extend = self._extend
         if is_quantized(k_cache) and k_cache.dtype not in extend.capabilities.kv_dtypes:

@@ -18,13 +18,12 @@ import shutil
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from ..errors import CpuKernelsUnavailable
 from .cuda_ops import source_dir
 from . import reference
 from ..kv.pool import split_layer
-from .library import define, impl_on
+from .library import define, impl_on, like_first, tracing
 
 SOURCES = ("cpu_paged_attention.cpp", "cpu_cache_ops.cpp", "cpu_sampling.cpp",
            "cpu_ops_binding.cpp")
@@ -87,13 +86,9 @@ def load():
         raise CpuKernelsUnavailable(f"hf-paged CPU kernels failed to build: {err}") from err
 
 
-def _like_query(query, *args) -> torch.Tensor:
-    return torch.empty_like(query)
-
-
 @define("cpu_decode", "(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, float scale, int window, float softcap, Tensor? alibi_slopes, "
-        "Tensor? sinks) -> Tensor", _like_query)
+        "Tensor? sinks) -> Tensor", like_first)
 def decode_op(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, window: int,
               softcap: float, alibi_slopes: torch.Tensor | None,
@@ -109,7 +104,7 @@ def decode(query, k_cache, v_cache, block_tables, seq_lens, scale, window, softc
     """The decode kernel (arguments as `decode_op`): the torch op wherever a forward is
     being traced (torch.compile, make_fx and fake tensors see it as one op), the extension
     itself otherwise (the op's Python dispatch costs about as much as a small call)."""
-    if torch.compiler.is_compiling() or is_in_torch_dispatch_mode():
+    if tracing():
         return decode_op(query, k_cache, v_cache, block_tables, seq_lens, scale, window,
                          softcap, alibi_slopes, sinks)
     return load().decode(query, k_cache, v_cache, block_tables, seq_lens, scale, window,
@@ -123,8 +118,7 @@ def write_kv(k_cache, v_cache, key, value, slot_mapping) -> None:
     its own op, a CPU stand-in for a CUDA graph records aten ops)."""
     if (key.dtype == k_cache.dtype == value.dtype == v_cache.dtype and key.element_size() > 1
             and k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and key.stride(2) == 1
-            and value.stride(2) == 1 and not torch.compiler.is_compiling()
-            and not is_in_torch_dispatch_mode()):
+            and value.stride(2) == 1 and not tracing()):
         load().write_kv(k_cache, v_cache, key, value, slot_mapping)
     else:
         reference.write_kv(k_cache, v_cache, key, value, slot_mapping)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 _LIBRARY = torch.library.Library("hf_paged", "FRAGMENT")
 
@@ -35,3 +36,16 @@ def impl_on(name: str, device: str, kernel: Callable) -> None:
     """Runs `kernel` for `hf_paged::<name>` on tensors of `device` ("CPU", "CUDA"): a
     device's kernel wins over the one `define` registers for every device."""
     _LIBRARY.impl(name, kernel, device)
+
+
+def tracing() -> bool:
+    """Whether the code running now is being traced (torch.compile, make_fx, fake tensors, a
+    dispatch mode such as the CPU stand-in for a CUDA graph): kernels are then called
+    through their ops, which a trace records as one op each. Outside tracing the kernel is
+    called itself: an op's Python dispatch costs about as much as a small call."""
+    return torch.compiler.is_compiling() or is_in_torch_dispatch_mode()
+
+
+def like_first(tensor: torch.Tensor, *args) -> torch.Tensor:
+    """Fake kernel of an op whose output has its first argument's shape, dtype and strides."""
+    return torch.empty_like(tensor)

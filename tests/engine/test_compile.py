@@ -218,6 +218,20 @@ def test_generate_with_compile_config_keeps_the_paged_cache_eager():
     assert out[0, ids.shape[1]:].tolist() == stock_greedy(model, ids[0].tolist(), 6)
 
 
+@pytest.mark.parametrize("kind", ["llama_gqa", "mistral_sw", "falcon_alibi"])
+def test_compiled_engine_with_triton_kernels_equals_eager_and_stock(kind):
+    """The Triton backend (here under TRITON_INTERPRET) traces as one op per kernel launch:
+    no graph break (fullgraph) for decode, prefill and mixed steps, the eager tokens,
+    sliding windows and ALiBi included."""
+    pytest.importorskip("triton")
+    model = long_model(kind)
+    prompts, max_tokens, _ = workload()
+    compiled, _ = run(model, CAPTURE, backend="triton")  # a graph break fails its requests
+    assert 0 < graphs() <= MAX_GRAPHS
+    assert compiled == run(model, False, backend="triton")[0]
+    assert compiled == [stock_greedy(model, p, m) for p, m in zip(prompts, max_tokens)]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_compiled_engine_on_cuda_equals_eager():
     """On a GPU (benchmarks/gpu_check.sh): Inductor's compiled forward with the GPU's own

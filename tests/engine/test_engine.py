@@ -27,9 +27,9 @@ def long_model(kind: str):
 
 def stock_greedy(model, prompt, max_tokens, eos=None):
     """Stock generate of one prompt alone: its new tokens (EOS included, as the engine)."""
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
-                         eos_token_id=eos, pad_token_id=0, attention_mask=torch.ones(1, len(prompt),
-                                                                                    dtype=torch.long))
+    ids = torch.tensor([prompt], device=model.device)
+    out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos,
+                         pad_token_id=0, attention_mask=torch.ones_like(ids))
     return out[0, len(prompt):].tolist()
 
 

@@ -382,14 +382,16 @@ def test_cuda_decode(cuda_kernels, block_size, heads, kv_heads, head_dim, dtype,
     ref = reference_attention(q[:, :, None], k, v, table, (seq - 1)[:, None], None, scale,
                               window, slopes)[:, 0]
     for partition in (cuda_ops.PARTITION, 64, 1024):  # single pass and split-KV
-        out = ops.decode(q, k, v, table, seq, slopes, scale, window or 0, max(lengths), partition)
+        out = ops.decode(q, k, v, table, seq, slopes, scale, window or 0, max(lengths), partition,
+                         0.0, None)
         torch.testing.assert_close(out.float(), ref, **TOLERANCE[dtype])
 
 
 def test_emulated_cuda_decode_rejects_unsupported_group(emulated_cuda_ops):
     k, v, table, seq = paged_inputs([5], 4, 1, 64, torch.float32, device="cpu")
     with pytest.raises(RuntimeError, match="paged_decode failed"):
-        emulated_cuda_ops.decode(torch.randn(1, 3, 64), k, v, table, seq, None, 0.1, 0, 5, 512)
+        emulated_cuda_ops.decode(torch.randn(1, 3, 64), k, v, table, seq, None, 0.1, 0, 5, 512,
+                                 0.0, None)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

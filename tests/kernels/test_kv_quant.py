@@ -128,5 +128,5 @@ def test_cuda_decode_dequantizes(cuda_kernels, kind, dtype):
     ref = reference_attention(q[:, :, None], kf, vf, table, (seq - 1)[:, None], None, 0.125,
                               None, None)[:, 0]
     for partition in (512, 32):
-        out = ops.decode(q, kq, vq, table, seq, None, 0.125, 0, 97, partition)
+        out = ops.decode(q, kq, vq, table, seq, None, 0.125, 0, 97, partition, 0.0, None)
         torch.testing.assert_close(out.float(), ref, **TOLERANCE[dtype])
