@@ -3,7 +3,7 @@
 # compiled forward, CUDA graphs, device_map across devices) and the benchmarks (kernels,
 # engine, generate; tensor parallelism with two or more GPUs). Everything printed goes to
 # OUT_DIR/log.txt (with a per-step summary at its end), the benchmark rows to OUT_DIR/*.json.
-# The steps' time limits add up to 9 minutes on one GPU; the most telling run first.
+# The steps' time limits add up to under 9.5 minutes on one GPU; the most telling run first.
 #
 #   bash benchmarks/gpu_check.sh OUT_DIR [WHEEL_DIR]
 #
