@@ -27,7 +27,8 @@ def long_model(kind: str):
 
 def stock_greedy(model, prompt, max_tokens, eos=None):
     """Stock generate of one prompt alone: its new tokens (EOS included, as the engine)."""
-    ids = torch.tensor([prompt], device=model.device)
+    # On the model's device (an offloaded model reports "meta": its hooks move the ids).
+    ids = torch.tensor([prompt], device="cpu" if model.device.type == "meta" else model.device)
     out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos,
                          pad_token_id=0, attention_mask=torch.ones_like(ids))
     return out[0, len(prompt):].tolist()
