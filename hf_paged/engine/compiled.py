@@ -10,13 +10,23 @@ import weakref
 
 import torch
 
-# model -> {(backend, its weights' names, shapes, dtypes, devices): compiled entry point}.
+# model -> {(backend, variant, its weights' names, shapes, dtypes, devices): entry point}.
 # The entry points take the model as an argument: none keeps it alive.
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
+# Graphs one entry point may hold. A varied workload takes 7 to 10 (decode-only, prompt-only
+# and mixed steps, each with or without split parts, and the sizes of 1 Dynamo specializes
+# on): Dynamo's default of 8 would fail a step's requests (fullgraph) past it.
+RECOMPILE_LIMIT = 64
 
-def compile_forward(model, backend: str):
+
+def compile_forward(model, backend: str, variant: tuple = ()):
     """`model(**inputs)` compiled with `backend` (fullgraph, dynamic shapes).
+
+    variant: what else the traced graphs depend on (the engine's pool dtype, block size
+    and attention backends): each variant gets an entry point, and a recompile limit, of
+    its own. Dynamo's recompile limit is raised process-wide to `RECOMPILE_LIMIT` (it is
+    one setting, read when a graph is added).
 
     Dynamo re-checks a compiled function's guards before every call; those on the model's
     parameters and buffers (a tensor match and five dynamic-shape checks per weight, about
@@ -28,7 +38,9 @@ def compile_forward(model, backend: str):
     whose guards no longer look at the weights.
     """
     tensors = itertools.chain(model.named_parameters(), model.named_buffers())
-    key = (backend, tuple((n, tuple(t.shape), t.dtype, t.device) for n, t in tensors))
+    key = (backend, variant, tuple((n, tuple(t.shape), t.dtype, t.device) for n, t in tensors))
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
     compiled = _COMPILED.setdefault(model, {})
     if key not in compiled:
         def forward(module, **inputs):

@@ -278,7 +278,9 @@ class ModelRunner:
             raise ValueError("compile=True runs a model on one device; this one is split "
                              "(tensor parallelism or device_map). Use compile=False.")
         backend = "inductor" if compile is True else compile
-        return compile_forward(self.model, backend)
+        variant = (self.pool.dtype, self.pool.kv_dtype, self.block_size,
+                   *(b.name for b in self.access.backends))
+        return compile_forward(self.model, backend, variant)
 
     def _pool_blocks(self, num_blocks, kv_cache_bytes, utilization, per_layer,
                      placement) -> int:

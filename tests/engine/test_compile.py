@@ -307,3 +307,26 @@ def test_engines_of_two_sizes_in_one_process_each_get_their_own_graphs(backend):
         assert tokens[0] == tokens[1]
         assert graphs() > compiled_before  # its own graphs, not the other engine's
         compiled_before = graphs()
+
+
+def test_a_workload_of_more_graphs_than_dynamos_default_limit_is_served(monkeypatch):
+    """A varied workload takes more graphs than a low recompile limit (Dynamo's default of 8
+    is reached by some models): a compiled engine raises the limit rather than fail the
+    requests of the step past it (fullgraph)."""
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    model = long_model("llama_gqa")
+    eager, _ = run(model, False, num_blocks=24)
+    compiled, _ = run(model, CAPTURE, num_blocks=24)  # fails its requests at the limit
+    assert compiled == eager and graphs() > 2
+
+
+def test_pools_of_other_kinds_on_one_model_get_entry_points_of_their_own():
+    """An int8 pool's engine on a model another engine compiled for its float pool: graphs
+    of its own (an entry point per pool kind, block size and backends), the eager tokens."""
+    from hf_paged.engine.compiled import _COMPILED
+
+    model = long_model("llama_gqa")
+    for kv in ("auto", "int8"):
+        eager, _ = run(model, False, kv_cache_dtype=kv)
+        assert run(model, CAPTURE, kv_cache_dtype=kv)[0] == eager
+    assert len(_COMPILED[model]) == 2
