@@ -40,7 +40,8 @@ def compile_forward(model, backend: str, variant: tuple = ()):
     tensors = itertools.chain(model.named_parameters(), model.named_buffers())
     key = (backend, variant, tuple((n, tuple(t.shape), t.dtype, t.device) for n, t in tensors))
     config = torch._dynamo.config
-    config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))  # (older torch: the latter)
     compiled = _COMPILED.setdefault(model, {})
     if key not in compiled:
         def forward(module, **inputs):
