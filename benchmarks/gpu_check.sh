@@ -59,7 +59,8 @@ step kernel-tests 130 "${pytest[@]}" --maxfail=8 tests/kernels/test_kernels.py \
 # The engine on the GPU: eager against stock generate, async scheduling, the compiled forward
 # (torch.compile, Inductor) and CUDA graphs captured for real (eager and compiled).
 step engine-tests 140 "${pytest[@]}" --durations=6 tests/engine/test_async_scheduling.py \
-  tests/engine/test_compile.py tests/engine/test_cuda_graphs.py -k "cuda or on_gpu"
+  tests/engine/test_compile.py tests/engine/test_cuda_graphs.py \
+  -k "cuda or on_gpu or triton_kernels"
 # Decode steps with and without CUDA graphs (tiny Llama: the host's share shows).
 step bench-cuda-graphs 30 --bench python3 benchmarks/bench_engine.py --device cuda --cuda-graphs \
   --out "$out/bench_cuda_graphs.json"

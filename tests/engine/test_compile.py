@@ -220,11 +220,11 @@ def test_generate_with_compile_config_keeps_the_paged_cache_eager():
 
 @pytest.mark.parametrize("kind", ["llama_gqa", "mistral_sw", "falcon_alibi"])
 def test_compiled_engine_with_triton_kernels_equals_eager_and_stock(kind):
-    """The Triton backend (here under TRITON_INTERPRET) traces as one op per kernel launch:
-    no graph break (fullgraph) for decode, prefill and mixed steps, the eager tokens,
-    sliding windows and ALiBi included."""
+    """The Triton backend (on a GPU where there is one, else under TRITON_INTERPRET) traces
+    as one op per kernel launch: no graph break (fullgraph) for decode, prefill and mixed
+    steps, the eager tokens, sliding windows and ALiBi included."""
     pytest.importorskip("triton")
-    model = long_model(kind)
+    model = long_model(kind).to("cuda" if torch.cuda.is_available() else "cpu")
     prompts, max_tokens, _ = workload()
     compiled, _ = run(model, CAPTURE, backend="triton")  # a graph break fails its requests
     assert 0 < graphs() <= MAX_GRAPHS
