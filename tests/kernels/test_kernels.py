@@ -387,6 +387,29 @@ def test_cuda_decode(cuda_kernels, block_size, heads, kv_heads, head_dim, dtype,
         torch.testing.assert_close(out.float(), ref, **TOLERANCE[dtype])
 
 
+def test_traced_cuda_decode_op_calls_the_binding_in_its_order(emulated_cuda_ops, monkeypatch):
+    """`hf_paged::cuda_decode` (what a compiled forward records for the CUDA backend's
+    decode) hands its arguments to the binding in the binding's order: run against the
+    emulated binding, with ALiBi and a window, then soft-capping and sinks, it equals the
+    reference."""
+    from hf_paged.kernels import cuda_ops
+
+    monkeypatch.setattr(cuda_ops, "load", lambda: emulated_cuda_ops)
+    lengths = [1, 17, 97, 300]
+    k, v, table, seq = paged_inputs(lengths, 8, 2, 64, torch.float32, device="cpu")
+    q = torch.randn(len(lengths), 4, 64)
+    slopes, sinks = torch.rand(4), torch.randn(4)
+    pos = (seq - 1)[:, None]
+    ref = reference_attention(q[:, :, None], k, v, table, pos, None, 0.125, 40, slopes)[:, 0]
+    out = torch.ops.hf_paged.cuda_decode(q, k, v, table, seq, 0.125, 40, slopes, 0.0, None, 64)
+    torch.testing.assert_close(out, ref, **TOLERANCE[torch.float32])
+    mask = reference.key_mask(pos, None, table.shape[1] * k.shape[1], None)
+    ref = reference.paged_attention(q[:, :, None], k, v, table.long(), mask, 0.125,
+                                    softcap=30.0, sinks=sinks)[:, 0]
+    out = torch.ops.hf_paged.cuda_decode(q, k, v, table, seq, 0.125, 0, None, 30.0, sinks, 64)
+    torch.testing.assert_close(out, ref, **TOLERANCE[torch.float32])
+
+
 def test_emulated_cuda_decode_rejects_unsupported_group(emulated_cuda_ops):
     k, v, table, seq = paged_inputs([5], 4, 1, 64, torch.float32, device="cpu")
     with pytest.raises(RuntimeError, match="paged_decode failed"):

@@ -74,7 +74,7 @@ class EmulatedCudaOps:
             raise RuntimeError(f"{what} failed ({err}): {self.lib.emu_last_message().decode()}")
 
     def decode(self, query, k_cache, v_cache, block_tables, seq_lens, alibi_slopes, scale,
-               window, max_seq_len, partition, softcap=0.0, sinks=None):
+               window, max_seq_len, partition, softcap, sinks):
         query = query.contiguous()
         assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
         seq_lens = seq_lens.to(torch.int64).contiguous()
