@@ -325,8 +325,10 @@ def test_pools_of_other_kinds_on_one_model_get_entry_points_of_their_own():
     of its own (an entry point per pool kind, block size and backends), the eager tokens."""
     from hf_paged.engine.compiled import _COMPILED
 
-    model = long_model("llama_gqa")
+    model = long_model("llama_gqa")  # (shared with other tests: count what this one adds)
+    before = set(_COMPILED.get(model, {}))
     for kv in ("auto", "int8"):
         eager, _ = run(model, False, kv_cache_dtype=kv)
         assert run(model, CAPTURE, kv_cache_dtype=kv)[0] == eager
-    assert len(_COMPILED[model]) == 2
+    added = set(_COMPILED[model]) - before
+    assert len(added) == 2 and {key[1][1] for key in added} == {None, torch.int8}
