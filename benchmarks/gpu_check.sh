@@ -6,6 +6,7 @@
 # The steps' time limits add up to under 9.5 minutes on one GPU; the most telling run first.
 #
 #   bash benchmarks/gpu_check.sh OUT_DIR [WHEEL_DIR]
+#   GPU_CHECK_STEPS=cuda-build,kernel-tests bash benchmarks/gpu_check.sh OUT_DIR  # some steps
 #
 # WHEEL_DIR: optional folder of wheels (transformers 5.23 and its needs, ...) installed
 # offline into a private site folder when the machine lacks them (benchmarks/fetch_gpu_wheels.sh).
@@ -31,6 +32,7 @@ failed=0
 # to the log; a failing test step makes the script fail, a failing benchmark is only reported.
 step() {
   local name=$1 limit=$2 bench=0; shift 2
+  if [ -n "${GPU_CHECK_STEPS:-}" ] && [[ ",$GPU_CHECK_STEPS," != *",$name,"* ]]; then return; fi
   if [ "$1" = "--bench" ]; then bench=1; shift; fi
   local start=$SECONDS
   echo "=== $name (limit ${limit}s): $*" | tee -a "$log"
@@ -60,7 +62,7 @@ step kernel-tests 130 "${pytest[@]}" --maxfail=8 tests/kernels/test_kernels.py \
 # (torch.compile, Inductor) and CUDA graphs captured for real (eager and compiled).
 step engine-tests 140 "${pytest[@]}" --durations=6 tests/engine/test_async_scheduling.py \
   tests/engine/test_compile.py tests/engine/test_cuda_graphs.py \
-  -k "cuda or on_gpu or triton_kernels"
+  --maxfail=3 -k "on_cuda or on_gpu or triton_kernels"
 # Decode steps with and without CUDA graphs (tiny Llama: the host's share shows).
 step bench-cuda-graphs 30 --bench python3 benchmarks/bench_engine.py --device cuda --cuda-graphs \
   --out "$out/bench_cuda_graphs.json"

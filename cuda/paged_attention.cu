@@ -237,7 +237,9 @@ template <typename T, int Q, int GROUP>
 static cudaError_t launch_group(const DecodeArgs& a, cudaStream_t stream) {
   const dim3 grid(a.rows, a.num_kv_heads, a.num_partitions);
   const size_t smem = sizeof(float) * GROUP * (a.head_dim + a.partition);
-  if (smem > 48 * 1024) {
+  // The 48 KiB default bounds static plus dynamic shared memory (the kernel's scratch too):
+  // past it the launch fails with "invalid argument" unless the kernel opts in.
+  if (smem + sizeof(float) * kWarps > 48 * 1024) {
     cudaError_t err = cudaFuncSetAttribute(paged_decode_kernel<T, Q, GROUP>,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(smem));

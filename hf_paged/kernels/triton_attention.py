@@ -214,8 +214,18 @@ def _merge_splits_kernel(
 
 # Launch shapes: the largest tiles that ptxas fits without spilling registers for head
 # dim 128 on sm_80 and sm_90 (tests/compile_triton.py prints its report).
-DECODE_TILE, DECODE_WARPS = 64, 8  # tokens per decode loop step (any block size)
+DECODE_TILE = 64  # tokens per decode loop step (any block size)
 QUANT_DECODE_TILE = 32  # 8-bit pools: their float32 dequantized tiles need the registers
+
+
+def decode_launch(dtype: torch.dtype, quantized: bool, dim: int) -> tuple[int, int]:
+    """(tokens per loop step, warps) of one decode program. 16-bit tiles of head dim <= 128
+    take 4 warps: 1.3x the bandwidth of 8 on an H200 (bfloat16, head dim 128, batch 64,
+    4096 tokens; bench_attention.py's sweep). float32, 8-bit pools and wider heads keep 8,
+    which they need to fit in registers (the GQA group is padded to 16 rows either way)."""
+    if quantized:
+        return QUANT_DECODE_TILE, 8
+    return DECODE_TILE, 4 if dtype != torch.float32 and _p2(dim) <= 128 else 8
 
 
 def extend_launch(dtype: torch.dtype, quantized: bool = False) -> tuple[int, int, int]:
@@ -239,8 +249,8 @@ def decode_attention(
     alibi_slopes: torch.Tensor | None = None,
     num_splits: int | None = None,
     max_seq_len: int | None = None,
-    tile: int = DECODE_TILE,
-    num_warps: int = DECODE_WARPS,
+    tile: int | None = None,
+    num_warps: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -251,7 +261,8 @@ def decode_attention(
     num_splits: KV splits per row (default: enough to fill the GPU for long contexts); with
     one split the kernel writes `out` itself, else a merge kernel combines the splits.
     max_seq_len: host-known bound on seq_lens (default: what the table can hold).
-    tile, num_warps: launch shape (tokens per loop step, a power of two >= 16).
+    tile, num_warps: launch shape (tokens per loop step, a power of two >= 16; default:
+    `decode_launch`).
     softcap: scores -> softcap * tanh(scores / softcap); sinks [Hq]: sink logits.
     """
     rows, heads, dim = query.shape
@@ -260,6 +271,9 @@ def decode_attention(
     max_tokens = max(1, max_seq_len or block_tables.shape[1] * bs)
     if sliding_window:  # splits start at each row's oldest visible token
         max_tokens = min(max_tokens, sliding_window)
+    quant, k_cache, v_cache = _stored(k_cache, v_cache)
+    default_tile, default_warps = decode_launch(query.dtype, bool(quant), dim)
+    tile, num_warps = tile or default_tile, num_warps or default_warps
     if num_splits is None:
         num_splits = _default_splits(rows * kv_heads, max_tokens, query.device)
     per_split = triton.cdiv(triton.cdiv(max_tokens, max(1, num_splits)), tile) * tile
@@ -274,9 +288,6 @@ def decode_attention(
     slopes = alibi_slopes.contiguous() if alibi_slopes is not None else out  # else unused
     sink_logits = sinks.float().contiguous() if sinks is not None else out  # else unused
     query, seq_lens = query.contiguous(), seq_lens.contiguous()
-    quant, k_cache, v_cache = _stored(k_cache, v_cache)
-    if quant and tile == DECODE_TILE:  # (splits stay multiples of it)
-        tile = QUANT_DECODE_TILE
     _decode_kernel[(rows, kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens, slopes, sink_logits, o_part, lse_part,
         query.stride(0), query.stride(1),

@@ -224,12 +224,16 @@ def test_compiled_engine_with_triton_kernels_equals_eager_and_stock(kind):
     as one op per kernel launch: no graph break (fullgraph) for decode, prefill and mixed
     steps, the eager tokens, sliding windows and ALiBi included."""
     pytest.importorskip("triton")
-    model = long_model(kind).to("cuda" if torch.cuda.is_available() else "cpu")
-    prompts, max_tokens, _ = workload()
-    compiled, _ = run(model, CAPTURE, backend="triton")  # a graph break fails its requests
-    assert 0 < graphs() <= MAX_GRAPHS
-    assert compiled == run(model, False, backend="triton")[0]
-    assert compiled == [stock_greedy(model, p, m) for p, m in zip(prompts, max_tokens)]
+    model = long_model(kind)  # (shared with other tests: back on the CPU afterwards)
+    try:
+        model.to("cuda" if torch.cuda.is_available() else "cpu")
+        prompts, max_tokens, _ = workload()
+        compiled, _ = run(model, CAPTURE, backend="triton")  # a graph break fails its requests
+        assert 0 < graphs() <= MAX_GRAPHS
+        assert compiled == run(model, False, backend="triton")[0]
+        assert compiled == [stock_greedy(model, p, m) for p, m in zip(prompts, max_tokens)]
+    finally:
+        model.to("cpu")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -325,10 +329,11 @@ def test_pools_of_other_kinds_on_one_model_get_entry_points_of_their_own():
     of its own (an entry point per pool kind, block size and backends), the eager tokens."""
     from hf_paged.engine.compiled import _COMPILED
 
-    model = long_model("llama_gqa")  # (shared with other tests: count what this one adds)
-    before = set(_COMPILED.get(model, {}))
+    from conftest import make_model
+
+    model = make_model("llama_gqa", max_position_embeddings=1400)  # its own: no other entries
     for kv in ("auto", "int8"):
         eager, _ = run(model, False, kv_cache_dtype=kv)
         assert run(model, CAPTURE, kv_cache_dtype=kv)[0] == eager
-    added = set(_COMPILED[model]) - before
-    assert len(added) == 2 and {key[1][1] for key in added} == {None, torch.int8}
+    keys = _COMPILED[model]
+    assert len(keys) == 2 and {key[1][1] for key in keys} == {None, torch.int8}

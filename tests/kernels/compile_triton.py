@@ -66,6 +66,7 @@ def cases(arch: int = 80):
         cast = dt == "fp32"
         features = dict(HAS_SOFTCAP=softcap, HAS_SINKS=sinks)
         block_m, tile, warps = attn.extend_launch(getattr(torch, TORCH_DTYPES[dt]), quant > 0)
+        tile_d, warps_d = attn.decode_launch(getattr(torch, TORCH_DTYPES[dt]), quant > 0, d)
         for single in (False, True):  # split-KV partials, or one split writing the output
             yield (f"decode {dt} group={group} bs={bs} d={d} alibi={alibi} softcap={softcap} "
                    f"sinks={sinks} single={single} quant={quant}",
@@ -73,10 +74,9 @@ def cases(arch: int = 80):
                    dict(Q=dt, K=cache, V=cache, BT="i32", SEQ="i64", SLOPES="fp32", SINKS="fp32",
                         O_PART=dt if single else "fp32", LSE_PART="fp32"),
                    dict(GROUP=group, GROUP_P=attn._p2(group), BS=bs,
-                        TILE=attn.QUANT_DECODE_TILE if quant else attn.DECODE_TILE,
-                        D=d, D_P=attn._p2(d), HAS_ALIBI=alibi, CAST_FP32=cast,
+                        TILE=tile_d, D=d, D_P=attn._p2(d), HAS_ALIBI=alibi, CAST_FP32=cast,
                         STORE_LSE=not single, QUANT=quant, **features),
-                   attn.DECODE_WARPS)
+                   warps_d)
         yield (f"extend {dt} group={group} bs={bs} d={d} alibi={alibi} softcap={softcap} "
                f"sinks={sinks} quant={quant}", attn._extend_kernel,
                dict(Q=dt, K=cache, V=cache, BT="i32", QPOS="i64", CTX="i64", SEQ="i64",
