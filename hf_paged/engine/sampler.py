@@ -99,7 +99,7 @@ class Sampled:
         self._host = [t.to("cpu", non_blocking=True) for t in host]
         if tokens.is_cuda:
             self._event = torch.cuda.Event()
-            self._event.record()
+            self._event.record(torch.cuda.current_stream(tokens.device))  # the copies' stream
 
     def collect(self) -> tuple["SampleResult", dict[int, str]]:
         """(the rows' tokens and logprobs, {row: error} for rows with no distribution)."""

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import make_model
-from hf_paged import LLMEngine, SamplingParams
+from hf_paged import LLM, LLMEngine, SamplingParams
 from hf_paged.engine import ModelRunner
 from hf_paged.errors import HFPagedError
 from hf_paged.hf.switch import paged_attention
@@ -118,3 +118,36 @@ def test_a_mirrored_table_grows_and_refuses_forks():
         assert not table.table[row, len(ids):].any()
     with pytest.raises(HFPagedError, match="takes entries only"):
         table.fork(torch.tensor([0, 0, 1]))
+
+
+def test_each_block_table_cell_is_written_once_a_step(monkeypatch):
+    """A fork points its last column at the parent's partly filled block and, in the same
+    step, copy-on-write points it at the copy. A GPU writes duplicate indices in no set
+    order, so the device table gets one write per cell: the step's last entry."""
+    from hf_paged.kv import metadata
+
+    given, written = [], []
+    apply, to_device = DeviceBlockTable.apply, metadata.to_device
+
+    def spy_apply(self, entries):
+        given.append(list(entries))
+        return apply(self, entries)
+
+    def spy_to_device(values, device):
+        if values and isinstance(values[0], tuple) and len(values[0]) == 3:  # table entries
+            written.append(list(values))
+        return to_device(values, device)
+
+    monkeypatch.setattr(DeviceBlockTable, "apply", spy_apply)
+    monkeypatch.setattr(metadata, "to_device", spy_to_device)
+    from test_engine import random_prompts
+
+    llm = LLM(make_model("llama_gqa"), block_size=4, num_blocks=200, max_num_seqs=8)
+    llm.generate(random_prompts(5, 12, 2, 40),
+                 [SamplingParams(temperature=0.9, seed=i, max_tokens=10, n=2) for i in range(12)],
+                 use_tqdm=False)
+    cells = lambda entries: {(r, c) for r, c, _ in entries}  # noqa: E731
+    assert any(len(cells(e)) < len(e) for e in given)  # the workload makes duplicates
+    assert written and all(len(cells(e)) == len(e) for e in written)
+    last = [{(r, c): b for r, c, b in e} for e in given if e]
+    assert [{(r, c): b for r, c, b in e} for e in written] == last

@@ -61,6 +61,9 @@ inline float __expf(float x) { return std::exp(x); }
 namespace hf_emu {
 
 constexpr size_t kDefaultDynamicSmem = 48 * 1024;
+// The 48 KiB default bounds static plus dynamic shared memory. `__shared__` arrays are
+// plain statics here, whose size the launch cannot see: it assumes they take this much.
+constexpr size_t kStaticSmemReserve = 1024;
 constexpr size_t kMaxDynamicSmem = 227 * 1024;  // sm_90 opt-in limit per block
 constexpr size_t kStackBytes = 64 * 1024;
 
@@ -262,7 +265,8 @@ void launch(dim3 grid, dim3 threads, size_t smem, cudaStream_t, void (*kernel)(P
     return;
   }
   const auto optin = state().smem_optin.find(reinterpret_cast<const void*>(kernel));
-  const size_t limit = optin == state().smem_optin.end() ? kDefaultDynamicSmem : optin->second;
+  const size_t limit = optin == state().smem_optin.end()
+                           ? kDefaultDynamicSmem - kStaticSmemReserve : optin->second;
   if (smem > limit) {
     fail(cudaErrorInvalidValue, "emulator: dynamic shared memory " + std::to_string(smem) +
                                     " bytes exceeds the kernel's limit of " +
