@@ -363,7 +363,8 @@ class ModelRunner:
         logits = None if self.graphs is None else self.graphs.run(f)
         if logits is not None:  # a decode step, replayed from its graph
             return logits
-        ids, positions = to_device(f.ids + f.positions, self.device).view(2, -1)  # one copy
+        # ids and positions in one copy
+        ids, positions = to_device(f.ids + f.positions, self.device).view(2, -1).unbind()
         # A token per row: the positions are the rows' cached lengths.
         metas = metas or self.metadata(f.rows, f.context, f.counts,
                                        positions if len(f.ids) == len(f.rows) else None)
