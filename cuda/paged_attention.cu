@@ -177,29 +177,36 @@ __global__ void paged_decode_kernel(
   }
   __syncthreads();
 
-  // Output: threads across (head of group, dim); each V row is read from cache once per head.
-  for (int i = threadIdx.x; i < GROUP * head_dim; i += kThreads) {
-    const int g = i / head_dim, d = i % head_dim;
-    float acc = 0.f;
+  // Output: threads across the head dimension, each holding the group's GROUP sums, so a
+  // V value is read from the cache once for the whole group.
+  for (int d = threadIdx.x; d < head_dim; d += kThreads) {
+    float acc[GROUP];
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) acc[g] = 0.f;
     for (int t = start; t < end; ++t) {
       const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-      acc += logits[g * partition + (t - part * partition)] *
-             CachedHead<T, Q>(v_cache, slot, num_kv_heads, kvh, head_dim)[d];
+      const float vd = CachedHead<T, Q>(v_cache, slot, num_kv_heads, kvh, head_dim)[d];
+      const float* p = logits + (t - part * partition);
+#pragma unroll
+      for (int g = 0; g < GROUP; ++g) acc[g] += p[g * partition] * vd;
     }
-    const int head = kvh * GROUP + g;
-    const int64_t o = (static_cast<int64_t>(row) * num_heads + head) * head_dim + d;
-    if (num_partitions == 1) {
-      // A sink adds exp(sink - max) to the denominator (and nothing to the values).
-      float denom = sums[g];
-      if (sinks != nullptr) denom += n > 0 ? __expf(sinks[head] - maxes[g]) : 1.f;
-      out[o] = from_float<T>(n > 0 ? acc / denom : 0.f);
-    } else {
-      // part_out [R, Hq, P, D]; part_max, part_sum [R, Hq, P]
-      const int64_t p = (static_cast<int64_t>(row) * num_heads + head) * num_partitions + part;
-      part_out[p * head_dim + d] = acc;
-      if (d == 0) {
-        part_max[p] = n > 0 ? maxes[g] : -CUDART_INF_F;
-        part_sum[p] = n > 0 ? sums[g] : 0.f;
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+      const int head = kvh * GROUP + g;
+      const int64_t o = (static_cast<int64_t>(row) * num_heads + head) * head_dim + d;
+      if (num_partitions == 1) {
+        // A sink adds exp(sink - max) to the denominator (and nothing to the values).
+        float denom = sums[g];
+        if (sinks != nullptr) denom += n > 0 ? __expf(sinks[head] - maxes[g]) : 1.f;
+        out[o] = from_float<T>(n > 0 ? acc[g] / denom : 0.f);
+      } else {
+        // part_out [R, Hq, P, D]; part_max, part_sum [R, Hq, P]
+        const int64_t p = (static_cast<int64_t>(row) * num_heads + head) * num_partitions + part;
+        part_out[p * head_dim + d] = acc[g];
+        if (d == 0) {
+          part_max[p] = n > 0 ? maxes[g] : -CUDART_INF_F;
+          part_sum[p] = n > 0 ? sums[g] : 0.f;
+        }
       }
     }
   }
