@@ -103,3 +103,27 @@ def test_generate_writes_each_cell_once(repeated, backend):
                        do_sample=False, **paged)
         model.generate(ids, max_new_tokens=6, do_sample=True, num_return_sequences=3, **paged)
     assert repeated.found == []
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "speculative"])
+def test_kv_groups_and_speculation_write_each_cell_once(repeated, kind):
+    """Sliding and full layers in groups of tables of their own (blocks leaving the window
+    freed), and n-gram drafts verified and rolled back, with forks and preemption."""
+    from zoo import make_arch
+
+    model = make_arch("gemma3") if kind == "gemma3" else make_model("llama_gqa")
+    options = {} if kind == "gemma3" else dict(speculative_config=dict(
+        method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, min_acceptance=0.0))
+    system = random_prompts(62, 1, 9, 9)[0]
+    prompts = [p + p[:6] for p in random_prompts(7, 10, 6, 30, shared=system)]  # repeats
+    sampled = [SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=16,
+                              n=1 + i % 3) for i in range(10)]
+    with repeated:
+        llm = LLM(model, block_size=4, num_blocks=16 if kind == "gemma3" else 40,
+                  max_num_seqs=8, max_num_batched_tokens=32, admission_headroom=0,
+                  enable_prefix_caching=True, **options)
+        outputs = llm.generate(prompts, sampled, use_tqdm=False)
+        stats = llm.engine.stats()
+    assert all(o.error is None for o in outputs) and stats.num_preemptions > 0
+    assert kind == "gemma3" or stats.spec_accepted_tokens > 0
+    assert repeated.found == []
