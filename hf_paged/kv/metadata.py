@@ -78,7 +78,7 @@ class DeviceBlockTable:
             return
         if len({(r, c) for r, c, _ in entries}) < len(entries):
             # A cell written twice in one step (a fork's shared block, then its copy): the
-            # last entry holds. One write per cell, as a GPU orders duplicate indices anyhow.
+            # last entry holds. One write per cell: a GPU applies repeated indices in no order.
             entries = list({(r, c): (r, c, b) for r, c, b in entries}.values())
         self.ensure_cols(max(e[1] for e in entries) + 1)
         rows, cols, blocks = to_device(entries, self.device).T
