@@ -10,7 +10,6 @@ Building needs a C++ compiler and ninja (`pip install ninja`); `load()` raises
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
 import platform
@@ -21,7 +20,7 @@ import torch
 
 from ..errors import CpuKernelsUnavailable
 from .cuda_ops import source_dir
-from . import reference
+from . import extension, reference
 from ..kv.pool import split_layer
 from .library import define, impl_on, like_first, tracing
 
@@ -60,28 +59,25 @@ def _machine() -> str:
 CFLAGS = ["-O3", "-march=native", "-std=c++17", "-fopenmp", "-fno-math-errno"]
 
 
+def build_directory() -> Path:
+    sources = [source_dir() / name for name in SOURCES]
+    return extension.build_directory(
+        "cpu", b"".join(s.read_bytes() for s in sources) + (_machine() + " ".join(CFLAGS)).encode())
+
+
 @functools.lru_cache(maxsize=1)
 def load():
     """Builds (once per source version, torch version and CPU) and imports the extension."""
     reason = unavailable_reason()
     if reason is not None:
         raise CpuKernelsUnavailable(f"hf-paged CPU kernels unavailable: {reason}.")
-    from torch.utils.cpp_extension import load as load_extension
-
     try:
         sources = [source_dir() / name for name in SOURCES]
     except Exception as err:  # noqa: BLE001 (the CUDA loader's error names the sources)
         raise CpuKernelsUnavailable(str(err)) from err
-    digest = hashlib.sha256(b"".join(s.read_bytes() for s in sources)
-                            + (_machine() + " ".join(CFLAGS)).encode())
-    digest = digest.hexdigest()[:16]
-    cache = Path(os.environ.get("HF_PAGED_CACHE", Path.home() / ".cache" / "hf_paged"))
-    build_dir = cache / f"cpu-{digest}"
-    try:
-        build_dir.mkdir(parents=True, exist_ok=True)  # (a read-only home: the reference)
-        return load_extension(name="hf_paged_cpu", sources=[str(s) for s in sources],
-                              extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-                              build_directory=str(build_dir), verbose=False)
+    try:  # (a read-only home: the reference)
+        return extension.build("hf_paged_cpu", build_directory(), sources,
+                               extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"])
     except Exception as err:  # noqa: BLE001 (a failed build: the reference serves instead)
         raise CpuKernelsUnavailable(f"hf-paged CPU kernels failed to build: {err}") from err
 

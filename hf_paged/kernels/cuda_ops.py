@@ -7,13 +7,12 @@ Building needs a CUDA GPU, a CUDA build of torch and a CUDA toolkit (nvcc, CUDA_
 from __future__ import annotations
 
 import functools
-import hashlib
-import os
 from pathlib import Path
 
 import torch
 
 from ..errors import CudaKernelsUnavailable
+from . import extension
 
 SOURCES = ("paged_ops_binding.cpp", "paged_attention.cu", "cache_ops.cu")
 HEADERS = ("paged_ops.h",)
@@ -49,23 +48,14 @@ def load():
     reason = unavailable_reason()
     if reason is not None:
         raise CudaKernelsUnavailable(f"hf-paged CUDA kernels unavailable: {reason}.")
-    from torch.utils.cpp_extension import load as load_extension
-
     src = source_dir()
-    digest = hashlib.sha256()
-    for name in SOURCES + HEADERS:
-        digest.update((src / name).read_bytes())
     major, minor = torch.cuda.get_device_capability()
-    digest.update(f"{torch.__version__}-{major}{minor}".encode())
-    cache = Path(os.environ.get("HF_PAGED_CACHE", Path.home() / ".cache" / "hf_paged"))
-    build_dir = cache / f"cuda-{digest.hexdigest()[:16]}"
-    build_dir.mkdir(parents=True, exist_ok=True)
-    return load_extension(
-        name="hf_paged_cuda",
-        sources=[str(src / name) for name in SOURCES],
+    fingerprint = b"".join((src / name).read_bytes() for name in SOURCES + HEADERS)
+    fingerprint += f"{torch.__version__}-{major}{minor}".encode()
+    return extension.build(
+        "hf_paged_cuda", extension.build_directory("cuda", fingerprint),
+        [src / name for name in SOURCES],
         extra_include_paths=[str(src)],
         extra_cflags=["-O3", "-std=c++17"],
         extra_cuda_cflags=["-O3", "-std=c++17", f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"],
-        build_directory=str(build_dir),
-        verbose=False,
     )
