@@ -10,6 +10,7 @@ ShareGPT conversations: prompts median ~200 tokens (16..1024), outputs median ~8
 (16..256); every output has its fixed length (EOS ignored) and all requests arrive at once.
 Rows:
   engine          hf_paged.LLM (continuous batching, chunked prefill, prefix caching)
+  engine-cuda-graphs  the same, decode steps replayed from CUDA graphs (GPU; not by default)
   transformers-cb Transformers' continuous batching (its manager, per-request max_new_tokens)
   static-dynamic  model.generate in static batches of 8, DynamicCache (arrival order)
   static-paged    model.generate in static batches of 8, cache_implementation="paged"
@@ -490,6 +491,9 @@ def main():
                                               kv_cache_dtype="int8", **overlap),
         "engine, torch attention": lambda: run_engine(model, requests, budget, args.block_size,
                                                       backend="torch", **overlap),
+        # (GPU) decode steps replayed from CUDA graphs of the eager forward.
+        "engine-cuda-graphs": lambda: run_engine(model, requests, budget, args.block_size,
+                                                 cuda_graphs=True, **overlap),
         "transformers-cb": lambda: run_transformers_cb(model, requests, budget, args.block_size),
         "static-dynamic": lambda: run_static(model, requests, budget, args.block_size, False),
         "static-paged": lambda: run_static(model, requests, budget, args.block_size, True),

@@ -86,10 +86,10 @@ step kernel-tests 140 "${pytest[@]}" --maxfail=24 tests/kernels/test_kernel_feat
   tests/kernels/test_kv_quant.py tests/kernels/test_kernels.py -k "not emulated and not compile"
 step bench-attention 45 --bench python3 benchmarks/bench_attention.py --iters 10 \
   --out "$out/bench_attention.json"
-# The engine on a Llama-7B-shaped random model in bf16 (16 GiB of KV); each method's time is
-# printed as it ends.
-step bench-engine-7b 60 --bench python3 benchmarks/bench_engine.py --device cuda --dtype bfloat16 \
-  --model-size 7b --requests 48 --kv-mib 16384 --methods engine,static-dynamic \
+# The engine on a Llama-7B-shaped random model in bf16 (16 GiB of KV), with CUDA graphs of the
+# eager forward and without, then stock static batches; each method's time prints as it ends.
+step bench-engine-7b 75 --bench python3 benchmarks/bench_engine.py --device cuda --dtype bfloat16 \
+  --model-size 7b --requests 48 --kv-mib 16384 --methods engine-cuda-graphs,engine,static-dynamic \
   --no-prefix-section --no-policy-rows --out "$out/bench_engine.json"
 # device_map across real device boundaries: CPU + GPU here, two GPUs where there are two.
 step device-map-tests 25 "${pytest[@]}" tests/distributed/test_device_map.py \
