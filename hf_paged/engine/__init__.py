@@ -12,7 +12,8 @@ def run_worker(model, **options) -> None:
     `options`, the scheduler's checked as rank 0 checks them) and runs the steps rank 0
     broadcasts until it stops."""
     runner_options, scheduler_options = engine_options(options)
-    runner = ModelRunner(model, **runner_options)
+    runner = ModelRunner(model, **runner_options,
+                         max_num_batched_tokens=scheduler_options.get("max_num_batched_tokens"))
     step_budget(runner, scheduler_options.get("max_num_batched_tokens"),
                 runner_options.get("preemption_mode", "recompute"),
                 scheduler_options.get("admission_headroom", 1.0),

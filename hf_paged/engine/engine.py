@@ -60,7 +60,8 @@ class LLMEngine:
       num_blocks / kv_cache_bytes: the KV budget; on CUDA, without either, the fraction
                          `gpu_memory_utilization` (0.9) of free device memory; on CPU, 1 GiB
                          or a quarter of physical memory, whichever is smaller
-      max_num_seqs:      sequences running at once (64 on CPU, 256 on CUDA)
+      max_num_seqs:      sequences running at once (64 on CPU, 256 on CUDA; unset, at most
+                         max_num_batched_tokens)
       max_num_batched_tokens: tokens per step, decodes and prompt chunks (2048 / 8192)
       enable_prefix_caching: share cached full blocks of common prompt prefixes (True)
       preemption_mode:   "recompute" (default) or "swap" (to a CPU pool of
@@ -100,7 +101,8 @@ class LLMEngine:
             gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
             max_model_len=max_model_len, preemption_mode=preemption_mode,
             swap_space_bytes=swap_space_bytes, backend=backend, compile=compile,
-            kv_cache_dtype=kv_cache_dtype, cuda_graphs=cuda_graphs)
+            kv_cache_dtype=kv_cache_dtype, cuda_graphs=cuda_graphs,
+            max_num_batched_tokens=max_num_batched_tokens)
         base = runner.base
         self.model, self.adapters, self.tokenizer = runner.model, runner.adapters, tokenizer
         self.pool, self.cpu_pool = runner.pool, runner.cpu_pool

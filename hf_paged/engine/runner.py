@@ -186,9 +186,11 @@ class ModelRunner:
                  max_num_seqs: int | None = None, max_model_len: int | None = None,
                  preemption_mode: str = "recompute", swap_space_bytes: int | None = None,
                  backend: str = "auto", compile: bool | str = False,
-                 kv_cache_dtype: str = "auto", cuda_graphs: bool | None = None):
+                 kv_cache_dtype: str = "auto", cuda_graphs: bool | None = None,
+                 max_num_batched_tokens: int | None = None):
         """See `LLMEngine` for the options. max_num_seqs: rows of the device block table
-        (default 256 on CUDA, 64 elsewhere)."""
+        (default 256 on CUDA, 64 elsewhere, and never more than a step's token budget
+        `max_num_batched_tokens`: each running sequence decodes a token a step)."""
         self.model, base, self.adapters = unwrap(model)
         # A request without an adapter runs the model as given (a PEFT model: its active
         # adapter), or the base model once a plain model was wrapped to load adapters.
@@ -219,7 +221,10 @@ class ModelRunner:
         self.block_size = positive("block_size", block_size)
         self.max_model_len = positive("max_model_len", max_model_len
                                       or getattr(text_config, "max_position_embeddings", 2048))
-        self.max_num_seqs = positive("max_num_seqs", max_num_seqs or (256 if self.on_cuda else 64))
+        default_seqs = 256 if self.on_cuda else 64
+        if isinstance(max_num_batched_tokens, int) and max_num_batched_tokens > 0:
+            default_seqs = min(default_seqs, max_num_batched_tokens)
+        self.max_num_seqs = positive("max_num_seqs", max_num_seqs or default_seqs)
         self.kv_dtype = kv_dtype = quant.kv_cache_dtype(kv_cache_dtype)  # None: the model's
         per_layer = block_bytes(1, kv_heads, head_dim, self.block_size, self.dtype, v_head_dim,
                                 kv_dtype)

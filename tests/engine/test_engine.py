@@ -116,6 +116,22 @@ def test_admission_headroom_keeps_tokens_and_saves_recomputation():
         LLMEngine(model, num_blocks=60, admission_headroom=-1)
 
 
+def test_a_small_token_budget_bounds_the_default_number_of_running_sequences():
+    """Only max_num_batched_tokens set, below the default max_num_seqs: as many sequences
+    run as a step's tokens can decode, rather than an error about an option never given."""
+    model = long_model("llama_gqa")
+    prompts = random_prompts(5, 12, 3, 20)
+    refs = [stock_greedy(model, p, 6) for p in prompts]
+    llm = LLM(model, block_size=4, num_blocks=200, max_num_batched_tokens=5)
+    assert llm.engine.max_num_seqs == 5
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                        use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(5\) must be at least "
+                                         r"max_num_seqs \(8\)"):
+        LLMEngine(model, num_blocks=60, max_num_seqs=8, max_num_batched_tokens=5)
+
+
 @pytest.mark.parametrize("kind", ["llama_gqa", "falcon_new"])
 def test_eos_at_different_steps(kind):
     model = long_model(kind)
