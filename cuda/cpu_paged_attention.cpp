@@ -15,7 +15,8 @@
 //
 // Row r's query sits at position seq_lens[r] - 1 and sees keys t with t < seq_lens[r] and,
 // with a sliding window W, t > seq_lens[r] - 1 - W. Scores are q.k * scale, then
-// softcap * tanh(score / softcap) (softcap > 0), plus slope[h] * t (ALiBi, key slot t),
+// softcap * tanh(score / softcap) (softcap > 0), plus bf16(slope[h] * bf16(t)) * scale (ALiBi
+// as Transformers' Falcon computes it, key slot t),
 // and a per-head sink logit joins each softmax's denominator (gpt-oss). Work is split over
 // rows (and runs of KV heads when rows are few); the query heads of a GQA group share each
 // key and value they read.
@@ -182,6 +183,14 @@ inline float exp_shifted(float* s, int64_t n, float m) {
   return sum;
 }
 
+// Falcon's ALiBi term before scaling, as Transformers computes it: the slope, the key
+// position and their product rounded to bfloat16 (reference.alibi_bias).
+inline float alibi(float slope, int64_t t) {
+  const float s = static_cast<float>(c10::BFloat16(slope));
+  const float position = static_cast<float>(c10::BFloat16(static_cast<float>(t)));
+  return static_cast<float>(c10::BFloat16(s * position));
+}
+
 template <typename C>
 constexpr bool is_8bit() {
   return std::is_same<C, int8_t>::value || std::is_same<C, c10::Float8_e4m3fn>::value ||
@@ -277,7 +286,7 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& k_cache,
       auto score = [&](int64_t j, int64_t i, int64_t t, float s) {
         s *= fscale;
         if (cap > 0.f) s = cap * std::tanh(s / cap);
-        if (slopes != nullptr) s += slopes[qh0 + j] * static_cast<float>(t);
+        if (slopes != nullptr) s += alibi(slopes[qh0 + j], t) * fscale;
         scores[j * count + i] = s;
         top[j] = std::max(top[j], s);
       };

@@ -44,6 +44,14 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
 }
 
 // 8-bit values, decoded bit by bit (no fp8 headers needed, any architecture).
+// Falcon's ALiBi term before scaling, as Transformers computes it: the slope, the key
+// position and their product rounded to bfloat16 (reference.alibi_bias).
+__device__ __forceinline__ float alibi(float slope, int t) {
+  const float s = __bfloat162float(__float2bfloat16(slope));
+  const float position = __bfloat162float(__float2bfloat16(static_cast<float>(t)));
+  return __bfloat162float(__float2bfloat16(s * position));
+}
+
 template <int Q> __device__ __forceinline__ float dequant(uint8_t b);
 template <> __device__ __forceinline__ float dequant<1>(uint8_t b) {
   return static_cast<float>(static_cast<int8_t>(b));
@@ -151,7 +159,7 @@ __global__ void paged_decode_kernel(
     for (int g = 0; g < GROUP; ++g) {
       float s = warp_sum(acc[g]);
       if (softcap > 0.f) s = softcap * tanhf(s / softcap);
-      if (alibi_slopes != nullptr) s += alibi_slopes[kvh * GROUP + g] * static_cast<float>(t);
+      if (alibi_slopes != nullptr) s += alibi(alibi_slopes[kvh * GROUP + g], t) * scale;
       if (lane == 0) logits[g * partition + (t - part * partition)] = s;
     }
   }

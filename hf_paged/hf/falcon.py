@@ -11,7 +11,6 @@ keywords on to its attention, so the forward's paged KV is read from the cache i
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 from transformers.models.falcon.modeling_falcon import apply_rotary_pos_emb, build_alibi_tensor
@@ -95,11 +94,11 @@ def paged_falcon_attention(original):
             cos, sin = position_embeddings
             query, key = apply_rotary_pos_emb(query, key, cos, sin)
         else:
-            # Transformers' sdpa path adds alibi / sqrt(head_dim) to the scores once.
+            # Transformers' sdpa path adds alibi / sqrt(head_dim) to the scores once; the
+            # kernels scale the slopes' term by the scores' scale (reference.alibi_bias).
             slopes = self.__dict__.get("_hf_paged_slopes")
             if slopes is None or (slopes.device, slopes.dtype) != (query.device, query.dtype):
-                slopes = alibi_slopes(self.num_heads) / math.sqrt(dim)
-                slopes = slopes.to(device=query.device, dtype=query.dtype)
+                slopes = alibi_slopes(self.num_heads).to(device=query.device, dtype=query.dtype)
                 self.__dict__["_hf_paged_slopes"] = slopes
         layer_past.update(key, value, self.layer_idx)
         paged_kv = layer_past.current_forward()

@@ -232,7 +232,9 @@ class FlashAttnBackend(Backend):
             cache_seqlens=meta.seq_lens.to(torch.int32), block_table=meta.block_tables_i32,
             softmax_scale=scale, causal=True,
             window_size=(sliding_window - 1, 0) if sliding_window else (-1, -1),
-            alibi_slopes=None if alibi_slopes is None else alibi_slopes.float(),
+            # (flash-attn adds slope * distance unrounded: Falcon's bfloat16 rounding of the
+            # term is not reproduced in this half-precision-only backend)
+            alibi_slopes=None if alibi_slopes is None else alibi_slopes.float() * scale,
             softcap=softcap or 0.0,
         )
 

@@ -87,7 +87,8 @@ class Backend(ABC):
         """query [R, Hq, q, D] (the padded layout of `meta`) -> [R, q, Hq, Dv].
 
         sliding_window W: a query at position p sees keys t with p - W < t <= p.
-        alibi_slopes [Hq]: adds slope * key position to the scores (Falcon-RW).
+        alibi_slopes [Hq]: Falcon's ALiBi, `reference.alibi_bias(slope, key position, scale)`
+        added to the scores.
         caller_mask: only where `capabilities.caller_mask` (see torch_backend.py).
         softcap c: scores -> c * tanh(scores / c), before masking; sinks [Hq]: per-head
         logits joining each softmax's denominator (only where declared).

@@ -210,7 +210,8 @@ class PagedForward(PagedLayers, Cache):
         """Attention of this forward's queries over layer `layer_idx`.
 
         query [R, Hq, q, D] -> [R, q, Hq, Dv]; packed: [1, Hq, N, D] -> [1, N, Hq, Dv].
-        alibi_slopes [Hq]: adds slope * key position to the scores (Falcon-RW).
+        alibi_slopes [Hq]: Falcon's ALiBi, `reference.alibi_bias(slope, key position, scale)`
+        added to the scores.
         caller_mask: a 4D mask the caller passed to the model's forward, over columns
         ([R or 1, 1 or Hq, q, columns], bool or additive float); it replaces the causal and
         sliding-window masks, as in SDPA.

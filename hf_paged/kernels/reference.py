@@ -80,6 +80,17 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor,
     return gathered.view(rows, nb * bs, h, d).transpose(1, 2)
 
 
+def alibi_bias(slopes: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """Falcon's ALiBi term of the scores, as Transformers computes it: slope x key position
+    in bfloat16 (`build_alibi_tensor` rounds the slope, the position and the product to
+    bfloat16; from 256 tokens on, or with slopes that are not powers of two, that is not
+    slope * t),
+    then divided by sqrt(head_dim) like the scores, i.e. times `scale`. Broadcasts
+    `slopes` against `positions`; the result has the slopes' dtype."""
+    exact = slopes.to(torch.bfloat16) * positions.to(torch.bfloat16)
+    return exact.to(slopes.dtype) * scale
+
+
 def key_mask(
     query_pos: torch.Tensor, is_query: torch.Tensor | None, num_keys: int,
     sliding_window: int | None, key_hidden: torch.Tensor | None = None,

@@ -60,7 +60,7 @@ class TorchBackend(Backend):
         elif caller_mask is not None:
             mask = caller_mask_on_slots(meta, caller_mask)
         else:
-            mask = attention_mask(meta, sliding_window, alibi_slopes)
+            mask = attention_mask(meta, sliding_window, alibi_slopes, scale)
         groups = length_groups(meta) if query.shape[2] == 1 and caller_mask is None else None
         if split is not None:
             out = self._causal(query, k_cache, v_cache, meta, mask, scale, workspace, split)
@@ -137,31 +137,31 @@ def _capturing(t: torch.Tensor) -> bool:
 
 
 def attention_mask(meta: ForwardMetadata, sliding_window: int | None,
-                   alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+                   alibi_slopes: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
     """The reference's mask, built once per forward and shared by all layers.
 
     [R, 1, q, T] bool, or with ALiBi slopes [H] a float bias [R, H, q, T]
-    (slope * key position where visible, -inf elsewhere).
+    (`reference.alibi_bias` where visible, -inf elsewhere).
     """
-    key = ("mask", sliding_window, alibi_slopes is not None)
+    key = ("mask", sliding_window, alibi_slopes is not None, scale)
     mask = meta.scratch.get(key)
     if mask is None:
         mask = reference.key_mask(meta.query_pos, meta.is_query, meta.num_keys, sliding_window,
                                   meta.key_hidden)
         if alibi_slopes is not None:
-            mask = _alibi_bias(meta, alibi_slopes).masked_fill(~mask, float("-inf"))
+            mask = _alibi_bias(meta, alibi_slopes, scale).masked_fill(~mask, float("-inf"))
         meta.scratch[key] = mask
     return mask
 
 
-def _alibi_bias(meta: ForwardMetadata, slopes: torch.Tensor) -> torch.Tensor:
-    """slope * key position [R or 1, H, 1, T]. Positions count visible tokens, as Falcon's
+def _alibi_bias(meta: ForwardMetadata, slopes: torch.Tensor, scale: float) -> torch.Tensor:
+    """The ALiBi term [R or 1, H, 1, T]. Positions count visible tokens, as Falcon's
     alibi counts real tokens of the mask (hidden slots are skipped)."""
     if meta.key_hidden is None:
-        t = torch.arange(meta.num_keys, device=slopes.device, dtype=slopes.dtype)
-        return slopes.view(1, -1, 1, 1) * t
-    t = ((~meta.key_hidden).cumsum(-1) - 1).to(slopes.dtype)  # [R, T]
-    return slopes.view(1, -1, 1, 1) * t[:, None, None, :]
+        t = torch.arange(meta.num_keys, device=slopes.device)
+        return reference.alibi_bias(slopes.view(1, -1, 1, 1), t, scale)
+    t = (~meta.key_hidden).cumsum(-1) - 1  # [R, T]
+    return reference.alibi_bias(slopes.view(1, -1, 1, 1), t[:, None, None, :], scale)
 
 
 def length_groups(meta: ForwardMetadata) -> list[tuple[torch.Tensor, int]] | None:

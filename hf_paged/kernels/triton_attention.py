@@ -97,12 +97,22 @@ def _tanh(x):
 
 
 @triton.jit
+def _round_bf16(x):
+    """float32 x rounded to the nearest bfloat16 (ties to even), kept in float32; by bits,
+    since Triton's interpreter truncates in `.to(tl.bfloat16)` (finite x only)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _attend_tile(q, K, V, TABLE_ROW, stride_kb, stride_kt, head_offset, pos, limit, valid,
                  slopes, scale, softcap, m_i, l_i, acc, d, dmask, BS: tl.constexpr,
                  HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, CAST_FP32: tl.constexpr,
                  QUANT: tl.constexpr, D: tl.constexpr):
     """Scores of queries q [M, D_P] against positions `pos` [TILE] (soft-capped by `softcap`;
-    ALiBi: + slopes * pos, slopes broadcastable to [M, 1]), masked by `valid`
+    ALiBi: + reference.alibi_bias(slopes, pos, scale), slopes broadcastable to [M, 1]),
+    masked by `valid`
     ([M or 1, TILE]), folded into the running softmax (m_i, l_i, acc)."""
     k, v = _load_tile(K, V, TABLE_ROW, stride_kb, stride_kt, head_offset, pos, limit, d, dmask,
                       BS, CAST_FP32, QUANT, D)
@@ -113,7 +123,9 @@ def _attend_tile(q, K, V, TABLE_ROW, stride_kb, stride_kt, head_offset, pos, lim
     if HAS_SOFTCAP:
         s = softcap * _tanh(s / softcap)
     if HAS_ALIBI:
-        s += slopes * pos[None, :].to(tl.float32)
+        # slope, position and product in bfloat16, as Transformers' Falcon (alibi_bias)
+        t = _round_bf16(pos[None, :].to(tl.float32))
+        s += _round_bf16(_round_bf16(slopes) * t) * scale
     s = tl.where(valid, s, float("-inf"))
     return _online_softmax_step(s, m_i, l_i, acc, v, CAST_FP32)
 

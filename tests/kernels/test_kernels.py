@@ -52,8 +52,10 @@ def reference_attention(q, k, v, table, query_pos, is_query, scale, window, slop
     num_keys = table.shape[1] * k.shape[1]
     mask = reference.key_mask(query_pos, is_query, num_keys, window)
     if slopes is not None:
-        t = torch.arange(num_keys, device=q.device, dtype=torch.float32)
-        mask = (slopes.float().view(1, -1, 1, 1) * t).masked_fill(~mask, float("-inf"))
+        # Falcon's ALiBi as Transformers builds it: position and product in bfloat16.
+        t = torch.arange(num_keys, device=q.device).to(torch.bfloat16)
+        bias = (slopes.view(1, -1, 1, 1).to(torch.bfloat16) * t).float() * scale
+        mask = bias.masked_fill(~mask, float("-inf"))
     return reference.paged_attention(q.float(), k.float(), v.float(), table.long(), mask, scale)
 
 
@@ -103,6 +105,43 @@ def test_triton_decode_window_and_alibi(window, alibi):
     # tile 16: with window 40 the visible span crosses a split boundary
     out = decode_attention(q, k, v, table, seq, 0.125, window, slopes, num_splits=2, tile=16)
     torch.testing.assert_close(out, ref, **TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("heads", [4, 6])  # slopes powers of two, and not
+def test_alibi_past_256_tokens_is_rounded_as_transformers_falcon_rounds_it(heads):
+    """Falcon's ALiBi in bfloat16 (positions past 256 round, and so do products with slopes
+    that are not powers of two): every decode backend here against the reference, which
+    must differ from slope * t for this test to mean anything."""
+    from hf_paged.hf.falcon import alibi_slopes
+    from hf_paged.kernels import cpu_ops
+
+    k, v, table, seq = paged_inputs([700, 300, 5], 16, heads, 16, torch.float32, seed=3)
+    q = torch.randn(3, heads, 16, device=DEVICE) * 4
+    slopes, scale = alibi_slopes(heads).to(DEVICE), 0.25
+    ref = reference_attention(q[:, :, None], k, v, table, (seq - 1)[:, None], None, scale,
+                              None, slopes)[:, 0]
+    t = torch.arange(table.shape[1] * 16, device=DEVICE, dtype=torch.float32)
+    plain = (slopes.view(1, -1, 1, 1) * t * scale).masked_fill(
+        ~reference.key_mask((seq - 1)[:, None], None, t.numel(), None), float("-inf"))
+    unrounded = reference.paged_attention(q[:, :, None], k, v, table.long(), plain, scale)[:, 0]
+    assert (unrounded - ref).abs().max() > 1e-3
+    outs = {}
+    if TRITON_REASON is None:
+        from hf_paged.kernels.triton_attention import decode_attention
+
+        outs["triton"] = decode_attention(q, k, v, table, seq, scale, None, slopes,
+                                          num_splits=2, tile=16)
+    if DEVICE.type == "cpu" and cpu_ops.available():
+        outs["cpu"] = cpu_ops.decode(q, k, v, table, seq, scale, 0, 0.0, slopes, None)
+    from hf_paged.kernels.backends import TorchBackend
+    from hf_paged.metadata import DeviceBlockTable, build_metadata
+
+    dev = DeviceBlockTable(3, table.shape[1], DEVICE)
+    dev.table.copy_(table)
+    meta = build_metadata(dev, seq - 1, [1, 1, 1], 1, int(seq.max()), 16)
+    outs["torch"] = TorchBackend().attention(q[:, :, None], k, v, meta, scale, None, slopes)[:, 0]
+    for name, out in outs.items():
+        torch.testing.assert_close(out, ref, **TOLERANCE[torch.float32], msg=name)
 
 
 def extend_layout(ctx, new):
