@@ -75,6 +75,12 @@ def _eager(module, query, key, value, attention_mask, **kwargs):
     if eager is None:
         raise HFPagedError(f"{type(module).__name__} passes softcap or s_aux to its attention "
                            "but its module has no eager_attention_forward to run them.")
+    q_len, k_len = query.shape[2], key.shape[2]
+    if attention_mask is None and q_len > 1 and getattr(module, "is_causal", True):
+        # SDPA's mask function returns None where SDPA may run `is_causal` instead; eager
+        # attention has no such flag, so the causal mask is spelled out (bottom-right).
+        attention_mask = torch.ones(q_len, k_len, dtype=torch.bool,
+                                    device=query.device).tril(k_len - q_len)[None, None]
     if attention_mask is not None and attention_mask.dtype == torch.bool:
         attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype,
                                      device=query.device).masked_fill(

@@ -254,3 +254,20 @@ def test_crop_on_long_sliding_window_cache():
     cache.crop(-1)
     assert cache.get_seq_length() == seen - 1
     assert cache.memory_stats().tokens_stored == seen - 1
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gpt_oss", "qwen2"])
+def test_guidance_with_a_negative_prompt_on_eager_attention_models(kind):
+    """Classifier-free guidance runs the model on the negative prompt with a cache of its own
+    inside a paged generate. Where a layer's softcap or sinks need the model's eager attention,
+    a prompt of several tokens must still attend causally (SDPA's mask function hands eager
+    attention None for a causal square)."""
+    from zoo import make_arch
+
+    model = make_arch(kind)
+    ids = torch.randint(3, VOCAB, (1, 8), generator=torch.Generator().manual_seed(0))
+    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+              do_sample=False, pad_token_id=PAD, guidance_scale=3.0,
+              negative_prompt_ids=torch.tensor([[5, 6, 7, 9]]),
+              negative_prompt_attention_mask=torch.ones(1, 4, dtype=torch.long))
+    assert_same(*both(model, **kw))
