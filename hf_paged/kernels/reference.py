@@ -186,7 +186,10 @@ def attend(
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if mask.dtype == torch.bool:
-        scores = scores.masked_fill(~mask, float("-inf"))
+        # The most negative finite score, not -inf: a query that sees no key (a padding
+        # token's, after a run of them) then averages values instead of giving NaN, as in
+        # Transformers' eager attention, and a NaN value is never multiplied by its 0.
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     else:
         scores = scores + mask
     if sinks is not None:

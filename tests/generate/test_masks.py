@@ -271,3 +271,36 @@ def test_guidance_with_a_negative_prompt_on_eager_attention_models(kind):
               negative_prompt_ids=torch.tensor([[5, 6, 7, 9]]),
               negative_prompt_attention_mask=torch.ones(1, 4, dtype=torch.long))
     assert_same(*both(model, **kw))
+
+
+@pytest.mark.parametrize("block_size", [5, 16])
+def test_a_padding_query_that_sees_no_key_under_softcap_gives_no_nan(block_size):
+    """Gemma 2 (soft-capping: the reference's explicit softmax) continuing a batch whose
+    mask hides a run of cached tokens, then a padding token of the new turn: in its sliding
+    window that query sees no key. Transformers' eager attention averages there; -inf
+    scores gave NaN, which reached every row through masked (zero-weight) values."""
+    from zoo import make_arch
+
+    model = make_arch("gemma2")
+    ids, mask = left_padded_batch([40, 12, 60], seed=4)
+    tail = torch.randint(3, VOCAB, (3, 9), generator=torch.Generator().manual_seed(1))
+    tail[1, 1:] = PAD  # a run of pads, attended in the first turn, hidden in the second
+    first = torch.cat([ids, tail], 1)
+    first_mask = torch.cat([mask, torch.ones(3, 9, dtype=torch.long)], 1)
+    turn = torch.randint(3, VOCAB, (3, 6), generator=torch.Generator().manual_seed(2))
+    second = torch.cat([first, turn], 1)
+    outs = []
+    for paged in (False, True):
+        extra = dict(cache_implementation="paged", cache_config={"block_size": block_size})
+        one = model.generate(input_ids=first[:, :-1], attention_mask=first_mask[:, :-1],
+                             max_new_tokens=1, do_sample=False, pad_token_id=PAD,
+                             return_dict_in_generate=True, **(extra if paged else {}))
+        two = model.generate(input_ids=second, attention_mask=(second != PAD).long(),
+                             past_key_values=one.past_key_values, max_new_tokens=3,
+                             do_sample=False, pad_token_id=PAD, return_dict_in_generate=True,
+                             output_logits=True)
+        assert not any(torch.isnan(x).any() for x in two.logits)
+        outs.append(two)
+    assert_same(outs[0], outs[1])
+    torch.testing.assert_close(torch.stack(outs[1].logits), torch.stack(outs[0].logits),
+                               rtol=1e-4, atol=1e-4)
