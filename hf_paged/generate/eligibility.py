@@ -23,8 +23,16 @@ def runs_plain_forward(model) -> bool:
         return False
     if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
         return False
-    return not any(m.training or m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__
+    return not any(m.training or m._forward_pre_hooks or "forward" in m.__dict__
+                   or any(not _records_outputs(h) for h in m._forward_hooks.values())
                    for m in model.modules())
+
+
+def _records_outputs(hook) -> bool:
+    """Transformers' own output-capturing hook: installed for good by the first call that
+    asks for attentions or hidden states, it records only inside such a call (which the
+    packed prefill does not serve) and changes nothing."""
+    return getattr(hook, "__module__", None) == "transformers.utils.output_capturing"
 
 
 def training_reason(model) -> str | None:

@@ -265,3 +265,27 @@ def test_output_attentions_falls_back_to_stock_with_a_warning(model):
     assert_same(ref, out)
     assert [[a.shape for a in step] for step in out.attentions] == \
         [[a.shape for a in step] for step in ref.attentions]
+
+
+def test_an_output_attentions_call_leaves_later_paged_calls_sharing_their_prompts():
+    """A call with output_attentions=True runs on Transformers' cache and leaves its
+    output-capturing hooks on the model for good; later paged calls still prefill each
+    prompt once and share its blocks among the beams."""
+    from conftest import PAD, VOCAB, make_model
+
+    model = make_model("llama_gqa", seed=3)
+    ids = torch.randint(3, VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
+    beam = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
+                num_beams=4, do_sample=False, pad_token_id=PAD, cache_implementation="paged",
+                cache_config={"block_size": 4}, return_dict_in_generate=True)
+    before = model.generate(**beam)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.generate(input_ids=ids[:1, :5], attention_mask=torch.ones(1, 5, dtype=torch.long),
+                       max_new_tokens=2, pad_token_id=PAD, cache_implementation="paged",
+                       output_attentions=True, return_dict_in_generate=True)
+    assert any(m._forward_hooks for m in model.modules())  # Transformers' recorders stay
+    after = model.generate(**beam)
+    assert torch.equal(after.sequences, before.sequences)
+    assert (after.past_key_values.memory_stats().peak_blocks_in_use
+            == before.past_key_values.memory_stats().peak_blocks_in_use)
