@@ -43,7 +43,6 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
   return __float2bfloat16(x);
 }
 
-// 8-bit values, decoded bit by bit (no fp8 headers needed, any architecture).
 // Falcon's ALiBi term before scaling, as Transformers computes it: the slope, the key
 // position and their product rounded to bfloat16 (reference.alibi_bias).
 __device__ __forceinline__ float alibi(float slope, int t) {
@@ -52,6 +51,7 @@ __device__ __forceinline__ float alibi(float slope, int t) {
   return __bfloat162float(__float2bfloat16(s * position));
 }
 
+// 8-bit values, decoded bit by bit (no fp8 headers needed, any architecture).
 template <int Q> __device__ __forceinline__ float dequant(uint8_t b);
 template <> __device__ __forceinline__ float dequant<1>(uint8_t b) {
   return static_cast<float>(static_cast<int8_t>(b));

@@ -19,14 +19,11 @@ TORCH_LOCK = "lock"  # torch.utils.cpp_extension's FileBaton in the build folder
 OWN_LOCK = ".hf_paged_build.flock"
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("HF_PAGED_CACHE", Path.home() / ".cache" / "hf_paged"))
-
-
 def build_directory(kind: str, fingerprint: bytes) -> Path:
-    """`<cache>/<kind>-<hash>`: `fingerprint` is every input the binary depends on
-    (sources, flags, torch version, target machine)."""
-    return cache_root() / f"{kind}-{hashlib.sha256(fingerprint).hexdigest()[:16]}"
+    """`$HF_PAGED_CACHE/<kind>-<hash>` (default cache: ~/.cache/hf_paged): `fingerprint` is
+    every input the binary depends on (sources, flags, torch version, target machine)."""
+    cache = Path(os.environ.get("HF_PAGED_CACHE", Path.home() / ".cache" / "hf_paged"))
+    return cache / f"{kind}-{hashlib.sha256(fingerprint).hexdigest()[:16]}"
 
 
 @contextlib.contextmanager

@@ -84,9 +84,8 @@ def alibi_bias(slopes: torch.Tensor, positions: torch.Tensor, scale: float) -> t
     """Falcon's ALiBi term of the scores, as Transformers computes it: slope x key position
     in bfloat16 (`build_alibi_tensor` rounds the slope, the position and the product to
     bfloat16; from 256 tokens on, or with slopes that are not powers of two, that is not
-    slope * t),
-    then divided by sqrt(head_dim) like the scores, i.e. times `scale`. Broadcasts
-    `slopes` against `positions`; the result has the slopes' dtype."""
+    slope * t), then divided by sqrt(head_dim) like the scores, i.e. times `scale`.
+    Broadcasts `slopes` against `positions`; the result has the slopes' dtype."""
     exact = slopes.to(torch.bfloat16) * positions.to(torch.bfloat16)
     return exact.to(slopes.dtype) * scale
 
