@@ -92,6 +92,36 @@ def test_stopping_criteria_and_logits_processor(model, batch):
     assert not ((out[:, width:] >= 10) & (out[:, width:] < 20)).any()
 
 
+@pytest.mark.parametrize("mode", [dict(do_sample=False), dict(num_beams=3, do_sample=False),
+                                  dict(do_sample=True, num_return_sequences=2, top_k=50)])
+def test_stop_strings(mode):
+    """`stop_strings` (matched on decoded text, across token boundaries) ends rows at the
+    same token as on the DynamicCache, in greedy, beam and sampling modes."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from conftest import make_byte_tokenizer
+
+    tok = make_byte_tokenizer(300)
+    tok.padding_side = "left"
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=len(tok), pad_token_id=0, eos_token_id=1)).eval()
+    enc = tok(["the quick", "héllo wörld café"], return_tensors="pt", padding=True)
+    width, new = enc.input_ids.shape[1], 30
+    # Stop strings the model does write: a piece of each row's greedy text, mid-way.
+    free = model.generate(**enc, max_new_tokens=new, do_sample=False)
+    stops = [text[6:9] for text in tok.batch_decode(free[:, width + 4:],
+                                                    skip_special_tokens=True)]
+    assert all(len(s) == 3 for s in stops)
+    for seed in range(2):
+        ref, out = both(model, seed=seed, **enc, max_new_tokens=new, stop_strings=stops,
+                        tokenizer=tok, **mode)
+        assert_same(ref, out)
+        if not mode.get("do_sample") and mode.get("num_beams", 1) == 1:
+            assert out.shape[1] < width + new  # a stop string ended the call early
+
+
 def test_eos_finishes_rows_early(model, batch):
     # Force some rows to hit EOS early by making EOS likely for them.
     class PushEos(LogitsProcessor):
