@@ -7,7 +7,7 @@ The first part times the 168M random Llama's projections and MLPs (8 layers) and
 32k-vocabulary head as `F.linear` runs them, over M rows of activations, each weight read
 once per pass as a decode step reads it (542 MB: far more than the caches, so every pass
 streams the weights from memory), best of a few passes. One row streams them at the memory's
-speed; from two rows on, the BLAS's float32 GEMM runs well below it, so a step's cost grows
+speed; from four rows on, the BLAS's float32 GEMM runs well below it, so a step's cost grows
 with its rows much less than in proportion: batching more rows into a step is the lever,
 and the KV budget bounds it. It also checks whether a row's result depends on how many rows
 share the call (the BLAS picks its kernel by row count, and kernels round differently).
