@@ -56,9 +56,9 @@ def weight_passes(model, rows=ROWS, passes: int = 3) -> list[dict]:
     return out
 
 
-def row_count_classes(in_features: int = 1024, out_features: int = 2816, most: int = 40):
-    """Row counts M grouped by whether row i of an M-row `F.linear` equals, bit for bit, row
-    i of the same call over `most` rows."""
+def bit_identical_row_counts(in_features: int = 1024, out_features: int = 2816, most: int = 40):
+    """The row counts M (1..`most`) whose M-row `F.linear` gives, bit for bit, the first M
+    rows of the same call over `most` rows."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, most, in_features, generator=g)
     w = torch.randn(out_features, in_features, generator=g)
@@ -118,7 +118,7 @@ def main() -> None:
     args = parser.parse_args()
     print(f"F.linear over the 168M Llama's weights, float32, threads {torch.get_num_threads()}:")
     weight_passes(random_llama())
-    same = set(row_count_classes())
+    same = set(bit_identical_row_counts())
     differ = [m for m in range(1, 41) if m not in same]
     print(f"  row counts whose rows differ (bits) from the same rows of a 40-row call: "
           f"{_ranges(differ) or 'none'}")

@@ -86,8 +86,8 @@ def alibi_bias(slopes: torch.Tensor, positions: torch.Tensor, scale: float) -> t
     bfloat16; from 256 tokens on, or with slopes that are not powers of two, that is not
     slope * t), then divided by sqrt(head_dim) like the scores, i.e. times `scale`.
     Broadcasts `slopes` against `positions`; the result has the slopes' dtype."""
-    exact = slopes.to(torch.bfloat16) * positions.to(torch.bfloat16)
-    return exact.to(slopes.dtype) * scale
+    term = slopes.to(torch.bfloat16) * positions.to(torch.bfloat16)
+    return term.to(slopes.dtype) * scale
 
 
 def key_mask(
