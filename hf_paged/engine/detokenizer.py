@@ -1,10 +1,13 @@
 """Token ids -> text, for streams and log-probabilities.
 
-`IncrementalText` turns a growing list of generated ids into text that only ever grows: a
-character whose bytes span several tokens (byte-level BPE, SentencePiece byte fallback) is
-held back until its last byte arrives, so the deltas a stream sends add up to the final text.
-Each update decodes a window of a few tokens (the ids since the last complete character, and
-the ones before them for context), not the whole output.
+`IncrementalText` turns a growing list of generated ids into text that only ever grows and
+ends as the tokenizer's full decode of the ids: text that later tokens could still change is
+held back until they settle it. That is a character whose bytes span several tokens (byte-level
+BPE), a run of SentencePiece byte-fallback tokens (a later invalid byte turns the whole run into
+replacement characters), and, for tokenizers that clean up spaces before punctuation, a tail
+such as " '" that the next characters may rewrite. Each update decodes a window of a few tokens
+(the ids since the last settled text, and the ones before them for context), not the whole
+output.
 
 `TokenPieces` names single tokens the way the OpenAI API reports them in log-probabilities:
 the token's text, or `bytes:\\xe2\\x82` for a token that is only part of a character, and the
@@ -13,52 +16,92 @@ token's own bytes.
 
 from __future__ import annotations
 
-import json
 import re
+import weakref
 
 _REPLACEMENT = "\ufffd"
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte fallback
+# Transformers' clean_up_tokenization rewrites " .", " ?", " !", " ,", " ' ", " n't", " 'm",
+# " 's", " 've" and " 're"; text ending in a proper prefix of one of them is not settled.
+_CLEANUP_HEADS = frozenset({" ", " '", " n", " n'", " 'v", " 'r"})
 
 
 class IncrementalText:
     """The text of one completion, kept up to date token by token.
 
-    text:   the stable text so far (what a stream may send)
-    update(ids) appends the stable part of the new tokens and returns it; finish(ids)
-    appends whatever is left, an incomplete character included (as a full decode shows it).
+    text:   the settled text so far (what a stream may send); every later text extends it
+    update(ids) appends the settled part of the new tokens and returns it; finish(ids) appends
+    the rest, so that `text` is then `tokenizer.decode(ids, skip_special_tokens=...)` (the
+    sum of the deltas a stream sent).
     """
 
     def __init__(self, tokenizer, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip = skip_special_tokens
         self.text = ""
-        self._prefix = 0  # window start: tokens before it are text already
-        self._read = 0  # tokens before it are in `text`
+        self._prefix = 0  # window start: the text of the tokens before it is settled
+        self._read = 0  # tokens before it have been decoded ...
+        self._held = 0  # ... all but this many trailing characters of them into `text`
+        self._traits = _traits(tokenizer)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
 
     def update(self, ids: list[int]) -> str:
         """ids: every generated token so far. Returns the text this call appended."""
-        if len(ids) == self._read:
+        if len(ids) == self._read or self._byte_run_open(ids):
             return ""
         before = self._decode(ids[self._prefix:self._read])
         now = self._decode(ids[self._prefix:])
-        if len(now) <= len(before) or now.endswith(_REPLACEMENT):
-            return ""  # nothing new yet, or a character still incomplete
-        delta = now[len(before):]
+        start = len(before) - self._held  # where the text not yet appended begins in `now`
+        end = len(now) - self._unsettled(now)
+        if end <= start or now[:start] != before[:start]:
+            return ""  # nothing settled yet (or the decoder rewrote sent text: wait for finish)
+        delta = now[start:end]
         self.text += delta
-        self._prefix, self._read = self._read, len(ids)
+        self._held = len(now) - end
+        if self._held:  # the window keeps the held characters' tokens
+            self._read = len(ids)
+        else:
+            self._prefix, self._read = self._read, len(ids)
         return delta
 
     def finish(self, ids: list[int]) -> str:
-        """Appends the rest of `ids`, complete or not (the completion has ended)."""
-        before = self._decode(ids[self._prefix:self._read])
-        now = self._decode(ids[self._prefix:])
-        delta = now[len(before):] if len(now) > len(before) else ""
+        """Appends the rest of `ids`, an incomplete character included (the completion has
+        ended): one full decode, whose text extends what was sent wherever the decoder's
+        rewrites stayed within what was held back."""
+        full = self._decode(ids)
+        if full.startswith(self.text):
+            delta = full[len(self.text):]
+        else:  # (a decoder rewriting further back: the sent text stands, the window adds on)
+            before = self._decode(ids[self._prefix:self._read])
+            delta = self._decode(ids[self._prefix:])[len(before) - self._held:]
         self.text += delta
         self._prefix = self._read = len(ids)
+        self._held = 0
         return delta
+
+    def _unsettled(self, text: str) -> int:
+        """How many trailing characters of the window's text later tokens may still change."""
+        kept = len(text.rstrip(_REPLACEMENT))  # a character still missing bytes
+        if kept < len(text):
+            return len(text) - kept
+        if self._traits.cleanup:
+            for k in (3, 2, 1):
+                if text[-k:] in _CLEANUP_HEADS:
+                    return k
+        return 0
+
+    def _byte_run_open(self, ids: list[int]) -> bool:
+        """Whether the newest token (skipped special tokens aside) is a byte-fallback token:
+        its run's text is not settled until a token of another kind ends the run."""
+        if not self._traits.byte_fallback:
+            return False
+        i = len(ids) - 1
+        skipped = self._traits.special if self.skip else ()
+        while i >= self._read and ids[i] in skipped:
+            i -= 1
+        return i >= self._read and self._traits.is_byte(ids[i])
 
 
 class TokenPieces:
@@ -67,7 +110,7 @@ class TokenPieces:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self._cache: dict[int, tuple[str, bytes]] = {}
-        self._byte_level = _is_byte_level(tokenizer)
+        self._byte_level = tokenizer is not None and _traits(tokenizer).byte_level
 
     def _piece(self, token: int) -> tuple[str, bytes]:
         hit = self._cache.get(token)
@@ -120,12 +163,51 @@ def _byte_decoder() -> dict[str, int]:
 _BYTE_DECODER = _byte_decoder()
 
 
-def _is_byte_level(tokenizer) -> bool:
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        return False
+class _Traits:
+    """What `IncrementalText` needs to know of a tokenizer (found once per tokenizer)."""
+
+    def __init__(self, tokenizer):
+        decoder = _decoder_json(tokenizer)
+        self.byte_level = "ByteLevel" in decoder
+        self.byte_fallback = "ByteFallback" in decoder
+        # Held back for any tokenizer that asks for the clean-up (Transformers skips it for
+        # BPE models, where holding back only delays a few characters).
+        self.cleanup = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
+        self.special = frozenset(getattr(tokenizer, "all_special_ids", None) or ())
+        try:  # (no strong reference: the traits are cached per tokenizer, weakly)
+            self._tokenizer = weakref.ref(tokenizer)
+        except TypeError:
+            self._tokenizer = lambda: tokenizer
+        self._bytes: dict[int, bool] = {}
+
+    def is_byte(self, token: int) -> bool:
+        """Whether `token` is a byte-fallback piece such as <0xE6>."""
+        hit = self._bytes.get(token)
+        if hit is None:
+            piece = self._tokenizer().convert_ids_to_tokens(token)
+            hit = isinstance(piece, str) and _BYTE_PIECE.fullmatch(piece) is not None
+            if len(self._bytes) < 1 << 20:
+                self._bytes[token] = hit
+        return hit
+
+
+_TRAITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _traits(tokenizer) -> _Traits:
     try:
-        decoder = json.loads(backend.to_str()).get("decoder")
-    except (ValueError, AttributeError):
-        return False
-    return "ByteLevel" in json.dumps(decoder)
+        return _TRAITS[tokenizer]
+    except KeyError:
+        traits = _TRAITS[tokenizer] = _Traits(tokenizer)
+        return traits
+    except TypeError:  # (not weakly referenceable: found anew)
+        return _Traits(tokenizer)
+
+
+def _decoder_json(tokenizer) -> str:
+    """The fast tokenizer's decoder as JSON text ("" without one)."""
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    try:
+        return decoder.__getstate__().decode() if decoder is not None else ""
+    except (AttributeError, TypeError, ValueError):
+        return ""

@@ -73,9 +73,13 @@ class EngineRequest:
         if self.matchers is not None and not self.matchers[k].accept(token):
             raise ValueError(f"token {token} breaks its structured-output constraint")
         before = 0
-        if self.texts is not None:  # the text grows with each token (held back while a
-            before = len(out.text)  # character is incomplete)
-            self.texts[k].update(seq.output)
+        if self.texts is not None:  # the text grows with each token (held back while later
+            before = len(out.text)  # tokens may change it); the last token settles it, so
+            last = len(seq.output) >= seq.max_tokens and token not in self.stop_ids
+            if last:  # that stop strings below see every character
+                self.texts[k].finish(seq.output)
+            else:
+                self.texts[k].update(seq.output)
             out.text = self.texts[k].text
         if token in self.stop_ids:  # masked until min_tokens, so never too early
             eos = token in eos_ids and token not in params.stop_token_ids
