@@ -93,15 +93,18 @@ class IncrementalText:
         return 0
 
     def _byte_run_open(self, ids: list[int]) -> bool:
-        """Whether the newest token (skipped special tokens aside) is a byte-fallback token:
-        its run's text is not settled until a token of another kind ends the run."""
+        """Whether the newest token is a byte-fallback token (tokens the decode leaves out
+        aside: skipped special tokens, ids the vocabulary lacks): its run's text is not
+        settled until a token of another kind ends the run."""
         if not self._traits.byte_fallback:
             return False
-        i = len(ids) - 1
         skipped = self._traits.special if self.skip else ()
-        while i >= self._read and ids[i] in skipped:
-            i -= 1
-        return i >= self._read and self._traits.is_byte(ids[i])
+        for i in range(len(ids) - 1, self._read - 1, -1):
+            if ids[i] not in skipped:
+                kind = self._traits.kind(ids[i])
+                if kind is not None:
+                    return kind
+        return False
 
 
 class TokenPieces:
@@ -178,17 +181,19 @@ class _Traits:
             self._tokenizer = weakref.ref(tokenizer)
         except TypeError:
             self._tokenizer = lambda: tokenizer
-        self._bytes: dict[int, bool] = {}
+        self._kinds: dict[int, bool | None] = {}
 
-    def is_byte(self, token: int) -> bool:
-        """Whether `token` is a byte-fallback piece such as <0xE6>."""
-        hit = self._bytes.get(token)
-        if hit is None:
+    def kind(self, token: int) -> bool | None:
+        """Whether `token` is a byte-fallback piece such as <0xE6>; None for an id the
+        vocabulary lacks (which a decode leaves out)."""
+        try:
+            return self._kinds[token]
+        except KeyError:
             piece = self._tokenizer().convert_ids_to_tokens(token)
-            hit = isinstance(piece, str) and _BYTE_PIECE.fullmatch(piece) is not None
-            if len(self._bytes) < 1 << 20:
-                self._bytes[token] = hit
-        return hit
+            kind = None if piece is None else _BYTE_PIECE.fullmatch(str(piece)) is not None
+            if len(self._kinds) < 1 << 20:
+                self._kinds[token] = kind
+            return kind
 
 
 _TRAITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

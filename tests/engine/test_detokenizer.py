@@ -77,10 +77,12 @@ def test_text_grows_and_adds_up_to_a_full_decode(name):
     tok = TOKENIZERS[name]()
     rng = random.Random(0)
     cases = [tok(s)["input_ids"] for s in sentences(rng, 100)] if "word" not in name else []
-    # Random ids, special tokens among them: byte runs that are not UTF-8 at all (a byte-
-    # fallback run turns into replacement characters only once an invalid byte joins it,
-    # across skipped special tokens), punctuation that the clean-up joins to the word before.
-    cases += [[rng.randrange(len(tok)) for _ in range(rng.randint(1, 40))] for _ in range(300)]
+    # Random ids, special tokens and ids past the vocabulary (a model's padded embedding)
+    # among them: byte runs that are not UTF-8 at all (a byte-fallback run turns into
+    # replacement characters only once an invalid byte joins it, across the tokens a decode
+    # leaves out), punctuation that the clean-up joins to the word before.
+    cases += [[rng.randrange(len(tok) + 4) for _ in range(rng.randint(1, 40))]
+              for _ in range(300)]
     for ids in cases:
         for skip in (True, False):
             grow(tok, ids, skip)
