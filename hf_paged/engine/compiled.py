@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import types
 import weakref
 
 import torch
+
+logger = logging.getLogger("hf_paged")
 
 # model -> {(backend, variant, its weights' names, shapes, dtypes, devices): entry point}.
 # The entry points take the model as an argument: none keeps it alive.
@@ -18,6 +21,13 @@ _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # and mixed steps, each with or without split parts, and the sizes of 1 Dynamo specializes
 # on): Dynamo's default of 8 would fail a step's requests (fullgraph) past it.
 RECOMPILE_LIMIT = 64
+
+# What tracing or compiling a forward raises (a compiled graph that runs raises its op's own
+# error): the model's code does what one graph cannot hold (DBRX's experts loop over the
+# experts a batch hit, a data-dependent count), or the recompile limit was reached.
+COMPILE_ERRORS = tuple(e for e in (torch._dynamo.exc.TorchDynamoException,
+                                   getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", None))
+                       if e is not None)
 
 
 def compile_forward(model, backend: str, variant: tuple = ()):
@@ -58,3 +68,16 @@ def not_on_weights(entries) -> list[bool]:
     """Keeps every guard but those on a parameter or buffer (by the guard's source name);
     inputs, metadata, modules' structure and attributes, and globals stay guarded."""
     return ["._parameters[" not in e.name and "._buffers[" not in e.name for e in entries]
+
+
+def run_eagerly(runner, err: BaseException) -> None:
+    """The runner's compiled forward failed to trace or compile (`COMPILE_ERRORS`): from now
+    on its forwards run eagerly, with the same tokens, rather than fail every request. An
+    error of an eager forward (the runner's `compiled` is None) is raised again."""
+    if runner.compiled is None:
+        raise err
+    runner.compile_error = f"{type(err).__name__}: {err}"
+    runner.compiled = None
+    logger.warning("hf-paged engine: the model's forward does not compile (%s); it runs "
+                   "eagerly from now on (compile=False gives the same without trying).",
+                   runner.compile_error.splitlines()[0][:500])

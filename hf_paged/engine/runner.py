@@ -37,7 +37,7 @@ from ..kv import quant
 from ..kv.pool import KVPool, block_bytes
 from ..utils import cdiv
 from .adapters import BASE
-from .compiled import compile_forward
+from .compiled import COMPILE_ERRORS, compile_forward, run_eagerly
 from .graphs import DecodeGraphs, wants_graphs
 
 logger = logging.getLogger("hf_paged")
@@ -274,6 +274,7 @@ class ModelRunner:
     def _compile(self, compile: bool | str):
         """The model under torch.compile (fullgraph, dynamic shapes), or None for eager.
         compile: True (Inductor) or the name of a torch.compile backend."""
+        self.compile_error: str | None = None  # why a compiled forward ran eagerly
         if compile is False or compile is None:
             return None
         if not (compile is True or isinstance(compile, str)):
@@ -339,8 +340,8 @@ class ModelRunner:
         and `counts` new ones, decode rows apart from prompt chunks: one per KV group (each
         group's tables are rows g * max_num_seqs + row)."""
         device = self.kv_device
+        # A compiled forward gets no host lengths: it would specialize on them.
         if counts.count(1) == len(counts):  # decodes: slots from the host mirror
-            # (A compiled forward gets no host lengths: it would specialize on them.)
             return decode_metadata(self.device_table, rows, context, context_t,
                                    self.block_size, host_lengths=self.compiled is None)
         index = to_device(rows, device)
@@ -350,7 +351,6 @@ class ModelRunner:
         metas = []
         for g in range(self.groups.num_groups):
             table = self.device_table.group(g).index_select(0, index)
-            # A compiled forward gets no host lengths: it would specialize on them.
             metas.append(build_metadata(table, context_t, counts, max(counts), max(lens),
                                         self.block_size, packed=True,
                                         seq_lens_host=lens if self.compiled is None else None,
@@ -379,8 +379,12 @@ class ModelRunner:
         else:
             keep = to_device(want or [len(f.ids) - 1], self._index_device)
         adapter = BASE if f.adapter is None and self.none_means_base else f.adapter
-        return self.run_model(f.fill_pending(ids), positions, metas, keep,
-                              adapter)[:len(want)]
+        try:
+            logits = self.run_model(f.fill_pending(ids), positions, metas, keep, adapter)
+        except COMPILE_ERRORS as err:  # (raised again if the forward ran eagerly)
+            run_eagerly(self, err)  # nothing ran: the step runs anew, eagerly
+            return self.forward(f, check)
+        return logits[:len(want)]
 
     def run_model(self, ids: torch.Tensor, positions: torch.Tensor,
                   metas: list[ForwardMetadata], keep: torch.Tensor | int,

@@ -37,7 +37,7 @@ def split_layer(kv: torch.Tensor, split: int = 0, kv_dtype: torch.dtype | None =
         return kv[0].view(kv_dtype), kv[1].view(kv_dtype)
     if not split:
         return kv[0], kv[1]
-    return kv[0, ..., :split], kv[0, ..., split:]
+    return torch.split(kv[0], [split, kv.shape[-1] - split], dim=-1)
 
 
 # Storage addresses of every live pool's shards, for is_pool_view (a set: read without a

@@ -49,7 +49,7 @@ def workload(seed=3):
     return prompts, max_tokens, arrivals
 
 
-def run(model, compile, mode="recompute", num_blocks=60, **options):
+def run(model, compile, mode="recompute", num_blocks=60, eager_fallback=False, **options):
     prompts, max_tokens, arrivals = workload()
     engine = LLMEngine(model, block_size=4, num_blocks=num_blocks, max_num_seqs=5,
                        max_num_batched_tokens=24, preemption_mode=mode, compile=compile,
@@ -57,6 +57,8 @@ def run(model, compile, mode="recompute", num_blocks=60, **options):
                        **options)
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     done = run_engine(engine, prompts, params, arrivals)
+    if compile and not eager_fallback:  # (a forward that does not trace runs eagerly)
+        assert engine.runner.compile_error is None, engine.runner.compile_error
     outs = [done[str(i)].outputs[0] for i in range(len(prompts))]
     assert all(o.finish_reason == "length" for o in outs), [done[str(i)].error for i in range(len(prompts))]
     return [o.token_ids for o in outs], engine.stats()
@@ -85,14 +87,36 @@ def test_compiled_engine_equals_eager_and_stock(kind):
 
 
 @pytest.mark.parametrize("name", [pytest.param("gemma3", marks=pytest.mark.slow),
-                                  pytest.param("gpt_oss", marks=pytest.mark.slow), "qwen3"])
+                                  pytest.param("gpt_oss", marks=pytest.mark.slow), "qwen3",
+                                  "deepseek_v3"])
 def test_compiled_engine_on_other_architectures(name):
-    """Hybrid KV groups (Gemma 3, gpt-oss with sinks) and QK norms (Qwen3) trace too."""
+    """Hybrid KV groups (Gemma 3, gpt-oss with sinks), QK norms (Qwen3) and a latent KV whose
+    keys and values share each block at different sizes (DeepSeek-V3) trace too."""
     model = make_arch(name)
     eager, _ = run(model, False)
     compiled, _ = run(model, CAPTURE)
     assert compiled == eager
     assert graphs() <= MAX_GRAPHS
+
+
+def test_a_forward_that_does_not_trace_runs_eagerly(caplog):
+    """DBRX's experts loop over the experts a batch hits, a count Dynamo cannot hold in one
+    graph: the first step's trace fails, and from then on the engine runs eagerly, with a
+    warning saying why, rather than fail every request. Its tokens are eager's and stock's."""
+    model = make_arch("dbrx")
+    eager, _ = run(model, False)
+    with caplog.at_level("WARNING", logger="hf_paged"):
+        prompts, max_tokens, arrivals = workload()
+        engine = LLMEngine(model, block_size=4, num_blocks=60, max_num_seqs=5,
+                           max_num_batched_tokens=24, compile=CAPTURE)
+        params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
+                  for m in max_tokens]
+        done = run_engine(engine, prompts, params, arrivals)
+    assert [done[str(i)].outputs[0].token_ids for i in range(len(prompts))] == eager
+    assert all(done[str(i)].error is None for i in range(len(prompts)))
+    assert engine.runner.compiled is None and "UserError" in engine.runner.compile_error
+    assert sum("does not compile" in r.message for r in caplog.records) == 1
+    assert eager == [stock_greedy(model, p, m) for p, m in zip(prompts, max_tokens)]
 
 
 def test_compiled_sampling_and_parallel_samples_equal_eager():
