@@ -129,6 +129,14 @@ class PoolAccess:
         reference.write_layer_kv(self.pool.shards[shard], index, key, value, slot_mapping,
                                  self.pool.split, self.pool.kv_dtype)
 
+    def gather_traced(self, layer_idx: int,
+                      block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A compiled forward's read of a latent layer's rows (`reference.gather_layer_kv`):
+        [R, Hkv, T, Dk] and [R, Hkv, T, Dv]."""
+        shard, index = self.pool.placement.where[self.where[layer_idx][1]]
+        return reference.gather_layer_kv(self.pool.shards[shard], index, block_tables,
+                                         self.pool.split)
+
     def backend_for(self, shard: int, meta: ForwardMetadata, caller_mask: bool) -> Backend:
         """The backend that computes this forward on `shard`: the shard's own where its
         capabilities cover the forward, the PyTorch reference otherwise (the one rule)."""

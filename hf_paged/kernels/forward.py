@@ -160,6 +160,8 @@ class PagedForward(PagedLayers, Cache):
         if meta.num_new:
             self._store(key_states, value_states, layer_idx, meta, k_cache, v_cache)
         if self.access.latent:
+            if torch.compiler.is_compiling():  # (one op reading the shard after the write)
+                return self.access.gather_traced(layer_idx, meta.block_tables)
             return (reference.gather_kv(k_cache, meta.block_tables),
                     reference.gather_kv(v_cache, meta.block_tables))
         return k_cache, v_cache

@@ -80,6 +80,27 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor,
     return gathered.view(rows, nb * bs, h, d).transpose(1, 2)
 
 
+def _gathered_like(kv: torch.Tensor, index: int, block_tables: torch.Tensor, split: int):
+    rows, nb = block_tables.shape
+    _, _, _, bs, h, d = kv.shape
+    return (kv.new_empty(rows, nb * bs, h, split).transpose(1, 2),  # (gather_kv's strides)
+            kv.new_empty(rows, nb * bs, h, d - split).transpose(1, 2))
+
+
+@define("gather_layer_kv", "(Tensor kv, int index, Tensor block_tables, int split) -> "
+        "(Tensor, Tensor)", _gathered_like)
+def gather_layer_kv(kv: torch.Tensor, index: int, block_tables: torch.Tensor,
+                    split: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gather_kv` of both parts of fused layer `index` of a pool shard kv [L, 1, NB, bs,
+    Hkv, Dk + Dv] (values from `split` on) -> [R, Hkv, T, Dk], [R, Hkv, T, Dv], as one op
+    that reads the shard itself. A compiled forward gathers a latent layer's rows through
+    it: Inductor, gathering them through views of the shard that `write_layer_kv` had just
+    written, read part of the values as they were before the write (DeepSeek-V3's logits
+    then differed from eager by 1e-2)."""
+    k_cache, v_cache = split_layer(kv[index], split)
+    return gather_kv(k_cache, block_tables), gather_kv(v_cache, block_tables)
+
+
 def alibi_bias(slopes: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
     """Falcon's ALiBi term of the scores, as Transformers computes it: slope x key position
     in bfloat16 (`build_alibi_tensor` rounds the slope, the position and the product to
