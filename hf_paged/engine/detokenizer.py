@@ -173,9 +173,13 @@ class _Traits:
         decoder = _decoder_json(tokenizer)
         self.byte_level = "ByteLevel" in decoder
         self.byte_fallback = "ByteFallback" in decoder
-        # Held back for any tokenizer that asks for the clean-up (Transformers skips it for
-        # BPE models, where holding back only delays a few characters).
-        self.cleanup = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
+        # Whether decode() cleans up spaces: Transformers skips it for BPE models unless
+        # forced (holding back there would only delay text, and stop strings with it).
+        model = getattr(getattr(tokenizer, "backend_tokenizer", None), "model", None)
+        self.cleanup = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False)) and (
+            type(model).__name__ != "BPE" or bool(getattr(
+                tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_"
+                "output", False)))
         self.special = frozenset(getattr(tokenizer, "all_special_ids", None) or ())
         try:  # (no strong reference: the traits are cached per tokenizer, weakly)
             self._tokenizer = weakref.ref(tokenizer)

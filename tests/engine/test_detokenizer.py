@@ -197,3 +197,22 @@ def test_a_stop_string_in_the_last_tokens_text_is_found():
         assert got.text == out.text[:-size] and got.token_ids == out.token_ids
         checked += 1
     assert checked >= 3
+
+
+def test_clean_up_holds_back_only_where_the_decode_cleans_up():
+    """A tail such as " '" waits for the next token where decode() cleans up spaces; a BPE
+    tokenizer's decode skips the clean-up (Transformers' rule), so its text is not delayed."""
+    words = make_punctuation_tokenizer("word-level", True)
+    ids = words("hello '")["input_ids"]
+    text = IncrementalText(words)
+    text.update(ids)
+    assert text.text == "hello"  # " '" may still become "'" (" ' " -> "'")
+    ids += words("the")["input_ids"]
+    text.update(ids)
+    assert text.text == words.decode(ids) == "hello'the"
+    bpe = PreTrainedTokenizerFast(tokenizer_object=make_byte_tokenizer().backend_tokenizer,
+                                  clean_up_tokenization_spaces=True)
+    ids = bpe("hello ")["input_ids"]
+    text = IncrementalText(bpe)
+    text.update(ids)
+    assert text.text == bpe.decode(ids) == "hello "
