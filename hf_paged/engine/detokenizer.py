@@ -69,7 +69,9 @@ class IncrementalText:
     def finish(self, ids: list[int]) -> str:
         """Appends the rest of `ids`, an incomplete character included (the completion has
         ended): one full decode, whose text extends what was sent wherever the decoder's
-        rewrites stayed within what was held back."""
+        rewrites stayed within what was held back. Again on the same ids: nothing to do."""
+        if self._prefix == self._read == len(ids):  # (finished there: update never leaves
+            return ""  # the window empty)
         full = self._decode(ids)
         if full.startswith(self.text):
             delta = full[len(self.text):]
