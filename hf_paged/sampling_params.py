@@ -94,9 +94,18 @@ class SamplingParams:
     seed:               a generator of the request's own: the same tokens alone or in a batch
                         (any integer torch takes, -2**63 .. 2**64-1; completion i uses seed + i)
     stop:               strings that end a completion ("stop"); they are not in the text
-    stop_token_ids:     token ids that end a completion ("stop"); they are in `token_ids`
+                        unless include_stop_str_in_output
+    stop_token_ids:     token ids that end a completion ("stop"); they are in `token_ids`,
+                        and their text (as an EOS's) is not in `text` unless
+                        include_stop_str_in_output
+    include_stop_str_in_output: keep the stop string or stop token that ended a completion
+                        at the end of its text
     ignore_eos:         keep going past the model's EOS token
     min_tokens:         EOS and stop token ids are masked until this many tokens are out
+    logit_bias:         {token id: bias} added to those tokens' logits before penalties and
+                        sampling (greedy included), as vLLM's and OpenAI's `logit_bias`
+    allowed_token_ids:  only these tokens may be generated (the others are masked)
+    skip_special_tokens: leave special tokens out of the text (the token ids keep them)
     logprobs:           return the log-probabilities (of the model's raw distribution) of
                         this many most likely tokens at each step, plus the sampled one's
     prompt_logprobs:    the same for every prompt token after the first (the first has none),
@@ -125,6 +134,10 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
@@ -141,6 +154,7 @@ class SamplingParams:
             raise InvalidRequestError(f"SamplingParams.stop_token_ids must be integers; got "
                                       f"{ids!r:.200}.", "stop_token_ids")
         self.stop_token_ids = [int(t) for t in ids]
+        self._check_token_settings()
         _check(self.n, "n", int, lambda v: v >= 1, "an integer >= 1")
         _check(self.max_tokens, "max_tokens", int, lambda v: v >= 1, "an integer >= 1", none=True)
         _check(self.temperature, "temperature", float, lambda v: v >= 0, "a number >= 0", none=True)
@@ -185,22 +199,48 @@ class SamplingParams:
             raise InvalidRequestError(f"SamplingParams.min_tokens ({self.min_tokens}) must not "
                                       f"exceed max_tokens ({self.max_tokens}).", "min_tokens")
 
+    def _check_token_settings(self) -> None:
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or not all(
+                    _is_int(t) and _is_number(b) for t, b in self.logit_bias.items()):
+                raise InvalidRequestError("SamplingParams.logit_bias must map token ids "
+                                          "(integers) to finite numbers; got "
+                                          f"{self.logit_bias!r:.200}.", "logit_bias")
+            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()} or None
+        if self.allowed_token_ids is not None:
+            allowed = self.allowed_token_ids
+            if (not isinstance(allowed, (list, tuple, set)) or not allowed
+                    or not all(_is_int(t) for t in allowed)):
+                raise InvalidRequestError("SamplingParams.allowed_token_ids must be a non-empty "
+                                          f"list of token ids; got {allowed!r:.200}.",
+                                          "allowed_token_ids")
+            self.allowed_token_ids = sorted({int(t) for t in allowed})
+        for name in ("skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(f"SamplingParams.{name} must be True or False; got "
+                                          f"{getattr(self, name)!r:.100}.", name)
+
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
     @property
-    def penalized(self) -> bool:
-        """Whether a penalty changes the logits (of resolved params)."""
+    def adjusts_logits(self) -> bool:
+        """Whether a penalty, bias or allowed-token list changes the logits (of resolved
+        params) before sampling."""
         return (self.repetition_penalty != 1.0 or bool(self.presence_penalty)
-                or bool(self.frequency_penalty))
+                or bool(self.frequency_penalty) or self.logit_bias is not None
+                or self.allowed_token_ids is not None)
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raises InvalidRequestError for token ids the model does not have."""
-        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise InvalidRequestError(f"SamplingParams.stop_token_ids must be token ids in "
-                                      f"[0, {vocab_size}); got {bad[:5]}.", "stop_token_ids")
+        for name, ids in (("stop_token_ids", self.stop_token_ids),
+                          ("logit_bias", self.logit_bias or ()),
+                          ("allowed_token_ids", self.allowed_token_ids or ())):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise InvalidRequestError(f"SamplingParams.{name} must name token ids in "
+                                          f"[0, {vocab_size}); got {bad[:5]}.", name)
 
     def generator_seed(self, completion: int) -> int:
         """The seed of completion `completion`'s generator (wraps as torch does)."""
@@ -219,6 +259,15 @@ class SamplingParams:
             raise InvalidRequestError(f"SamplingParams.min_tokens ({out.min_tokens}) must not "
                                       f"exceed max_tokens ({out.max_tokens}).", "min_tokens")
         return out
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
 
 
 def _check(value, name, kind, ok, allowed, none=False):

@@ -221,7 +221,8 @@ class LLMEngine:
                               cumulative_logprob=0.0 if logprobs else None)
              for i in range(params.n)],
             generators, stop_ids, RequestMetrics(arrival),
-            [IncrementalText(self.tokenizer) for _ in range(params.n)] if follow else None,
+            [IncrementalText(self.tokenizer, params.skip_special_tokens)
+             for _ in range(params.n)] if follow else None,
             None if params.timeout is None else arrival + params.timeout, matchers=matchers)
 
     def compile_constraint(self, spec) -> None:

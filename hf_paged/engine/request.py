@@ -43,9 +43,14 @@ class EngineRequest:
     unfinished: int = -1  # completions still running (counted down by _ended)
     prompt_logprobs: list | None = None  # per prompt token (prompt_logprobs.record fills it)
     matchers: list | None = None  # per completion, its structured-output constraint's state
+    hold: int = 0  # trailing characters a running completion's snapshot leaves out
 
     def __post_init__(self):
         self.unfinished = sum(1 for c in self.completions if not c.finished)
+        if self.params.stop and not self.params.include_stop_str_in_output:
+            # What the next tokens may complete into a stop string, which the text is then
+            # cut before: a stream shows it once no stop string can (a stream only grows).
+            self.hold = max(len(s) for s in self.params.stop) - 1
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None] * len(self.prompt_ids)
 
@@ -73,15 +78,18 @@ class EngineRequest:
         if self.matchers is not None and not self.matchers[k].accept(token):
             raise ValueError(f"token {token} breaks its structured-output constraint")
         before = 0
+        stopping = token in self.stop_ids  # (masked until min_tokens, so never too early)
         if self.texts is not None:  # the text grows with each token (held back while later
             before = len(out.text)  # tokens may change it); the last token settles it, so
-            last = len(seq.output) >= seq.max_tokens and token not in self.stop_ids
-            if last:  # that stop strings below see every character
+            if stopping:  # that stop strings below see every character
+                self.texts[k].finish(seq.output if params.include_stop_str_in_output
+                                     else seq.output[:-1])
+            elif len(seq.output) >= seq.max_tokens:
                 self.texts[k].finish(seq.output)
             else:
                 self.texts[k].update(seq.output)
             out.text = self.texts[k].text
-        if token in self.stop_ids:  # masked until min_tokens, so never too early
+        if stopping:
             eos = token in eos_ids and token not in params.stop_token_ids
             out.stop_reason = None if eos else token
             return self._ended(k, "stop")
@@ -92,7 +100,9 @@ class EngineRequest:
                     if at >= 0]
             if hits:
                 at, out.stop_reason = min(hits)
-                out.text = out.text[:at]  # cut before the stop string
+                # cut before the stop string, or after it
+                out.text = out.text[:at + (len(out.stop_reason)
+                                           if params.include_stop_str_in_output else 0)]
                 return self._ended(k, "stop", flush=False)
         if self.matchers is not None and self.matchers[k].done:  # (ended by an EOS it took)
             return self._ended(k, "stop")
@@ -115,9 +125,20 @@ class EngineRequest:
         out.finish_reason = reason
         if self.texts is not None and flush:
             out.text = self.texts[k].text  # kept if finishing the decode raises
-            self.texts[k].finish(out.token_ids)
+            self.texts[k].finish(self._text_ids(out))
             out.text = self.texts[k].text
         return reason
+
+    def _text_ids(self, out: CompletionOutput) -> list[int]:
+        """The tokens whose text is the completion's: all of them but a stop token (EOS or
+        one of stop_token_ids) that ended it, which is kept only with
+        include_stop_str_in_output (as vLLM)."""
+        ids = out.token_ids
+        if (out.finish_reason == "stop" and ids and ids[-1] in self.stop_ids
+                and not isinstance(out.stop_reason, str)
+                and not self.params.include_stop_str_in_output):
+            return ids[:-1]
+        return ids
 
     def output(self, tokenizer) -> RequestOutput:
         """A snapshot (later steps do not change it). Text not followed token by token is
@@ -128,12 +149,16 @@ class EngineRequest:
             if (self.texts is None and tokenizer is not None and out.finished
                     and out.token_ids and not out.text):
                 try:
-                    out.text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
+                    out.text = tokenizer.decode(self._text_ids(out), skip_special_tokens=(
+                        self.params.skip_special_tokens))
                 except Exception as err:  # noqa: BLE001 (this request's text alone)
                     self.error = self.error or f"its text could not be decoded: {describe(err)}"
                     logger.warning("hf-paged: request %s: %s", self.request_id, self.error)
+            text = out.text
+            if self.hold and not out.finished:
+                text = text[:max(0, len(text) - self.hold)]
             completions.append(CompletionOutput(  # field by field: replace() is slow
-                out.index, out.text, list(out.token_ids), out.finish_reason, out.stop_reason,
+                out.index, text, list(out.token_ids), out.finish_reason, out.stop_reason,
                 None if out.logprobs is None else list(out.logprobs), out.cumulative_logprob))
         cached = self.seqs[0].cached_tokens if self.seqs else 0
         m = self.metrics

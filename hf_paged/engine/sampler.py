@@ -1,7 +1,8 @@
 """Next tokens from a step's logits, each row with its request's own settings.
 
-Rows are processed together: `penalize` applies Transformers' repetition penalty, OpenAI's
-presence/frequency penalties and the min-tokens mask; `warp` then applies, to sampled rows,
+Rows are processed together: `penalize` applies, in vLLM's order, the allowed-token mask,
+the logit bias, Transformers' repetition penalty, OpenAI's presence/frequency penalties and
+the min-tokens mask; `warp` then applies, to sampled rows,
 temperature, top-k, top-p and min-p (Transformers' warpers, in its order, with its tie and
 minimum-kept rules). Greedy rows take the argmax of the penalized logits. Sampling draws one
 exponential per vocabulary entry and takes argmax(p / e), which is a draw from p; a seeded
@@ -46,7 +47,7 @@ class SampleRow:
         self.states = None  # a list: the generator's state is added after each draw
         self.greedy = self.params.greedy
         self.logprobs = self.params.logprobs is not None
-        self.penalized = self.params.penalized
+        self.penalized = self.params.adjusts_logits
         self._plain()
 
     def _plain(self) -> None:
@@ -68,9 +69,10 @@ class SampleResult:
     failed: list[int]  # rows with no valid distribution (their tokens are meaningless)
 
 
-def _padded(lists: list[list[int]], fill: int, device) -> torch.Tensor:
+def _padded(lists: list[list], fill, device, dtype=torch.long) -> torch.Tensor:
+    """[len(lists), longest] of `dtype`: each list, then `fill`."""
     width = max(1, max(len(x) for x in lists))
-    return torch.tensor([x + [fill] * (width - len(x)) for x in lists], dtype=torch.long,
+    return torch.tensor([x + [fill] * (width - len(x)) for x in lists], dtype=dtype,
                         device=device)
 
 
@@ -186,8 +188,24 @@ class Sampler:
                        done=(result, errors))
 
     def penalize(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        """Penalties and min-tokens masking, in place: [S, V] float32 -> the same."""
+        """Allowed tokens, bias, penalties and min-tokens masking, in place: [S, V] float32
+        -> the same."""
         vocab, device = logits.shape[1], logits.device
+        allowing = [i for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
+        if allowing:
+            idx = torch.tensor(allowing, device=device)
+            ids = _padded([rows[i].params.allowed_token_ids for i in allowing], vocab, device)
+            keep = torch.zeros(len(allowing), vocab + 1, dtype=torch.bool, device=device)
+            keep.scatter_(1, ids, True)
+            logits[idx] = logits[idx].masked_fill(~keep[:, :vocab], float("-inf"))
+        biased = [i for i, r in enumerate(rows) if r.params.logit_bias is not None]
+        if biased:
+            idx = torch.tensor(biased, device=device)
+            biases = [rows[i].params.logit_bias for i in biased]
+            ids = _padded([list(b) for b in biases], vocab, device)
+            values = _padded([list(b.values()) for b in biases], 0, device, logits.dtype)
+            ext = torch.cat([logits[idx], logits.new_zeros(len(biased), 1)], 1)
+            logits[idx] = ext.scatter_add(1, ids, values)[:, :vocab]
         rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
         if rep:
             idx = torch.tensor(rep, device=device)

@@ -91,13 +91,16 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a string) -> bias in [-100, 100]
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     priority: int = 0
     cache_salt: str | None = Field(None, min_length=1)  # vLLM's: a prefix-cache namespace
     timeout: float | None = Field(None, gt=0)  # seconds until the request ends ("timeout")
@@ -145,6 +148,24 @@ class _Sampling(BaseModel):
         except InvalidRequestError as err:
             raise APIError(400, f"{field}: {err}", field) from err
 
+    def token_biases(self) -> dict[int, float] | None:
+        """`logit_bias` with integer token ids; APIError 400 for a key that is not one or a
+        bias outside OpenAI's [-100, 100]."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise APIError(400, f"logit_bias: keys must be token ids; got {key!r:.50}.",
+                               "logit_bias") from None
+            if not -100 <= bias <= 100:
+                raise APIError(400, f"logit_bias: biases must be in [-100, 100]; got {bias} "
+                               f"for token {key}.", "logit_bias")
+            out[token] = bias
+        return out
+
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
@@ -152,8 +173,7 @@ class _Sampling(BaseModel):
                         timeout: float | None = None, prompt_logprobs: int | None = None,
                         constraint: StructuredOutputsParams | None = None) -> SamplingParams:
         """constraint: the structured output, when not the request's own (forced tools)."""
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported.", "logit_bias")
+        bias = self.token_biases()
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream=true.",
                            "stream_options")
@@ -163,7 +183,10 @@ class _Sampling(BaseModel):
                 top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
-                ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, logprobs=logprobs,
+                ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, logit_bias=bias,
+                allowed_token_ids=self.allowed_token_ids,
+                skip_special_tokens=self.skip_special_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 structured_outputs=constraint or self.structured(),
                 timeout=timeout)

@@ -382,8 +382,8 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
                                server.salt_for(tenant, body.cache_salt), "prompt")
         rid = new_id("cmpl")
         if body.stream:
-            return EventStream(completion_events(server, body, rid, streams, params, tenant,
-                                                 echo), streams)
+            return EventStream(completion_events(server, body, rid, streams, tenant, echo),
+                               streams)
         results = await server.collect(streams, request)
         if results is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
@@ -412,8 +412,8 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
                                server.salt_for(tenant, body.cache_salt), "messages")
         rid = new_id("chatcmpl")
         if body.stream:
-            return EventStream(chat_events(server, body, rid, streams[0], params, top or 0,
-                                             tenant, tools), streams)
+            return EventStream(chat_events(server, body, rid, streams[0], top or 0, tenant,
+                                           tools), streams)
         results = await server.collect(streams, request)
         if results is None:
             return Response(status_code=499)

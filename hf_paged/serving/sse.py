@@ -1,9 +1,9 @@
 """Server-sent event streams of completions and chat: OpenAI's chunks from a request's
 outputs as they come, then an error event if it failed, the usage, and `[DONE]`.
 
-The engine's text only grows (an incomplete character is held back there), and `_Deltas`
-holds back the characters that could start a stop string, so the deltas a client adds up
-are the text of the same request without `stream`.
+The engine's text only grows (an incomplete character, and the characters that could start
+a stop string, are held back there), so the deltas a client adds up are the text of the
+same request without `stream`.
 """
 
 from __future__ import annotations
@@ -49,12 +49,11 @@ class EventStream(StreamingResponse):
 
 class _Deltas:
     """What each choice of a stream has been sent: tokens, characters, and whether its end.
-    While a completion may still end on a stop string, the last characters that could be
-    the start of one are held back (the final text is cut before the stop string)."""
+    (The engine's text already leaves out what could start a stop string.)"""
 
-    def __init__(self, params, hold: int = 0):
-        """hold: characters to hold back anyway (a tool-call marker's start)."""
-        self.hold = max(max((len(s) for s in params.stop), default=1) - 1, hold)
+    def __init__(self, hold: int = 0):
+        """hold: characters to hold back until the end (a tool-call marker's start)."""
+        self.hold = hold
         self.sent: dict[int, list] = {}
 
     def next(self, index: int, c) -> tuple[int, str] | None:
@@ -96,10 +95,10 @@ async def _merged(streams: list[RequestStream]):
             task.cancel()
 
 
-async def completion_events(server, body, rid, streams, params, tenant, echo=None):
+async def completion_events(server, body, rid, streams, tenant, echo=None):
     """echo: per prompt, its text, sent (with its logprobs) before a choice's first text."""
     created, n = int(time.time()), body.n
-    deltas = _Deltas(params)
+    deltas = _Deltas()
     scoring = body.max_tokens == 0  # the prompt alone: the sampled token is dropped
     offsets: dict[int, int] = {}  # per choice, the text offset of its next token
     prompt_tokens = completion_tokens = cached = 0
@@ -164,12 +163,12 @@ def _tool_choice(server, tools, c, sent: list) -> dict:
             "finish_reason": "tool_calls" if calls else c.finish_reason}
 
 
-async def chat_events(server, body, rid, stream, params, top, tenant, tools=None):
+async def chat_events(server, body, rid, stream, top, tenant, tools=None):
     """tools (a ToolMode): an answer that turns out to be a tool call is held back once
     its marker shows, and sent as `tool_calls` deltas when it ends."""
     head = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
             "model": body.model}
-    deltas = _Deltas(params, len(marker(tools.parser)) - 1 if tools is not None else 0)
+    deltas = _Deltas(len(marker(tools.parser)) - 1 if tools is not None else 0)
     held: set[int] = set()  # choices whose answer may be a tool call
     last: RequestOutput | None = None
     error = None

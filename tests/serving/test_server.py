@@ -233,6 +233,33 @@ def test_disconnect_frees_blocks_and_metrics_parse(served):
     assert 0 <= m["hf_paged_kv_usage_ratio"] <= 1
 
 
+
+def test_logit_bias_allowed_tokens_and_vllm_text_options(served):
+    prompt = "w20 w21 w22"
+    ids = served.tok(prompt)["input_ids"]
+    bias = {5: 3.0, 9: -100.0}
+    text, new = stock_text(served, ids, 8, eos_token_id=None,
+                           sequence_bias={(t,): b for t, b in bias.items()})
+    kw = dict(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+    out = served.client.completions.create(**kw, logit_bias={str(t): b for t, b in bias.items()},
+                                           extra_body={"ignore_eos": True})
+    assert out.choices[0].text == text and 9 not in new
+    # only the allowed tokens, the model's EOS among them, shown with special tokens
+    allowed = dict(allowed_token_ids=[1, 7, 8], skip_special_tokens=False,
+                   include_stop_str_in_output=True)
+    out = served.client.completions.create(**kw, logit_bias={"1": 4.0}, extra_body=allowed)
+    words = out.choices[0].text.split()
+    assert words and set(words) <= {"w7", "w8", "</s>"} and words[-1] == "</s>"
+    streamed = list(served.client.completions.create(**kw, logit_bias={"1": 4.0}, stream=True,
+                                                     extra_body=allowed))
+    assert "".join(c.choices[0].text for c in streamed) == out.choices[0].text
+    # a stop string kept at the end of the text
+    plain, _ = stock_text(served, ids, 8, eos_token_id=None)
+    stop = plain.split()[2]
+    out = served.client.completions.create(
+        **kw, stop=[stop], extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    assert out.choices[0].text == plain[:plain.index(stop) + len(stop)]
+
 BAD = [
     (dict(model="nope", prompt="w5", max_tokens=2), 404, "model"),
     (dict(model="tiny", prompt="w5", max_tokens=-1), 400, "max_tokens"),
@@ -243,7 +270,11 @@ BAD = [
     (dict(model="tiny", prompt="w5", temperature=5), 400, "temperature"),
     (dict(model="tiny", prompt="", max_tokens=2), 400, "prompt"),
     (dict(model="tiny", prompt=[3, 10**6], max_tokens=2), 400, "prompt"),
-    (dict(model="tiny", prompt="w5", logit_bias={"5": 1.0}), 400, "logit_bias"),
+    (dict(model="tiny", prompt="w5", logit_bias={"five": 1.0}), 400, "logit_bias"),
+    (dict(model="tiny", prompt="w5", logit_bias={"5": 101}), 400, "logit_bias"),
+    (dict(model="tiny", prompt="w5", logit_bias={"100000000": 1}), 400, "logit_bias"),
+    (dict(model="tiny", prompt="w5", allowed_token_ids=[]), 400, "allowed_token_ids"),
+    (dict(model="tiny", prompt="w5", allowed_token_ids=[10**6]), 400, "allowed_token_ids"),
     (dict(prompt="w5"), 400, "model"),
 ]
 

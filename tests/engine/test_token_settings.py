@@ -1,0 +1,250 @@
+"""Per-request token settings: `logit_bias` and `allowed_token_ids` against Transformers' own
+processors (row by row) and stock `generate` (end to end, sync, async and speculative, in a
+batch with requests that do not use them); `skip_special_tokens` and
+`include_stop_str_in_output` on the text, decoded once, followed token by token and
+streamed; bad values named, the engine going on."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    PrefixConstrainedLogitsProcessor, RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+)
+
+from hf_paged import LLM, AsyncLLM, LLMEngine, SamplingParams
+from hf_paged.errors import InvalidRequestError
+from hf_paged.sampler import Sampler, SampleRow
+from conftest import BOS, EOS, VOCAB, make_tokenizer
+from test_engine import long_model, run_engine
+from test_sampler import hf_scores
+from test_speculative import NGRAM, repetitive_prompts
+
+
+def resolved(**kw):
+    return SamplingParams(**kw).resolved({})
+
+
+def reference_scores(logits, tokens, p: SamplingParams, generated: int):
+    """Transformers' processors on one row: sequence bias, then the rest in generate's
+    order (vLLM's too), the allowed tokens as a prefix constraint."""
+    ids = torch.tensor([tokens])
+    scores = logits[None].clone()
+    if p.logit_bias:
+        bias = {(t,): b for t, b in p.logit_bias.items()}
+        scores = SequenceBiasLogitsProcessor(sequence_bias=bias)(ids, scores)
+    if p.allowed_token_ids is not None:
+        allowed = p.allowed_token_ids
+        scores = PrefixConstrainedLogitsProcessor(lambda batch, seq: allowed, 1)(ids, scores)
+    if p.greedy:  # (the sampler leaves a greedy row's penalized logits as they are)
+        p = replace(p, temperature=1.0)
+    return hf_scores(scores[0], tokens, p, generated)
+
+
+ROWS = [
+    dict(logit_bias={3: 2.5, 7: -1.0, 20: 100.0}, temperature=0),
+    dict(logit_bias={3: 1.5, 9: -3.0}, repetition_penalty=1.6, temperature=0.8),
+    dict(allowed_token_ids=[4, 8, 15, 16, 23, 42], temperature=1.2, top_k=3),
+    dict(allowed_token_ids=[5, 6], logit_bias={6: 0.5, 30: 50.0}, temperature=0),
+    dict(allowed_token_ids=[2, 11, 12], repetition_penalty=0.7, top_p=0.8),
+    dict(temperature=0.9),  # no token settings: untouched by its neighbours'
+]
+
+
+def test_bias_and_allowed_tokens_match_transformers_processors_row_by_row():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(len(ROWS), 50, generator=g) * 3
+    rows = []
+    for kw in ROWS:
+        prompt = torch.randint(0, 50, (5,), generator=g).tolist()
+        rows.append(SampleRow(resolved(**kw), prompt, [3, 11]))
+    sampler = Sampler()
+    penalized = sampler.penalize(logits.clone(), rows)
+    ours = sampler.warp(penalized, rows).softmax(-1)
+    for i, row in enumerate(rows):
+        ref = reference_scores(logits[i], row.prompt + row.output, row.params, 2)
+        torch.testing.assert_close(ours[i], ref.softmax(-1), rtol=1e-5, atol=1e-6,
+                                   msg=f"settings {ROWS[i]}")
+        if row.params.allowed_token_ids is not None:
+            outside = torch.ones(50, dtype=torch.bool)
+            outside[row.params.allowed_token_ids] = False
+            assert torch.isneginf(penalized[i][outside]).all()
+    tokens = sampler(logits, rows).tokens
+    assert tokens[0] == 20 and tokens[3] == 6  # a bias decides greedy rows too
+    assert tokens[2] in ROWS[2]["allowed_token_ids"]
+
+
+def stock(model, prompt, max_tokens, **kw):
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
+                         pad_token_id=0, attention_mask=torch.ones_like(ids), **kw)
+    return out[0, len(prompt):].tolist()
+
+
+def stock_kwargs(params: SamplingParams) -> dict:
+    kw = {}
+    if params.logit_bias:
+        kw["sequence_bias"] = {(t,): b for t, b in params.logit_bias.items()}
+    if params.allowed_token_ids is not None:
+        allowed = params.allowed_token_ids
+        kw["prefix_allowed_tokens_fn"] = lambda batch, seq: allowed
+    if params.repetition_penalty not in (None, 1.0):
+        kw["repetition_penalty"] = params.repetition_penalty
+    return kw
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "speculative"])
+def test_greedy_with_bias_and_allowed_tokens_equals_stock_generate(mode):
+    model = long_model("llama_gqa")
+    prompts = repetitive_prompts(3, 8)
+    plain = stock(model, prompts[0], 12)
+    settings = [
+        dict(),
+        dict(logit_bias={plain[0]: -100.0, plain[3]: 4.0, 17: 1.5}),
+        dict(logit_bias={5: 2.0, 6: -2.0}, repetition_penalty=1.4),
+        dict(allowed_token_ids=sorted({plain[1], plain[2], 9, 10, 33, 47})),
+        dict(allowed_token_ids=list(range(3, 60, 4)), logit_bias={7: 3.0, 8: 9.0}),
+        dict(allowed_token_ids=[41]),  # one token: every step takes it
+    ]
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                             **settings[i % len(settings)]) for i in range(len(prompts))]
+    options = dict(block_size=4, num_blocks=120, max_num_seqs=4)
+    if mode == "async":
+        options["async_scheduling"] = True
+    if mode == "speculative":
+        options["speculative_config"] = NGRAM
+    done = run_engine(LLMEngine(model, **options), prompts, params)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        got = done[str(i)].outputs[0].token_ids
+        assert got == stock(model, prompt, 12, **stock_kwargs(p)), (i, settings[i % 6])
+    assert done["5"].outputs[0].token_ids == [41] * 12
+    assert plain[0] not in done["1"].outputs[0].token_ids[:1]
+
+
+def test_seeded_sampling_keeps_to_the_allowed_tokens_and_the_batch_does_not_matter():
+    model = long_model("llama_gqa")
+    llm = LLM(model, block_size=4, num_blocks=200)
+    allowed = [4, 9, 16, 25, 36]
+    p = SamplingParams(temperature=1.5, max_tokens=30, seed=7, ignore_eos=True,
+                       allowed_token_ids=allowed, logit_bias={9: -100.0, 16: 2.0})
+    others = [SamplingParams(temperature=1.0, max_tokens=20, seed=i, ignore_eos=True)
+              for i in range(3)]
+    alone = llm.generate([[5, 6, 7]], p, use_tqdm=False)[0].outputs[0].token_ids
+    batch = llm.generate([[8, 9], [5, 6, 7], [3] * 9, [10]], [others[0], p, *others[1:]],
+                         use_tqdm=False)
+    assert batch[1].outputs[0].token_ids == alone
+    assert set(alone) <= set(allowed) - {9} and 16 in alone
+    assert any(set(o.outputs[0].token_ids) - set(allowed) for o in batch[:1] + batch[2:])
+
+
+@pytest.mark.parametrize("bad, field", [
+    (dict(logit_bias={"5": 1.0}), "logit_bias"), (dict(logit_bias={5: float("nan")}), "logit_bias"),
+    (dict(logit_bias={True: 1.0}), "logit_bias"), (dict(logit_bias=[5]), "logit_bias"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids"),
+    (dict(allowed_token_ids=[1.5]), "allowed_token_ids"),
+    (dict(skip_special_tokens="no"), "skip_special_tokens"),
+    (dict(include_stop_str_in_output=1), "include_stop_str_in_output"),
+])
+def test_bad_token_settings_are_named(bad, field):
+    with pytest.raises(InvalidRequestError, match=field) as err:
+        SamplingParams(**bad)
+    assert err.value.param == field
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_and_the_engine_goes_on():
+    llm = LLM(long_model("llama_gqa"), block_size=4, num_blocks=200)
+    for bad, field in ((dict(logit_bias={VOCAB: 1.0}), "logit_bias"),
+                       (dict(allowed_token_ids=[3, -1]), "allowed_token_ids")):
+        with pytest.raises(InvalidRequestError, match=field):
+            llm.generate([[5, 6]], SamplingParams(max_tokens=3, **bad), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    out = llm.generate([[5, 6]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                       use_tqdm=False)
+    assert out[0].outputs[0].token_ids == stock(llm.engine.model, [5, 6], 3)
+
+
+# -- text ----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(long_model("llama_gqa"), make_tokenizer(), block_size=4, num_blocks=300)
+
+
+def texts(llm, prompt, params: SamplingParams):
+    """The completion's text decoded once, followed token by token (a stop string that never
+    matches), and streamed by AsyncLLM: (output, the three texts)."""
+    out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    followed = llm.generate(prompt, SamplingParams(**{**vars_of(params),
+                                                      "stop": params.stop + ["never"]}),
+                            use_tqdm=False)[0].outputs[0]
+    assert followed.token_ids == out.token_ids
+
+    async def stream():
+        engine = AsyncLLM(llm.engine.model, llm.tokenizer, block_size=4, num_blocks=300)
+        try:
+            text = ""
+            async for step in engine.generate(prompt, params, "s"):
+                assert step.outputs[0].text.startswith(text)  # a stream only appends
+                text = step.outputs[0].text
+            return text
+        finally:
+            engine.shutdown()
+
+    return out, (out.text, followed.text, asyncio.run(stream()))
+
+
+def vars_of(params: SamplingParams) -> dict:
+    from hf_paged.sampling_params import PARAM_NAMES
+
+    return {name: getattr(params, name) for name in PARAM_NAMES}
+
+
+def test_special_tokens_stay_in_the_text_when_asked(llm):
+    tok = llm.tokenizer
+    base = dict(temperature=0, max_tokens=10, ignore_eos=True, repetition_penalty=50.0,
+                allowed_token_ids=[BOS, EOS, 5, 6, 7], logit_bias={BOS: 1.0, EOS: 1.0})
+    for skip in (True, False):
+        out, got = texts(llm, "w5 w6", SamplingParams(skip_special_tokens=skip, **base))
+        assert {BOS, EOS} & set(out.token_ids), out.token_ids  # the test is about them
+        assert got == (tok.decode(out.token_ids, skip_special_tokens=skip),) * 3
+        assert ("</s>" in got[0] or "<s>" in got[0]) != skip
+
+
+def test_stop_strings_and_stop_tokens_kept_in_the_text_when_asked(llm):
+    tok = llm.tokenizer
+    prompt = "w5 w6 w7 w8"
+    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    words = free.text.split()
+    stop = " ".join(words[3:5])
+    cut = free.text[:free.text.index(stop)]
+    for include in (False, True):
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop],
+                                include_stop_str_in_output=include)
+        out, got = texts(llm, prompt, params)
+        assert out.finish_reason == "stop" and out.stop_reason == stop
+        assert got == ((cut + stop) if include else cut,) * 3
+    # a stop token's text (as an EOS's) is left out unless asked for
+    target = free.token_ids[4]
+    first = free.token_ids.index(target)
+    for include in (False, True):
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                stop_token_ids=[target], include_stop_str_in_output=include)
+        out, got = texts(llm, prompt, params)
+        assert out.token_ids == free.token_ids[:first + 1] and out.stop_reason == target
+        kept = out.token_ids if include else out.token_ids[:-1]
+        assert got == (tok.decode(kept, skip_special_tokens=True),) * 3
+        assert got[0].endswith(tok.decode([target])) == include
+    # the model's EOS, with special tokens shown
+    params = SamplingParams(temperature=0, max_tokens=12, skip_special_tokens=False,
+                            allowed_token_ids=[EOS, 5], logit_bias={EOS: 5.0})
+    for include in (False, True):
+        params = SamplingParams(**{**vars_of(params), "include_stop_str_in_output": include})
+        out, got = texts(llm, prompt, params)
+        assert out.token_ids[-1] == EOS and out.finish_reason == "stop"
+        assert got == (tok.decode(out.token_ids[:len(out.token_ids) - (not include)],
+                                  skip_special_tokens=False),) * 3
+        assert got[0].endswith("</s>") == include
