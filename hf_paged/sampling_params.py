@@ -105,7 +105,12 @@ class SamplingParams:
     logit_bias:         {token id: bias} added to those tokens' logits before penalties and
                         sampling (greedy included), as vLLM's and OpenAI's `logit_bias`
     allowed_token_ids:  only these tokens may be generated (the others are masked)
+    bad_words:          words never generated: the last token of each word's token ids (with
+                        and without a leading space) is masked when the output ends with the
+                        ones before it (vLLM's rule; needs a tokenizer)
     skip_special_tokens: leave special tokens out of the text (the token ids keep them)
+    detokenize:         False: no text at all (token ids only; no stop strings)
+    truncate_prompt_tokens: keep only the prompt's last k tokens (-1: the model's context)
     logprobs:           return the log-probabilities (of the model's raw distribution) of
                         this many most likely tokens at each step, plus the sampled one's
     prompt_logprobs:    the same for every prompt token after the first (the first has none),
@@ -136,8 +141,11 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    detokenize: bool = True
+    truncate_prompt_tokens: int | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
@@ -195,6 +203,9 @@ class SamplingParams:
                                                 and self.cache_salt):
             raise InvalidRequestError(f"SamplingParams.cache_salt must be a non-empty string; "
                                       f"got {self.cache_salt!r:.200}.", "cache_salt")
+        if self.stop and not self.detokenize:
+            raise InvalidRequestError("SamplingParams.stop needs detokenize=True: stop strings "
+                                      "are found in the text.", "stop")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidRequestError(f"SamplingParams.min_tokens ({self.min_tokens}) must not "
                                       f"exceed max_tokens ({self.max_tokens}).", "min_tokens")
@@ -215,7 +226,18 @@ class SamplingParams:
                                           f"list of token ids; got {allowed!r:.200}.",
                                           "allowed_token_ids")
             self.allowed_token_ids = sorted({int(t) for t in allowed})
-        for name in ("skip_special_tokens", "include_stop_str_in_output"):
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        if self.bad_words is not None:
+            if not (isinstance(self.bad_words, (list, tuple))
+                    and all(isinstance(w, str) and w.strip() for w in self.bad_words)):
+                raise InvalidRequestError("SamplingParams.bad_words must be a list of words; "
+                                          f"got {self.bad_words!r:.200}.", "bad_words")
+            self.bad_words = list(self.bad_words) or None
+        _check(self.truncate_prompt_tokens, "truncate_prompt_tokens", int,
+               lambda v: v >= 1 or v == -1, "an integer >= 1, or -1 (the model's context)",
+               none=True)
+        for name in ("skip_special_tokens", "include_stop_str_in_output", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"SamplingParams.{name} must be True or False; got "
                                           f"{getattr(self, name)!r:.100}.", name)
@@ -226,11 +248,11 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether a penalty, bias or allowed-token list changes the logits (of resolved
-        params) before sampling."""
+        """Whether a penalty, bias, allowed-token list or bad word changes the logits (of
+        resolved params) before sampling."""
         return (self.repetition_penalty != 1.0 or bool(self.presence_penalty)
                 or bool(self.frequency_penalty) or self.logit_bias is not None
-                or self.allowed_token_ids is not None)
+                or self.allowed_token_ids is not None or self.bad_words is not None)
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raises InvalidRequestError for token ids the model does not have."""

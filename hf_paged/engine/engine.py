@@ -39,10 +39,10 @@ from .detokenizer import IncrementalText
 from . import prompt_logprobs
 from .adapters import BASE, RuntimeAdapters
 from .output import InFlight, OutputProcessor
-from .request import EngineRequest
+from .request import EngineRequest, prompt_ids
 from .logits import StepLogits
 from .runner import DeviceStep, Forward, ModelRunner, engine_options, step_budget
-from .sampler import Sampler
+from .sampler import Sampler, bad_word_ids
 from .speculative import Speculator
 from .stats import EngineStats
 from .structured import Grammars
@@ -186,26 +186,19 @@ class LLMEngine:
                 raise InvalidRequestError("cache_salt is given twice, with different values.",
                                           "cache_salt")
             params = replace(params, cache_salt=cache_salt)  # checked as SamplingParams'
-        text = None
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError("A text prompt needs a tokenizer; pass token ids, or "
-                                          "give the engine a tokenizer.", "prompt")
-            text, prompt = prompt, self.tokenizer(prompt)["input_ids"]
-        prompt = list(prompt)
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise InvalidRequestError("prompt token ids must be integers.", "prompt")
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size}); "
-                                      f"got {bad[:5]}.", "prompt")
+        text, prompt = prompt_ids(prompt, params, self.tokenizer, self.vocab_size,
+                                  self.scheduler.max_model_len)
         self.scheduler.check_fits(len(prompt), params.max_tokens, params.n)
+        if params.bad_words and self.tokenizer is None:
+            raise InvalidRequestError("bad_words needs a tokenizer: give the engine one.",
+                                      "bad_words")
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
         generators = [None] * params.n
         if params.seed is not None:
             generators = [torch.Generator(self.device).manual_seed(params.generator_seed(i))
                           for i in range(params.n)]
-        follow = self.tokenizer is not None and (self.incremental_text or bool(params.stop))
+        follow = (self.tokenizer is not None and params.detokenize
+                  and (self.incremental_text or bool(params.stop)))
         arrival = time.monotonic()
         logprobs = params.logprobs is not None
         matchers = None
@@ -223,7 +216,9 @@ class LLMEngine:
             generators, stop_ids, RequestMetrics(arrival),
             [IncrementalText(self.tokenizer, params.skip_special_tokens)
              for _ in range(params.n)] if follow else None,
-            None if params.timeout is None else arrival + params.timeout, matchers=matchers)
+            None if params.timeout is None else arrival + params.timeout, matchers=matchers,
+            bad_words=bad_word_ids(params.bad_words, self.tokenizer) if params.bad_words
+            else None)
 
     def compile_constraint(self, spec) -> None:
         """Compiles a StructuredOutputsParams now (thread-safe; cached for its requests)."""

@@ -124,7 +124,8 @@ class OutputProcessor:
         if len(seq.output) < params.min_tokens and request.stop_ids:
             suppress = sorted(request.stop_ids)
         return SampleRow(params, seq.prompt, seq.output, request.generators[completion],
-                         suppress, request.matchers[completion] if request.matchers else None)
+                         suppress, request.matchers[completion] if request.matchers else None,
+                         request.bad_words)
 
     def record(self, items: list, owners: list[tuple], result: SampleResult,
                errors: dict[int, str], touched: dict) -> None:

@@ -13,12 +13,35 @@ from dataclasses import dataclass, field
 import torch
 
 from .detokenizer import IncrementalText
-from ..errors import describe
+from ..errors import InvalidRequestError, describe
 from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams
 from ..core.sequence import Sequence
 
 logger = logging.getLogger("hf_paged")
+
+
+def prompt_ids(prompt, params: SamplingParams, tokenizer, vocab_size: int,
+               context: int) -> tuple[str | None, list[int]]:
+    """(the prompt's text or None, its token ids: tokenized if text, checked, its last
+    `params.truncate_prompt_tokens` kept (-1: `context`))."""
+    text = None
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise InvalidRequestError("A text prompt needs a tokenizer; pass token ids, or "
+                                      "give the engine a tokenizer.", "prompt")
+        text, prompt = prompt, tokenizer(prompt)["input_ids"]
+    prompt = list(prompt)
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        raise InvalidRequestError("prompt token ids must be integers.", "prompt")
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size}); "
+                                  f"got {bad[:5]}.", "prompt")
+    keep = params.truncate_prompt_tokens
+    if keep is not None:
+        prompt = prompt[-(context if keep == -1 else keep):]
+    return text, prompt
 
 
 @dataclass
@@ -44,6 +67,7 @@ class EngineRequest:
     prompt_logprobs: list | None = None  # per prompt token (prompt_logprobs.record fills it)
     matchers: list | None = None  # per completion, its structured-output constraint's state
     hold: int = 0  # trailing characters a running completion's snapshot leaves out
+    bad_words: list[list[int]] | None = None  # the token ids of params.bad_words
 
     def __post_init__(self):
         self.unfinished = sum(1 for c in self.completions if not c.finished)
@@ -147,7 +171,7 @@ class EngineRequest:
         completions = []
         for out in self.completions:
             if (self.texts is None and tokenizer is not None and out.finished
-                    and out.token_ids and not out.text):
+                    and out.token_ids and not out.text and self.params.detokenize):
                 try:
                     out.text = tokenizer.decode(self._text_ids(out), skip_special_tokens=(
                         self.params.skip_special_tokens))

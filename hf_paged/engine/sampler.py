@@ -42,6 +42,7 @@ class SampleRow:
     suppress: list[int] | None = None  # token ids masked at this step (min_tokens; ended
     # by `lift_suppression`, which keeps `plain` true to it)
     grammar: Matcher | None = None  # its completion's structured-output constraint
+    bad_words: list[list[int]] | None = None  # token ids of words never generated
 
     def __post_init__(self):  # read per row per step: plain attributes, not properties
         self.states = None  # a list: the generator's state is added after each draw
@@ -229,10 +230,12 @@ class Sampler:
             frequency = torch.tensor([rows[i].params.frequency_penalty for i in additive],
                                      device=device)[:, None]
             logits[idx] -= frequency * counts + presence * (counts > 0)
-        masked = [i for i, r in enumerate(rows) if r.suppress]
+        masked = [(i, r.suppress) for i, r in enumerate(rows) if r.suppress]
+        masked += [(i, banned) for i, r in enumerate(rows) if r.bad_words
+                   for banned in [_banned(r.bad_words, r.output)] if banned]
         if masked:
-            idx = torch.tensor(masked, device=device)
-            ids = _padded([rows[i].suppress for i in masked], vocab, device)
+            idx = torch.tensor([i for i, _ in masked], device=device)
+            ids = _padded([tokens for _, tokens in masked], vocab, device)
             ext = torch.cat([logits[idx], logits.new_zeros(len(masked), 1)], 1)
             logits[idx] = ext.scatter(1, ids, float("-inf"))[:, :vocab]
         return logits
@@ -300,6 +303,25 @@ def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return fast
     best, tokens = logits.max(-1)  # argmax's first-maximum index, and the maximum itself
     return tokens, torch.isfinite(best)
+
+
+def bad_word_ids(words: list[str], tokenizer) -> list[list[int]]:
+    """The token ids of each word as the text's first word and, where that gives as many
+    tokens and a different first one, after a space (vLLM's rule)."""
+    out = []
+    for word in words:
+        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        out += [bare] if bare else []
+        if spaced and len(spaced) == len(bare) and spaced[0] != bare[0]:
+            out.append(spaced)
+    return out
+
+
+def _banned(words: list[list[int]], output: list[int]) -> list[int]:
+    """The tokens that would end one of `words` after `output`."""
+    n = len(output)
+    return [w[-1] for w in words if len(w) - 1 <= n and output[n - len(w) + 1:] == w[:-1]]
 
 
 def _valid(scores: torch.Tensor) -> torch.Tensor:

@@ -251,7 +251,7 @@ class Speculator:
                 suppress = sorted(request.stop_ids) if before < params.min_tokens else None
                 grammar = None if row.grammar is None else row.grammar.ahead(draft[:j])
                 ahead = SampleRow(params, row.prompt, seq.output + list(draft[:j]),
-                                  row.generator, suppress, grammar)
+                                  row.generator, suppress, grammar, row.bad_words)
                 ahead.states = states
                 out.rows.append(ahead)
                 out.owners.append(owner)

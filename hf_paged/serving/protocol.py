@@ -99,6 +99,8 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
@@ -184,7 +186,8 @@ class _Sampling(BaseModel):
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, logit_bias=bias,
-                allowed_token_ids=self.allowed_token_ids,
+                allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+                truncate_prompt_tokens=self.truncate_prompt_tokens,
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,

@@ -1,8 +1,8 @@
-"""Per-request token settings: `logit_bias` and `allowed_token_ids` against Transformers' own
-processors (row by row) and stock `generate` (end to end, sync, async and speculative, in a
-batch with requests that do not use them); `skip_special_tokens` and
-`include_stop_str_in_output` on the text, decoded once, followed token by token and
-streamed; bad values named, the engine going on."""
+"""Per-request token settings: `logit_bias`, `allowed_token_ids` and `bad_words` against
+Transformers' own processors (row by row) and stock `generate` (end to end, sync, async and
+speculative, in a batch with requests that do not use them); `truncate_prompt_tokens`;
+`skip_special_tokens`, `include_stop_str_in_output` and `detokenize` on the text, decoded
+once, followed token by token and streamed; bad values named, the engine going on."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from transformers.generation.logits_process import (
 
 from hf_paged import LLM, AsyncLLM, LLMEngine, SamplingParams
 from hf_paged.errors import InvalidRequestError
-from hf_paged.sampler import Sampler, SampleRow
+from hf_paged.sampler import Sampler, SampleRow, bad_word_ids
 from conftest import BOS, EOS, VOCAB, make_tokenizer
 from test_engine import long_model, run_engine
 from test_sampler import hf_scores
@@ -141,6 +141,70 @@ def test_seeded_sampling_keeps_to_the_allowed_tokens_and_the_batch_does_not_matt
     assert any(set(o.outputs[0].token_ids) - set(allowed) for o in batch[:1] + batch[2:])
 
 
+@pytest.mark.parametrize("mode", ["sync", "async", "speculative"])
+def test_bad_words_are_never_generated_as_stock_generate_bans_them(mode):
+    model = long_model("llama_gqa")
+    tok = make_tokenizer()
+    prompts = [p for p in repetitive_prompts(4, 12)]
+    plains = [stock(model, p, 10) for p in prompts]
+    words, ids = [], []
+    for prompt, plain in zip(prompts, plains):
+        # one word of one token, one of two (the prompt does not end with its first)
+        j = next((j for j in range(1, 9) if plain[j] != prompt[-1]), None)
+        pair = [] if j is None else [[plain[j], plain[j + 1]]]
+        words.append([" ".join(tok.convert_ids_to_tokens(w)) for w in [[plain[0]]] + pair])
+        ids.append([[plain[0]]] + pair)
+    options = dict(block_size=4, num_blocks=120, max_num_seqs=5)
+    if mode == "async":
+        options["async_scheduling"] = True
+    if mode == "speculative":
+        options["speculative_config"] = NGRAM
+    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, bad_words=w)
+              for w in words]
+    params[-1] = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)  # a neighbour
+    done = run_engine(LLMEngine(model, tok, **options), prompts, params)
+    for i, prompt in enumerate(prompts):
+        got = done[str(i)].outputs[0].token_ids
+        if i == len(prompts) - 1:
+            assert got == plains[i]
+            continue
+        assert got == stock(model, prompt, 10, bad_words_ids=ids[i]), i
+        assert got[0] != plains[i][0]
+        pairs = set(zip(got, got[1:]))
+        assert all(tuple(word) not in pairs for word in ids[i][1:])
+
+
+def test_a_bad_word_is_banned_after_its_first_tokens_only():
+    tok = make_tokenizer()
+    words = bad_word_ids(["w7 w8 w9", " w4"], tok)
+    assert words == [[7, 8, 9], [4]]  # (a word-level tokenizer: a space changes nothing)
+    logits = torch.zeros(3, VOCAB)
+    p = resolved(bad_words=["w7 w8 w9", " w4"])
+    rows = [SampleRow(p, [7, 8], [], bad_words=words), SampleRow(p, [], [5, 7, 8], bad_words=words),
+            SampleRow(p, [], [8, 7, 8, 3], bad_words=words)]
+    out = Sampler().penalize(logits.clone(), rows)
+    assert torch.isneginf(out).nonzero().tolist() == [[0, 4], [1, 4], [1, 9], [2, 4]]
+
+
+def test_truncated_prompts_keep_their_last_tokens():
+    model = long_model("llama_gqa")
+    llm = LLM(model, block_size=4, num_blocks=200)
+    prompt = repetitive_prompts(5, 1)[0] + list(range(3, 40))
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                truncate_prompt_tokens=9), use_tqdm=False)[0]
+    assert out.prompt_token_ids == prompt[-9:]
+    assert out.outputs[0].token_ids == stock(model, prompt[-9:], 6)
+
+
+def test_no_text_without_detokenize():
+    llm = LLM(long_model("llama_gqa"), make_tokenizer(), block_size=4, num_blocks=200)
+    out = llm.generate("w5 w6", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True,
+                                               detokenize=False), use_tqdm=False)[0].outputs[0]
+    assert out.text == "" and len(out.token_ids) == 5
+    with pytest.raises(InvalidRequestError, match="detokenize"):
+        SamplingParams(stop=["w5"], detokenize=False)
+
+
 @pytest.mark.parametrize("bad, field", [
     (dict(logit_bias={"5": 1.0}), "logit_bias"), (dict(logit_bias={5: float("nan")}), "logit_bias"),
     (dict(logit_bias={True: 1.0}), "logit_bias"), (dict(logit_bias=[5]), "logit_bias"),
@@ -148,6 +212,9 @@ def test_seeded_sampling_keeps_to_the_allowed_tokens_and_the_batch_does_not_matt
     (dict(allowed_token_ids=[1.5]), "allowed_token_ids"),
     (dict(skip_special_tokens="no"), "skip_special_tokens"),
     (dict(include_stop_str_in_output=1), "include_stop_str_in_output"),
+    (dict(bad_words=["w5", ""]), "bad_words"), (dict(bad_words=[5]), "bad_words"),
+    (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+    (dict(detokenize=None), "detokenize"),
 ])
 def test_bad_token_settings_are_named(bad, field):
     with pytest.raises(InvalidRequestError, match=field) as err:
@@ -158,7 +225,8 @@ def test_bad_token_settings_are_named(bad, field):
 def test_token_ids_outside_the_vocabulary_are_refused_and_the_engine_goes_on():
     llm = LLM(long_model("llama_gqa"), block_size=4, num_blocks=200)
     for bad, field in ((dict(logit_bias={VOCAB: 1.0}), "logit_bias"),
-                       (dict(allowed_token_ids=[3, -1]), "allowed_token_ids")):
+                       (dict(allowed_token_ids=[3, -1]), "allowed_token_ids"),
+                       (dict(bad_words=["w5"]), "bad_words")):  # (no tokenizer)
         with pytest.raises(InvalidRequestError, match=field):
             llm.generate([[5, 6]], SamplingParams(max_tokens=3, **bad), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()

@@ -259,6 +259,13 @@ def test_logit_bias_allowed_tokens_and_vllm_text_options(served):
     out = served.client.completions.create(
         **kw, stop=[stop], extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
     assert out.choices[0].text == plain[:plain.index(stop) + len(stop)]
+    # bad words and a truncated prompt
+    out = served.client.completions.create(
+        **kw, extra_body={"ignore_eos": True, "bad_words": [plain.split()[0]],
+                          "truncate_prompt_tokens": 2})
+    word = served.tok.encode(plain.split()[0], add_special_tokens=False)
+    short, _ = stock_text(served, ids[-2:], 8, eos_token_id=None, bad_words_ids=[word])
+    assert out.choices[0].text == short and out.usage.prompt_tokens == 2
 
 BAD = [
     (dict(model="nope", prompt="w5", max_tokens=2), 404, "model"),
