@@ -26,7 +26,7 @@ from .engine.async_llm import AsyncLLM, RequestStream
 from .engine.engine import EngineStats, LLMEngine
 from .engine.llm import LLM
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
-from .sampling_params import SamplingParams, StructuredOutputsParams
+from .sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.2.0"
 
@@ -35,7 +35,7 @@ __all__ = [
     "DeviceMemory", "EngineDeadError", "EngineStats", "HFPagedError", "InvalidRequestError",
     "IsolationError", "KVCacheExhaustedError", "KVPoolAllocationError", "LLM", "LLMEngine",
     "MemoryStats", "PagedCache", "PagedCacheConfig", "Placement", "RequestMetrics",
-    "RequestOutput", "RequestRejectedError", "RequestStream",
+    "RequestOutput", "RequestOutputKind", "RequestRejectedError", "RequestStream",
     "SUPPORTED_ARCHITECTURES", "SamplingParams", "StructuredOutputsParams",
     "UnsupportedModelError", "disable", "enable",
     "is_enabled", "model_placement", "prepare_model",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import json as _json
 import math
 from dataclasses import dataclass, field, fields, replace
@@ -17,6 +18,14 @@ GREEDY_BELOW = 1e-5
 # Repetition penalties beyond these turn logits into infinities (and the softmax into NaN).
 REPETITION_PENALTY_RANGE = (1e-4, 1e4)
 SEED_RANGE = (-2**63, 2**64 - 1)  # what torch.Generator.manual_seed takes
+
+
+class RequestOutputKind(str, enum.Enum):
+    """What each output of a running request holds (vLLM's names)."""
+
+    CUMULATIVE = "cumulative"  # everything so far
+    DELTA = "delta"  # only what is new since the request's last output
+    FINAL_ONLY = "final_only"  # nothing until the request has ended, then everything
 
 
 @dataclass(frozen=True)
@@ -111,6 +120,12 @@ class SamplingParams:
     skip_special_tokens: leave special tokens out of the text (the token ids keep them)
     detokenize:         False: no text at all (token ids only; no stop strings)
     truncate_prompt_tokens: keep only the prompt's last k tokens (-1: the model's context)
+    output_kind:        what the outputs of `LLMEngine.step` and `AsyncLLM` streams hold
+                        (`RequestOutputKind` or its value): "cumulative" (everything so
+                        far), "delta" (new tokens, text and logprobs only; completions with
+                        nothing new left out; prompt logprobs in the first), "final_only"
+                        (only the last output, cumulative). `LLM.generate` returns whole
+                        requests whatever it is.
     logprobs:           return the log-probabilities (of the model's raw distribution) of
                         this many most likely tokens at each step, plus the sampled one's
     prompt_logprobs:    the same for every prompt token after the first (the first has none),
@@ -146,6 +161,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     detokenize: bool = True
     truncate_prompt_tokens: int | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
@@ -237,6 +253,12 @@ class SamplingParams:
         _check(self.truncate_prompt_tokens, "truncate_prompt_tokens", int,
                lambda v: v >= 1 or v == -1, "an integer >= 1, or -1 (the model's context)",
                none=True)
+        try:
+            self.output_kind = RequestOutputKind(self.output_kind)
+        except ValueError:
+            raise InvalidRequestError("SamplingParams.output_kind must be one of "
+                                      f"{[k.value for k in RequestOutputKind]}; got "
+                                      f"{self.output_kind!r:.100}.", "output_kind") from None
         for name in ("skip_special_tokens", "include_stop_str_in_output", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"SamplingParams.{name} must be True or False; got "

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import itertools
 import os
+from dataclasses import replace
 
 from .engine import LLMEngine
 from ..errors import HFPagedError
 from ..outputs import CompletionOutput, RequestOutput
-from ..sampling_params import SamplingParams
+from ..sampling_params import RequestOutputKind, SamplingParams
 from ..core.scheduler import RequestRejectedError
 
 _batches = itertools.count()
@@ -94,8 +95,9 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         engine = self.engine
         once: dict[int, SamplingParams] = {}  # a resolved copy per distinct settings object
-        params = [once.get(id(p)) or once.setdefault(id(p), (p or SamplingParams()).resolved(
-            engine.defaults)) for p in params]
+        params = [once.get(id(p)) or once.setdefault(id(p), _whole((p or SamplingParams())
+                                                                   .resolved(engine.defaults)))
+                  for p in params]
         prepared = []
         for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params)):
             try:  # every request checked before any is queued
@@ -140,3 +142,10 @@ def _progress(total: int, enabled: bool):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc="Processed prompts", disable=not enabled or total == 0)
+
+
+def _whole(params: SamplingParams) -> SamplingParams:
+    """`params` with cumulative outputs (`generate` returns each request whole)."""
+    if params.output_kind is RequestOutputKind.CUMULATIVE:
+        return params
+    return replace(params, output_kind=RequestOutputKind.CUMULATIVE)

@@ -17,10 +17,12 @@ from ..core.scheduler import Scheduler
 from ..core.sequence import Sequence, SeqStatus
 from ..errors import describe
 from ..outputs import RequestOutput
+from ..sampling_params import RequestOutputKind
 from .request import EngineRequest
 from .sampler import Sampled, SampleResult, SampleRow
 
 logger = logging.getLogger("hf_paged")
+FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 
 
 @dataclass
@@ -254,6 +256,6 @@ class OutputProcessor:
                 request.metrics.finished_time = now
                 outputs.append(request.output(tokenizer))
                 del self.requests[request.request_id]
-            elif not finished_only:
+            elif not finished_only and request.params.output_kind is not FINAL_ONLY:
                 outputs.append(request.output(tokenizer))
         return outputs

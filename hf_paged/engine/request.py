@@ -15,7 +15,7 @@ import torch
 from .detokenizer import IncrementalText
 from ..errors import InvalidRequestError, describe
 from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
-from ..sampling_params import SamplingParams
+from ..sampling_params import RequestOutputKind, SamplingParams
 from ..core.sequence import Sequence
 
 logger = logging.getLogger("hf_paged")
@@ -68,6 +68,7 @@ class EngineRequest:
     matchers: list | None = None  # per completion, its structured-output constraint's state
     hold: int = 0  # trailing characters a running completion's snapshot leaves out
     bad_words: list[list[int]] | None = None  # the token ids of params.bad_words
+    sent: list | None = None  # per completion, what its last delta output ended at
 
     def __post_init__(self):
         self.unfinished = sum(1 for c in self.completions if not c.finished)
@@ -165,9 +166,10 @@ class EngineRequest:
         return ids
 
     def output(self, tokenizer) -> RequestOutput:
-        """A snapshot (later steps do not change it). Text not followed token by token is
-        decoded once its completion has ended; if that fails, the request ends with the
-        error (its tokens stand)."""
+        """A snapshot (later steps do not change it), of everything or, for output_kind
+        "delta", of what is new since the last. Text not followed token by token is decoded
+        once its completion has ended; if that fails, the request ends with the error (its
+        tokens stand)."""
         completions = []
         for out in self.completions:
             if (self.texts is None and tokenizer is not None and out.finished
@@ -184,10 +186,31 @@ class EngineRequest:
             completions.append(CompletionOutput(  # field by field: replace() is slow
                 out.index, text, list(out.token_ids), out.finish_reason, out.stop_reason,
                 None if out.logprobs is None else list(out.logprobs), out.cumulative_logprob))
+        prompt_logprobs = None if self.prompt_logprobs is None else list(self.prompt_logprobs)
+        if self.params.output_kind is RequestOutputKind.DELTA:
+            if self.sent is not None:  # (prompt logprobs come with the first output)
+                prompt_logprobs = None
+            completions = self._deltas(completions)
         cached = self.seqs[0].cached_tokens if self.seqs else 0
         m = self.metrics
         return RequestOutput(self.request_id, self.prompt, self.prompt_ids, completions,
                              self.finished, self.error, cached,
                              RequestMetrics(m.arrival_time, m.first_scheduled_time,
                                             m.first_token_time, m.finished_time),
-                             None if self.prompt_logprobs is None else list(self.prompt_logprobs))
+                             prompt_logprobs)
+
+    def _deltas(self, completions: list[CompletionOutput]) -> list[CompletionOutput]:
+        """The parts of `completions` (snapshots) not in an earlier output; completions
+        with nothing new are left out."""
+        if self.sent is None:
+            self.sent = [(0, 0, False) for _ in completions]
+        out = []
+        for c in completions:
+            tokens, chars, ended = self.sent[c.index]
+            if len(c.token_ids) == tokens and len(c.text) == chars and c.finished == ended:
+                continue
+            self.sent[c.index] = (len(c.token_ids), len(c.text), c.finished)
+            out.append(CompletionOutput(
+                c.index, c.text[chars:], c.token_ids[tokens:], c.finish_reason, c.stop_reason,
+                None if c.logprobs is None else c.logprobs[tokens:], c.cumulative_logprob))
+        return out

@@ -2,7 +2,8 @@
 Transformers' own processors (row by row) and stock `generate` (end to end, sync, async and
 speculative, in a batch with requests that do not use them); `truncate_prompt_tokens`;
 `skip_special_tokens`, `include_stop_str_in_output` and `detokenize` on the text, decoded
-once, followed token by token and streamed; bad values named, the engine going on."""
+once, followed token by token and streamed; delta and final-only outputs against the
+cumulative ones; bad values named, the engine going on."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from transformers.generation.logits_process import (
     SequenceBiasLogitsProcessor,
 )
 
-from hf_paged import LLM, AsyncLLM, LLMEngine, SamplingParams
+from hf_paged import LLM, AsyncLLM, LLMEngine, RequestOutputKind, SamplingParams
 from hf_paged.errors import InvalidRequestError
 from hf_paged.sampler import Sampler, SampleRow, bad_word_ids
 from conftest import BOS, EOS, VOCAB, make_tokenizer
@@ -316,3 +317,60 @@ def test_stop_strings_and_stop_tokens_kept_in_the_text_when_asked(llm):
         assert got == (tok.decode(out.token_ids[:len(out.token_ids) - (not include)],
                                   skip_special_tokens=False),) * 3
         assert got[0].endswith("</s>") == include
+
+
+# -- output kinds ----------------------------------------------------------------------------------
+def collect(llm, prompt, params: SamplingParams) -> list:
+    async def run():
+        engine = AsyncLLM(llm.engine.model, llm.tokenizer, block_size=4, num_blocks=300)
+        try:
+            return [out async for out in engine.generate(prompt, params)]
+        finally:
+            engine.shutdown()
+
+    return asyncio.run(run())
+
+
+def test_delta_and_final_only_outputs_add_up_to_the_cumulative_ones(llm):
+    prompt = "w5 w6 w7 w8"
+    base = vars_of(SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=12, logprobs=2,
+                                  prompt_logprobs=1, ignore_eos=True, stop=["w9 w9"]))
+    whole = collect(llm, prompt, SamplingParams(**base))
+    deltas = collect(llm, prompt, SamplingParams(**{**base, "output_kind": "delta"}))
+    final = collect(llm, prompt, SamplingParams(**{**base, "output_kind": RequestOutputKind
+                                                   .FINAL_ONLY}))
+    assert len(whole) > 2 and len(deltas) == len(whole)
+    assert len(final) == 1 and final[0].outputs == whole[-1].outputs and final[0].finished
+    assert deltas[0].prompt_logprobs == whole[-1].prompt_logprobs
+    assert all(d.prompt_logprobs is None for d in deltas[1:])
+    for c in whole[-1].outputs:
+        parts = [p for d in deltas for p in d.outputs if p.index == c.index]
+        assert "".join(p.text for p in parts) == c.text
+        assert [t for p in parts for t in p.token_ids] == c.token_ids
+        assert [e for p in parts for e in p.logprobs] == c.logprobs
+        assert parts[-1].finish_reason == c.finish_reason and parts[-1].cumulative_logprob == \
+            c.cumulative_logprob
+        assert all(p.token_ids or p.text or p.finished for p in parts)  # nothing empty sent
+    # LLM.generate returns whole requests whatever the kind
+    kinds = [llm.generate(prompt, SamplingParams(**{**base, "output_kind": kind}),
+                          use_tqdm=False)[0].outputs for kind in RequestOutputKind]
+    assert kinds[0] == kinds[1] == kinds[2] == whole[-1].outputs
+
+
+def test_engine_steps_follow_the_output_kind():
+    model = long_model("llama_gqa")
+    engine = LLMEngine(model, block_size=4, num_blocks=100)
+    kinds = {"c": "cumulative", "d": "delta", "f": "final_only"}
+    for rid, kind in kinds.items():
+        engine.add_request(rid, [5, 6, 7], SamplingParams(temperature=0, max_tokens=5,
+                                                           ignore_eos=True, output_kind=kind))
+    seen = {rid: [] for rid in kinds}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    assert [len(seen[r]) for r in "cdf"] == [5, 5, 1]
+    tokens = seen["c"][-1].outputs[0].token_ids
+    assert [d.outputs[0].token_ids for d in seen["d"]] == [[t] for t in tokens]
+    assert seen["f"][0].outputs[0].token_ids == tokens
+    with pytest.raises(InvalidRequestError, match="output_kind"):
+        SamplingParams(output_kind="deltas")
