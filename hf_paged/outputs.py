@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass
@@ -57,3 +57,18 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+
+    def add(self, later: "RequestOutput") -> "RequestOutput":
+        """This delta output (output_kind "delta") and `later`, a later delta of the same
+        request, as one delta: texts, tokens and logprobs joined, the rest `later`'s."""
+        joined = {c.index: c for c in self.outputs}
+        for c in later.outputs:
+            mine = joined.get(c.index)
+            joined[c.index] = c if mine is None else CompletionOutput(
+                c.index, mine.text + c.text, mine.token_ids + c.token_ids, c.finish_reason,
+                c.stop_reason, None if c.logprobs is None else (mine.logprobs or []) + c.logprobs,
+                c.cumulative_logprob)
+        prompt_logprobs = later.prompt_logprobs if self.prompt_logprobs is None \
+            else self.prompt_logprobs
+        return replace(later, outputs=[joined[i] for i in sorted(joined)],
+                       prompt_logprobs=prompt_logprobs)

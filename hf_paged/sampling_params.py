@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import json as _json
 import math
+import numbers
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -18,6 +19,7 @@ GREEDY_BELOW = 1e-5
 # Repetition penalties beyond these turn logits into infinities (and the softmax into NaN).
 REPETITION_PENALTY_RANGE = (1e-4, 1e4)
 SEED_RANGE = (-2**63, 2**64 - 1)  # what torch.Generator.manual_seed takes
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 class RequestOutputKind(str, enum.Enum):
@@ -111,6 +113,16 @@ class SamplingParams:
                         at the end of its text
     ignore_eos:         keep going past the model's EOS token
     min_tokens:         EOS and stop token ids are masked until this many tokens are out
+    logprobs:           return the log-probabilities (of the model's raw distribution) of
+                        this many most likely tokens at each step, plus the sampled one's
+    prompt_logprobs:    the same for every prompt token after the first (the first has none),
+                        given the tokens before it: `RequestOutput.prompt_logprobs`
+    structured_outputs: a `StructuredOutputsParams` constraint on the text (JSON schema,
+                        regex, choice, grammar); each completion follows it
+    cache_salt:         prefix-cache namespace: prompts with different salts never share
+                        cached blocks (one salt per tenant), as vLLM's `cache_salt`
+    timeout:            seconds from arrival after which the request ends ("timeout"),
+                        queued or running; its blocks are freed at once
     logit_bias:         {token id: bias} added to those tokens' logits before penalties and
                         sampling (greedy included), as vLLM's and OpenAI's `logit_bias`
     allowed_token_ids:  only these tokens may be generated (the others are masked)
@@ -126,16 +138,6 @@ class SamplingParams:
                         nothing new left out; prompt logprobs in the first), "final_only"
                         (only the last output, cumulative). `LLM.generate` returns whole
                         requests whatever it is.
-    logprobs:           return the log-probabilities (of the model's raw distribution) of
-                        this many most likely tokens at each step, plus the sampled one's
-    prompt_logprobs:    the same for every prompt token after the first (the first has none),
-                        given the tokens before it: `RequestOutput.prompt_logprobs`
-    structured_outputs: a `StructuredOutputsParams` constraint on the text (JSON schema,
-                        regex, choice, grammar); each completion follows it
-    cache_salt:         prefix-cache namespace: prompts with different salts never share
-                        cached blocks (one salt per tenant), as vLLM's `cache_salt`
-    timeout:            seconds from arrival after which the request ends ("timeout"),
-                        queued or running; its blocks are freed at once
     Unset settings (None) take the model's generation_config values, else vLLM's defaults.
     Out-of-range settings raise InvalidRequestError (a ValueError) naming the setting.
     """
@@ -154,6 +156,11 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    cache_salt: str | None = None
+    timeout: float | None = None
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
@@ -162,11 +169,6 @@ class SamplingParams:
     detokenize: bool = True
     truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    structured_outputs: StructuredOutputsParams | None = None
-    cache_salt: str | None = None
-    timeout: float | None = None
     _resolved: bool = field(default=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -231,7 +233,7 @@ class SamplingParams:
             if not isinstance(self.logit_bias, dict) or not all(
                     _is_int(t) and _is_number(b) for t, b in self.logit_bias.items()):
                 raise InvalidRequestError("SamplingParams.logit_bias must map token ids "
-                                          "(integers) to finite numbers; got "
+                                          "(integers) to finite float32 numbers; got "
                                           f"{self.logit_bias!r:.200}.", "logit_bias")
             self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()} or None
         if self.allowed_token_ids is not None:
@@ -253,8 +255,11 @@ class SamplingParams:
         _check(self.truncate_prompt_tokens, "truncate_prompt_tokens", int,
                lambda v: v >= 1 or v == -1, "an integer >= 1, or -1 (the model's context)",
                none=True)
+        kind = self.output_kind
+        if _is_int(kind) and 0 <= kind < len(RequestOutputKind):  # (vLLM's IntEnum values)
+            kind = list(RequestOutputKind)[kind]
         try:
-            self.output_kind = RequestOutputKind(self.output_kind)
+            self.output_kind = RequestOutputKind(kind)
         except ValueError:
             raise InvalidRequestError("SamplingParams.output_kind must be one of "
                                       f"{[k.value for k in RequestOutputKind]}; got "
@@ -306,12 +311,13 @@ class SamplingParams:
 
 
 def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _is_number(value) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(value))
+    """A number float32 holds (a bias beyond it would be infinite in the logits)."""
+    return (isinstance(value, numbers.Real) and not isinstance(value, bool)
+            and math.isfinite(value) and abs(value) <= FLOAT32_MAX)
 
 
 def _check(value, name, kind, ok, allowed, none=False):

@@ -31,7 +31,7 @@ import torch
 from .engine import LLMEngine
 from ..errors import EngineDeadError, InvalidRequestError, describe
 from ..outputs import RequestOutput
-from ..sampling_params import SamplingParams
+from ..sampling_params import RequestOutputKind, SamplingParams
 
 _ids = itertools.count()
 logger = logging.getLogger("hf_paged")
@@ -57,6 +57,8 @@ class RequestStream:
         self._ready = asyncio.Event()
         self._ended = False  # the last output (or an error) was taken, or the stream aborted
         self.aborting = False  # set by the stepping thread when the reader fell behind
+        self.delta = False  # its outputs are deltas: one not delivered joins the next
+        self.held = None  # the deltas not delivered (while aborting), joined
 
     @property
     def unread(self) -> int:
@@ -193,6 +195,7 @@ class AsyncLLM:
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use.")
         stream = RequestStream(self, request_id, asyncio.get_running_loop())
+        stream.delta = request.params.output_kind is RequestOutputKind.DELTA
         with self._inbox_lock:
             self._streams[request_id] = stream
             self._inbox.append(("add", request))
@@ -329,13 +332,16 @@ class AsyncLLM:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
+            if stream.held is not None:
+                out, stream.held = stream.held.add(out), None
             if out.finished:
                 del self._streams[out.request_id]
-            elif stream.aborting:
-                continue  # its last output is on the way
-            elif stream.unread >= self.max_unread_outputs:
-                stream.aborting = True
-                self.engine.abort(out.request_id, f"the client did not read its stream "
-                                                  f"({stream.unread} outputs unread)")
+            elif stream.aborting or stream.unread >= self.max_unread_outputs:
+                if not stream.aborting:
+                    stream.aborting = True
+                    self.engine.abort(out.request_id, f"the client did not read its stream "
+                                                      f"({stream.unread} outputs unread)")
+                if stream.delta:  # (its last output, on the way, brings it)
+                    stream.held = out
                 continue
             stream._put(out)

@@ -189,9 +189,9 @@ class LLMEngine:
         text, prompt = prompt_ids(prompt, params, self.tokenizer, self.vocab_size,
                                   self.scheduler.max_model_len)
         self.scheduler.check_fits(len(prompt), params.max_tokens, params.n)
-        if params.bad_words and self.tokenizer is None:
-            raise InvalidRequestError("bad_words needs a tokenizer: give the engine one.",
-                                      "bad_words")
+        bad_words = None
+        if params.bad_words:
+            bad_words = bad_word_ids(params.bad_words, self.tokenizer, self.vocab_size)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
         generators = [None] * params.n
         if params.seed is not None:
@@ -217,8 +217,7 @@ class LLMEngine:
             [IncrementalText(self.tokenizer, params.skip_special_tokens)
              for _ in range(params.n)] if follow else None,
             None if params.timeout is None else arrival + params.timeout, matchers=matchers,
-            bad_words=bad_word_ids(params.bad_words, self.tokenizer) if params.bad_words
-            else None)
+            bad_words=bad_words)
 
     def compile_constraint(self, spec) -> None:
         """Compiles a StructuredOutputsParams now (thread-safe; cached for its requests)."""

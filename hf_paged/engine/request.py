@@ -114,12 +114,10 @@ class EngineRequest:
             else:
                 self.texts[k].update(seq.output)
             out.text = self.texts[k].text
-        if stopping:
-            eos = token in eos_ids and token not in params.stop_token_ids
-            out.stop_reason = None if eos else token
-            return self._ended(k, "stop")
-        if params.stop and self.texts is not None and len(out.text) > before:
-            # A stop string not in the text before ends after `before`.
+        if (params.stop and self.texts is not None and len(out.text) > before
+                and len(seq.output) > params.min_tokens):  # (vLLM's rule for stop strings)
+            # A stop string not in the text before ends after `before` (also in text that
+            # only a stop token's end of the completion settled).
             start = max(0, before - max(len(s) for s in params.stop) + 1)
             hits = [(at, s) for at, s in ((out.text.find(s, start), s) for s in params.stop)
                     if at >= 0]
@@ -129,6 +127,10 @@ class EngineRequest:
                 out.text = out.text[:at + (len(out.stop_reason)
                                            if params.include_stop_str_in_output else 0)]
                 return self._ended(k, "stop", flush=False)
+        if stopping:
+            eos = token in eos_ids and token not in params.stop_token_ids
+            out.stop_reason = None if eos else token
+            return self._ended(k, "stop")
         if self.matchers is not None and self.matchers[k].done:  # (ended by an EOS it took)
             return self._ended(k, "stop")
         if len(seq.output) >= seq.max_tokens:

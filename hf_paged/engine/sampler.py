@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import describe
+from ..errors import InvalidRequestError, describe
 from ..kernels import cpu_ops
 from ..sampling_params import SamplingParams
 from .structured import Matcher, mask_rows
@@ -70,10 +70,10 @@ class SampleResult:
     failed: list[int]  # rows with no valid distribution (their tokens are meaningless)
 
 
-def _padded(lists: list[list], fill, device, dtype=torch.long) -> torch.Tensor:
-    """[len(lists), longest] of `dtype`: each list, then `fill`."""
+def _padded(lists: list[list[int]], fill: int, device) -> torch.Tensor:
+    """[len(lists), longest] int64: each list, then `fill`."""
     width = max(1, max(len(x) for x in lists))
-    return torch.tensor([x + [fill] * (width - len(x)) for x in lists], dtype=dtype,
+    return torch.tensor([x + [fill] * (width - len(x)) for x in lists], dtype=torch.long,
                         device=device)
 
 
@@ -195,16 +195,16 @@ class Sampler:
         allowing = [i for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
         if allowing:
             idx = torch.tensor(allowing, device=device)
-            ids = _padded([rows[i].params.allowed_token_ids for i in allowing], vocab, device)
+            ids = _stacked([_token_tensors(rows[i].params, device)[0] for i in allowing], vocab)
             keep = torch.zeros(len(allowing), vocab + 1, dtype=torch.bool, device=device)
             keep.scatter_(1, ids, True)
             logits[idx] = logits[idx].masked_fill(~keep[:, :vocab], float("-inf"))
         biased = [i for i, r in enumerate(rows) if r.params.logit_bias is not None]
         if biased:
             idx = torch.tensor(biased, device=device)
-            biases = [rows[i].params.logit_bias for i in biased]
-            ids = _padded([list(b) for b in biases], vocab, device)
-            values = _padded([list(b.values()) for b in biases], 0, device, logits.dtype)
+            pairs = [_token_tensors(rows[i].params, device)[1:] for i in biased]
+            ids = _stacked([p[0] for p in pairs], vocab)
+            values = _stacked([p[1] for p in pairs], 0).to(logits.dtype)
             ext = torch.cat([logits[idx], logits.new_zeros(len(biased), 1)], 1)
             logits[idx] = ext.scatter_add(1, ids, values)[:, :vocab]
         rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
@@ -230,9 +230,10 @@ class Sampler:
             frequency = torch.tensor([rows[i].params.frequency_penalty for i in additive],
                                      device=device)[:, None]
             logits[idx] -= frequency * counts + presence * (counts > 0)
-        masked = [(i, r.suppress) for i, r in enumerate(rows) if r.suppress]
-        masked += [(i, banned) for i, r in enumerate(rows) if r.bad_words
-                   for banned in [_banned(r.bad_words, r.output)] if banned]
+        masked = [(i, (r.suppress or []) + (_banned(r.bad_words, r.output) if r.bad_words
+                                             else [])) for i, r in enumerate(rows)
+                  if r.suppress or r.bad_words]  # (one entry per row: both masks apply)
+        masked = [(i, tokens) for i, tokens in masked if tokens]
         if masked:
             idx = torch.tensor([i for i, _ in masked], device=device)
             ids = _padded([tokens for _, tokens in masked], vocab, device)
@@ -305,9 +306,33 @@ def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, torch.isfinite(best)
 
 
-def bad_word_ids(words: list[str], tokenizer) -> list[list[int]]:
+def _token_tensors(params: SamplingParams, device) -> tuple:
+    """(allowed token ids [A] or None, biased token ids [B], their biases [B] float32) of a
+    request's settings, made once per request and device (kept on the params object)."""
+    cache = params.__dict__.setdefault("_token_tensors", {})
+    hit = cache.get(device)
+    if hit is None:
+        allowed = params.allowed_token_ids
+        bias = params.logit_bias or {}
+        hit = cache[device] = (
+            None if allowed is None else torch.tensor(allowed, dtype=torch.long, device=device),
+            torch.tensor(list(bias), dtype=torch.long, device=device),
+            torch.tensor(list(bias.values()), dtype=torch.float32, device=device))
+    return hit
+
+
+def _stacked(tensors: list[torch.Tensor], fill) -> torch.Tensor:
+    """1-D tensors -> [len(tensors), longest], each padded with `fill`."""
+    return torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True, padding_value=fill)
+
+
+def bad_word_ids(words: list[str], tokenizer, vocab_size: int) -> list[list[int]]:
     """The token ids of each word as the text's first word and, where that gives as many
-    tokens and a different first one, after a space (vLLM's rule)."""
+    tokens and a different first one, after a space (vLLM's rule). InvalidRequestError
+    without a tokenizer, or for a word whose tokens the model does not have."""
+    if tokenizer is None:
+        raise InvalidRequestError("bad_words needs a tokenizer: give the engine one.",
+                                  "bad_words")
     out = []
     for word in words:
         bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
@@ -315,6 +340,11 @@ def bad_word_ids(words: list[str], tokenizer) -> list[list[int]]:
         out += [bare] if bare else []
         if spaced and len(spaced) == len(bare) and spaced[0] != bare[0]:
             out.append(spaced)
+    unknown = sorted({t for ids in out for t in ids if not 0 <= t < vocab_size})
+    if unknown:
+        raise InvalidRequestError(f"bad_words: the tokenizer gives token ids the model does "
+                                  f"not have (its vocabulary is [0, {vocab_size})): "
+                                  f"{unknown[:5]}.", "bad_words")
     return out
 
 

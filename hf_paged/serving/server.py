@@ -107,15 +107,23 @@ class _Server:
                        f"{[self.model_name] + self.adapters}.", "model", "not_found_error",
                        "model_not_found")
 
-    def check_stops(self, stops: list[str]) -> None:
+    def check_stops(self, stops: list[str], field: str = "stop") -> None:
+        """The limits on stop strings (and on bad words, `field` "bad_words")."""
         limits = self.limits
         if len(stops) > limits.max_stop_strings:
-            raise APIError(400, f"stop: at most {limits.max_stop_strings} stop strings; got "
-                           f"{len(stops)}.", "stop")
+            raise APIError(400, f"{field}: at most {limits.max_stop_strings} strings; got "
+                           f"{len(stops)}.", field)
         total = sum(len(s) for s in stops)
         if total > limits.max_stop_chars:
-            raise APIError(400, f"stop: the stop strings may have {limits.max_stop_chars} "
-                           f"characters in all; got {total}.", "stop")
+            raise APIError(400, f"{field}: the strings may have {limits.max_stop_chars} "
+                           f"characters in all; got {total}.", field)
+
+    def truncated(self, ids: list[int], keep: int | None) -> list[int]:
+        """A prompt's ids as `truncate_prompt_tokens` leaves them (the engine would cut the
+        same; cut here, the echo, the usage and the default max_tokens see it)."""
+        if keep is None:
+            return ids
+        return ids[-(self.llm.max_model_len if keep == -1 else keep):]
 
     def timeout_for(self, asked: float | None) -> float | None:
         limit = self.limits.request_timeout
@@ -148,11 +156,11 @@ class _Server:
         return "" if tokenizer is None else await self.off_loop(tokenizer.decode, ids)
 
     def raw_text(self, out) -> str:
-        """A completion's text with special tokens (tool-call markers may be special), its
-        ending EOS left out."""
+        """A completion's text with special tokens (tool-call markers may be special), the
+        EOS or stop token that ended it left out."""
         ids = out.token_ids
-        if out.finish_reason == "stop" and out.stop_reason is None and ids:
-            ids = ids[:-1]
+        if out.finish_reason == "stop" and not isinstance(out.stop_reason, str) and ids:
+            ids = ids[:-1]  # (an EOS or a stop token)
         return self.llm.tokenizer.decode(ids, skip_special_tokens=False)
 
     async def chat_tokens(self, messages: list, add_generation_prompt: bool = True,
@@ -370,13 +378,15 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
         server.check_open()
         adapter = server.adapter_for(body.model)
         server.check_stops(body.stops())
+        server.check_stops(body.bad_words or [], "bad_words")
         params = body.sampling_params(body.engine_max_tokens, body.logprobs,
                                       server.timeout_for(body.timeout), body.prompt_logprobs)
         raw = body.prompts()
         await server.compile_constraint(params, body.constraint_field)
-        prompts = [await server.tokens(p, "prompt") for p in raw]
-        echo = [await server.prompt_text(r, p) for r, p in zip(raw, prompts)] \
-            if body.echo else None
+        whole = [await server.tokens(p, "prompt") for p in raw]
+        prompts = [server.truncated(p, body.truncate_prompt_tokens) for p in whole]
+        echo = [await server.prompt_text(r if len(w) == len(p) else p, p)  # (as it is run)
+                for r, w, p in zip(raw, whole, prompts)] if body.echo else None
         tenant = request.state.tenant
         streams = server.start(prompts, params, adapter, body.priority,
                                server.salt_for(tenant, body.cache_salt), "prompt")
@@ -396,10 +406,12 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
         server.check_open()
         adapter = server.adapter_for(body.model)
         server.check_stops(body.stops())
+        server.check_stops(body.bad_words or [], "bad_words")
         top = body.logprob_count()
         tools = body.tool_mode(server.tool_parser)
         forced = body.forced_tool_schema(tools)
-        prompt = await server.chat_tokens(body.messages, tools=body.tools)
+        prompt = server.truncated(await server.chat_tokens(body.messages, tools=body.tools),
+                                  body.truncate_prompt_tokens)
         max_tokens = body.max_completion_tokens or body.max_tokens or \
             server.default_max_tokens(len(prompt))
         params = body.sampling_params(max_tokens, top, server.timeout_for(body.timeout),

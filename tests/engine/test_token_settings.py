@@ -177,7 +177,7 @@ def test_bad_words_are_never_generated_as_stock_generate_bans_them(mode):
 
 def test_a_bad_word_is_banned_after_its_first_tokens_only():
     tok = make_tokenizer()
-    words = bad_word_ids(["w7 w8 w9", " w4"], tok)
+    words = bad_word_ids(["w7 w8 w9", " w4"], tok, VOCAB)
     assert words == [[7, 8, 9], [4]]  # (a word-level tokenizer: a space changes nothing)
     logits = torch.zeros(3, VOCAB)
     p = resolved(bad_words=["w7 w8 w9", " w4"])
@@ -374,3 +374,96 @@ def test_engine_steps_follow_the_output_kind():
     assert seen["f"][0].outputs[0].token_ids == tokens
     with pytest.raises(InvalidRequestError, match="output_kind"):
         SamplingParams(output_kind="deltas")
+
+
+def test_bad_words_keep_the_min_tokens_mask():
+    llm = LLM(long_model("llama_gqa"), make_tokenizer(), block_size=4, num_blocks=100)
+    base = dict(temperature=0, max_tokens=12, min_tokens=8, logit_bias={EOS: 50.0})
+    plain = llm.generate([[5, 6, 7]], SamplingParams(**base), use_tqdm=False)[0].outputs[0]
+    banned = llm.generate([[5, 6, 7]], SamplingParams(**base, bad_words=["w7"]),
+                          use_tqdm=False)[0].outputs[0]
+    assert len(plain.token_ids) == len(banned.token_ids) == 9  # EOS right after min_tokens
+    assert banned.token_ids[-1] == EOS and 7 not in banned.token_ids
+
+
+def test_bad_words_the_model_cannot_generate_are_refused():
+    tok = make_tokenizer()
+    tok.add_tokens(["zz1", "zz2", "zz3"])  # ids past the model's vocabulary
+    llm = LLM(long_model("llama_gqa"), tok, block_size=4, num_blocks=100)
+    with pytest.raises(InvalidRequestError, match="bad_words"):
+        llm.generate([[5, 6]], SamplingParams(max_tokens=3, bad_words=["w5 zz3"]),
+                     use_tqdm=False)
+    out = llm.generate([[5, 6]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True,
+                                                bad_words=["w9"]), use_tqdm=False)
+    assert 9 not in out[0].outputs[0].token_ids
+
+
+def test_stop_strings_wait_for_min_tokens_and_are_found_in_a_stop_tokens_text(llm):
+    prompt = "w5 w6 w7 w8"
+    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    words = free.text.split()
+    j = next(j for j in range(1, 6) if words[j] not in words[:j] + words[j + 1:])
+    for min_tokens, reason in ((0, "stop"), (j + 1, "length")):  # (vLLM: output > min_tokens)
+        out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                  stop=[words[j]], min_tokens=min_tokens),
+                           use_tqdm=False)[0].outputs[0]
+        assert out.finish_reason == reason
+        assert out.text == (free.text[:free.text.index(words[j])] if reason == "stop"
+                            else free.text)
+    # a stop token whose own (kept) text completes a stop string: the string is the reason
+    pair = f"{words[j - 1]} {words[j]}"
+    out = llm.generate(prompt, SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True, stop=[pair],
+        stop_token_ids=[free.token_ids[j]], include_stop_str_in_output=True),
+        use_tqdm=False)[0].outputs[0]
+    assert out.stop_reason == pair and out.text == free.text[:free.text.index(pair) + len(pair)]
+
+
+@pytest.mark.parametrize("value, kind", [(0, "cumulative"), (1, "delta"), (2, "final_only"),
+                                         (RequestOutputKind.DELTA, "delta")])
+def test_output_kinds_take_vllms_values(value, kind):
+    assert SamplingParams(output_kind=value).output_kind is RequestOutputKind(kind)
+
+
+def test_numpy_ids_are_token_ids_and_biases_past_float32_are_refused():
+    import numpy as np
+
+    p = SamplingParams(logit_bias={np.int64(5): 1.5}, allowed_token_ids=[np.int32(7)])
+    assert p.logit_bias == {5: 1.5} and p.allowed_token_ids == [7]
+    with pytest.raises(InvalidRequestError, match="logit_bias"):
+        SamplingParams(logit_bias={5: 1e39})
+
+
+def test_deltas_not_delivered_to_a_slow_reader_come_with_its_last_output():
+    model = long_model("llama_gqa")
+
+    async def run(kind):
+        engine = AsyncLLM(model, block_size=4, num_blocks=300, max_unread_outputs=3)
+        try:
+            stream = engine.add([5, 6, 7], SamplingParams(temperature=0, max_tokens=200,
+                                                          ignore_eos=True, output_kind=kind))
+            while stream.unread < 3:  # the reader falls behind: the request is aborted
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)
+            return [out async for out in stream], engine.engine.output.generation_tokens
+        finally:
+            engine.shutdown()
+
+    (*_, whole), _ = asyncio.run(run("cumulative"))
+    deltas, generated = asyncio.run(run("delta"))
+    assert whole.outputs[0].finish_reason == "abort"
+    assert deltas[-1].outputs[0].finish_reason == "abort"
+    tokens = [t for out in deltas for c in out.outputs for t in c.token_ids]
+    assert len(tokens) == generated > 3  # every token generated reached the reader
+    assert tokens == stock(model, [5, 6, 7], generated)
+
+
+def test_settings_that_leave_no_token_fail_their_request_alone():
+    llm = LLM(long_model("llama_gqa"), make_tokenizer(), block_size=4, num_blocks=100)
+    plain = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    empty = SamplingParams(temperature=0, max_tokens=6, allowed_token_ids=[5], bad_words=["w5"])
+    outs = llm.generate([[5, 6, 7], [8, 9], [5, 6, 7]], [plain, empty, plain], use_tqdm=False)
+    assert outs[1].outputs[0].finish_reason == "error" and "not finite" in outs[1].error
+    assert outs[0].outputs[0].token_ids == outs[2].outputs[0].token_ids == \
+        stock(llm.engine.model, [5, 6, 7], 6)

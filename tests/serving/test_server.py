@@ -233,7 +233,6 @@ def test_disconnect_frees_blocks_and_metrics_parse(served):
     assert 0 <= m["hf_paged_kv_usage_ratio"] <= 1
 
 
-
 def test_logit_bias_allowed_tokens_and_vllm_text_options(served):
     prompt = "w20 w21 w22"
     ids = served.tok(prompt)["input_ids"]
@@ -266,6 +265,26 @@ def test_logit_bias_allowed_tokens_and_vllm_text_options(served):
     word = served.tok.encode(plain.split()[0], add_special_tokens=False)
     short, _ = stock_text(served, ids[-2:], 8, eos_token_id=None, bad_words_ids=[word])
     assert out.choices[0].text == short and out.usage.prompt_tokens == 2
+    # the echo is the prompt as it ran
+    out = served.client.completions.create(**kw, echo=True, extra_body={
+        "ignore_eos": True, "truncate_prompt_tokens": 2})
+    tail, _ = stock_text(served, ids[-2:], 8, eos_token_id=None)
+    assert out.choices[0].text == served.tok.decode(ids[-2:]) + tail
+
+
+def test_a_truncated_chat_prompt_leaves_room_for_its_default_max_tokens():
+    tok = tokenizer_with_template()
+    app = build_app(long_model("llama_gqa"), tok, served_model_name="tiny", block_size=4,
+                    num_blocks=200, max_model_len=64)
+    with ServerThread(app) as server:
+        for words in (40, 100):  # a prompt that fits, and one longer than the context
+            content = " ".join(f"w{5 + i % 80}" for i in range(words))
+            r = httpx.post(server.url + "/v1/chat/completions", timeout=120, json=dict(
+                model="tiny", messages=[{"role": "user", "content": content}], temperature=0,
+                ignore_eos=True, truncate_prompt_tokens=4))
+            assert r.status_code == 200, r.text
+            usage = r.json()["usage"]
+            assert usage["prompt_tokens"] == 4 and usage["completion_tokens"] == 64 - 4 - 4
 
 BAD = [
     (dict(model="nope", prompt="w5", max_tokens=2), 404, "model"),

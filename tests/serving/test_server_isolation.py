@@ -121,6 +121,10 @@ ATTACKS = [  # (body, status, param): status 200 means it must run (and not hurt
     (dict(prompt=[[5, 6]] * 11, n=4), 400, "n"),  # 44 sequences > 40
     (dict(cache_salt=""), 400, "cache_salt"),
     (dict(timeout=-1), 400, "timeout"),
+    (dict(bad_words=[f"w{i}" for i in range(9)]), 400, "bad_words"),
+    (dict(bad_words=["x" * 201]), 400, "bad_words"),
+    (dict(allowed_token_ids=list(range(10**5))), 400, "allowed_token_ids"),
+    (dict(logit_bias={str(i): 100 for i in range(90)}, temperature=1.0), 200, None),
 ]
 
 
