@@ -4,6 +4,7 @@ front ends."""
 
 from ..errors import IsolationError, RequestRejectedError  # noqa: F401  (0.2's hf_paged.engine names)
 from .engine import BASE, EngineStats, LLMEngine, engine_options, step_budget
+from .request import truncated as truncate_prompt
 from .runner import ModelRunner
 
 
@@ -22,4 +23,4 @@ def run_worker(model, **options) -> None:
 
 
 __all__ = ["BASE", "EngineStats", "IsolationError", "LLMEngine", "ModelRunner",
-           "RequestRejectedError", "engine_options", "run_worker"]
+           "RequestRejectedError", "engine_options", "run_worker", "truncate_prompt"]

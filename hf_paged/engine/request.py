@@ -38,10 +38,13 @@ def prompt_ids(prompt, params: SamplingParams, tokenizer, vocab_size: int,
     if bad:
         raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size}); "
                                   f"got {bad[:5]}.", "prompt")
-    keep = params.truncate_prompt_tokens
-    if keep is not None:
-        prompt = prompt[-(context if keep == -1 else keep):]
-    return text, prompt
+    return text, truncated(prompt, params.truncate_prompt_tokens, context)
+
+
+def truncated(ids: list[int], keep: int | None, context: int) -> list[int]:
+    """A prompt's ids as `truncate_prompt_tokens` leaves them: the last `keep` (-1: the
+    last `context`), all of them for None."""
+    return ids if keep is None else ids[-(context if keep == -1 else keep):]
 
 
 @dataclass

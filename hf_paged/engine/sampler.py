@@ -230,10 +230,13 @@ class Sampler:
             frequency = torch.tensor([rows[i].params.frequency_penalty for i in additive],
                                      device=device)[:, None]
             logits[idx] -= frequency * counts + presence * (counts > 0)
-        masked = [(i, (r.suppress or []) + (_banned(r.bad_words, r.output) if r.bad_words
-                                             else [])) for i, r in enumerate(rows)
-                  if r.suppress or r.bad_words]  # (one entry per row: both masks apply)
-        masked = [(i, tokens) for i, tokens in masked if tokens]
+        masked = []  # (row, its masked tokens): one entry per row, both masks in it
+        for i, r in enumerate(rows):
+            if r.suppress or r.bad_words:
+                tokens = (r.suppress or []) + (_banned(r.bad_words, r.output) if r.bad_words
+                                               else [])
+                if tokens:
+                    masked.append((i, tokens))
         if masked:
             idx = torch.tensor([i for i, _ in masked], device=device)
             ids = _padded([tokens for _, tokens in masked], vocab, device)

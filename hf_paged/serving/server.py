@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.async_llm import AsyncLLM, RequestStream
 from ..engine.detokenizer import TokenPieces
-from ..engine import BASE
+from ..engine import BASE, truncate_prompt
 from ..errors import InvalidRequestError, RequestRejectedError, describe
 from ..sampling_params import StructuredOutputsParams
 from .extras import add_routes
@@ -119,11 +119,9 @@ class _Server:
                            f"characters in all; got {total}.", field)
 
     def truncated(self, ids: list[int], keep: int | None) -> list[int]:
-        """A prompt's ids as `truncate_prompt_tokens` leaves them (the engine would cut the
-        same; cut here, the echo, the usage and the default max_tokens see it)."""
-        if keep is None:
-            return ids
-        return ids[-(self.llm.max_model_len if keep == -1 else keep):]
+        """A prompt's ids as `truncate_prompt_tokens` leaves them (cut here as the engine
+        cuts them, so that the echo, the usage and the default max_tokens see it)."""
+        return truncate_prompt(ids, keep, self.llm.max_model_len)
 
     def timeout_for(self, asked: float | None) -> float | None:
         limit = self.limits.request_timeout
