@@ -10,7 +10,8 @@ streams the weights from memory), best of a few passes. One row streams them at 
 speed; from four rows on, the BLAS's float32 GEMM runs well below it, so a step's cost grows
 with its rows much less than in proportion: batching more rows into a step is the lever,
 and the KV budget bounds it. It also checks whether a row's result depends on how many rows
-share the call (the BLAS picks its kernel by row count, and kernels round differently).
+share the call (the BLAS picks its kernel by row count, and kernels round differently),
+and times MKL's packed-weight GEMM next to it: faster at a few rows, but rounding otherwise.
 
 --trace runs the engine on the tight trace (about 100 s) and reports its forwards by row
 count: decode-only forwards (one token per row) by rows, and forwards with prompt chunks.
@@ -53,6 +54,33 @@ def weight_passes(model, rows=ROWS, passes: int = 3) -> list[dict]:
                             gflop_per_s=round(flops_per_row * m / best / 1e9)))
             print(f"  {m:3d} rows: {out[-1]['ms']:7.1f} ms per pass, {out[-1]['gb_per_s']:5.1f} "
                   f"GB/s of weights, {out[-1]['gflop_per_s']:4d} GFLOP/s", flush=True)
+    return out
+
+
+def packed_passes(model, rows=ROWS, passes: int = 3) -> list[dict]:
+    """`weight_passes` with MKL's packed-weight GEMM (each weight packed once per row count,
+    outside the timing, as a runtime that packed weights would hold them), and the largest
+    difference of its output from `F.linear`'s on the first weight. An empty list where
+    this torch has no MKL."""
+    if not (torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")):
+        return []
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    out = []
+    with torch.inference_mode():
+        for m in rows:
+            inputs = {w.shape[1]: torch.randn(m, w.shape[1]) for w in weights}
+            packed = [torch.ops.mkl._mkl_reorder_linear_weight(w, m) for w in weights]
+            best = float("inf")
+            for _ in range(passes):
+                start = time.perf_counter()
+                for w, p in zip(weights, packed):
+                    torch.ops.mkl._mkl_linear(inputs[w.shape[1]], p, w, None, m)
+                best = min(best, time.perf_counter() - start)
+            x, w = inputs[weights[0].shape[1]], weights[0]
+            apart = (torch.ops.mkl._mkl_linear(x, packed[0], w, None, m) - F.linear(x, w))
+            out.append(dict(rows=m, ms=round(best * 1e3, 1), max_diff=apart.abs().max().item()))
+            print(f"  {m:3d} rows: {out[-1]['ms']:7.1f} ms per pass; largest difference from "
+                  f"F.linear {out[-1]['max_diff']:.2g}", flush=True)
     return out
 
 
@@ -117,7 +145,11 @@ def main() -> None:
     parser.add_argument("--trace", action="store_true", help="also run the tight trace (~100 s)")
     args = parser.parse_args()
     print(f"F.linear over the 168M Llama's weights, float32, threads {torch.get_num_threads()}:")
-    weight_passes(random_llama())
+    model = random_llama()
+    weight_passes(model)
+    print("MKL's packed-weight GEMM over the same weights (not what the model's nn.Linear "
+          "runs):")
+    packed_passes(model) or print("  (this torch has no MKL)")
     same = set(bit_identical_row_counts())
     differ = [m for m in range(1, 41) if m not in same]
     print(f"  row counts whose rows differ (bits) from the same rows of a 40-row call: "

@@ -389,6 +389,8 @@ def main():
                         "preemption policies against Transformers' continuous batching"),
             ("--async-scheduling", "the engine rows (and the host-overhead report) with "
                                    "async_scheduling=True"),
+            ("--compile", "with --throughput: LLM(compile=True) (the first of the runs "
+                          "compiles)"),
             ("--host-overhead", "only the host-overhead report: time per step outside the "
                                 "forward, per sequence, at 64/128/256 sequences, tiny and 168M "
                                 "models"),
@@ -430,7 +432,8 @@ def main():
     if args.throughput:
         print(f"LLM.generate, tiny Llama, hf_paged from {Path(hf_paged.__file__).parent}:",
               flush=True)
-        rows = throughput(tiny_llama(dtype=dtype, device=args.device), **overlap)
+        compiled = dict(compile=True) if args.compile else {}
+        rows = throughput(tiny_llama(dtype=dtype, device=args.device), **overlap, **compiled)
         if args.out:
             Path(args.out).write_text(json.dumps(rows, indent=2))
         return
