@@ -71,8 +71,10 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor,
     and steps avoids fresh allocations, whose page faults cost more than the copy on CPU.
     """
     rows, nb = block_tables.shape
-    _, bs, h, d = cache.shape
+    num_blocks, bs, h, d = cache.shape
     index = block_tables.reshape(-1)
+    if num_blocks == 0:  # a pool still empty (a batch of padding only): every column masked
+        return cache.new_zeros(rows, nb * bs, h, d).transpose(1, 2)
     if out is None:
         gathered = cache.index_select(0, index)  # several times faster than cache[index]
     else:

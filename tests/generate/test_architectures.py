@@ -45,6 +45,21 @@ def test_greedy_left_padded_batch(arch):
     assert len(set(out.sequences[:, ids.shape[1]:].flatten().tolist())) >= 3
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_row_of_padding_only(arch, rows):
+    """A row whose mask is all zeros, alone (the pool holds no block when the first forward
+    reads it) or beside real rows."""
+    name, model = arch
+    ids, mask = left_padded_batch([4, 7, 1][:rows], seed=4)
+    ids[0], mask[0] = 0, 0
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                  eos_token_id=None, pad_token_id=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (Transformers' note on the padding)
+        assert_same(model.generate(**kwargs),
+                    model.generate(cache_implementation="paged", **kwargs))
+
+
 def test_beam_search(arch):
     _, model = arch
     ids, mask = left_padded_batch([6, 10], seed=2)
