@@ -60,6 +60,29 @@ def test_a_row_of_padding_only(arch, rows):
                     model.generate(cache_implementation="paged", **kwargs))
 
 
+def test_a_row_of_padding_only_continued(arch):
+    """The same row in a second turn on the returned cache, its mask rebuilt from the ids:
+    the tokens it generated (pad ids) are hidden, so its queries see no key at all (they
+    must not average other rows' blocks)."""
+    name, model = arch
+    ids, mask = left_padded_batch([1, 9], seed=5)
+    ids[0], mask[0] = 0, 0
+    first = dict(max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0,
+                 return_dict_in_generate=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = model.generate(input_ids=ids, attention_mask=mask, **first)
+        out = model.generate(input_ids=ids, attention_mask=mask, cache_implementation="paged",
+                             cache_config={"block_size": 4}, **first)
+        assert_same(ref, out)
+        turn = torch.tensor([[0, 0, 0], [7, 8, 9]])
+        ids2 = torch.cat([ref.sequences, turn], 1)
+        second = dict(input_ids=ids2, attention_mask=(ids2 != 0).long(), max_new_tokens=4,
+                      do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert_same(model.generate(past_key_values=ref.past_key_values, **second),
+                    model.generate(past_key_values=out.past_key_values, **second))
+
+
 def test_beam_search(arch):
     _, model = arch
     ids, mask = left_padded_batch([6, 10], seed=2)
