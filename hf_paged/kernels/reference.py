@@ -208,7 +208,9 @@ def attend(
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if mask.dtype == torch.bool:
-        # The most negative finite score, not -inf: no NaN from a softmax over nothing.
+        # The most negative finite score, not -inf: a query that sees no key (a padding
+        # token's, after a run of them) then averages values instead of giving NaN, as in
+        # Transformers' eager attention, and a NaN value is never multiplied by its 0.
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     else:
         scores = scores + mask
@@ -217,9 +219,4 @@ def attend(
         probs = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]
     else:
         probs = torch.softmax(scores, -1)
-    out = torch.matmul(probs.to(value.dtype), value)
-    if mask.dtype == torch.bool:
-        # A query that sees no key gets zeros, as from SDPA: a uniform average would read
-        # whatever its columns' slots hold, other sequences' blocks among them.
-        out = out.masked_fill(~mask.any(-1)[..., None], 0.0)
-    return out.transpose(1, 2)
+    return torch.matmul(probs.to(value.dtype), value).transpose(1, 2)

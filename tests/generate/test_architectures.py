@@ -60,27 +60,21 @@ def test_a_row_of_padding_only(arch, rows):
                     model.generate(cache_implementation="paged", **kwargs))
 
 
-def test_a_row_of_padding_only_continued(arch):
-    """The same row in a second turn on the returned cache, its mask rebuilt from the ids:
-    the tokens it generated (pad ids) are hidden, so its queries see no key at all (they
-    must not average other rows' blocks)."""
+def test_right_padding_longer_than_a_window(arch):
+    """A row padded on the right by more than a sliding window: its last queries see no key
+    within their window, and generate reads the last one's logits. Eager attention (Gemma 2's
+    softcap) then averages the row's values uniformly; the paged cache must do the same."""
     name, model = arch
-    ids, mask = left_padded_batch([1, 9], seed=5)
-    ids[0], mask[0] = 0, 0
-    first = dict(max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0,
-                 return_dict_in_generate=True)
+    ids, mask = left_padded_batch([15, 12], seed=6)
+    mask[0, 5:] = 0
+    ids[0, 5:] = 0
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                  eos_token_id=None, pad_token_id=0)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ref = model.generate(input_ids=ids, attention_mask=mask, **first)
-        out = model.generate(input_ids=ids, attention_mask=mask, cache_implementation="paged",
-                             cache_config={"block_size": 4}, **first)
-        assert_same(ref, out)
-        turn = torch.tensor([[0, 0, 0], [7, 8, 9]])
-        ids2 = torch.cat([ref.sequences, turn], 1)
-        second = dict(input_ids=ids2, attention_mask=(ids2 != 0).long(), max_new_tokens=4,
-                      do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert_same(model.generate(past_key_values=ref.past_key_values, **second),
-                    model.generate(past_key_values=out.past_key_values, **second))
+        warnings.simplefilter("ignore")  # (Transformers' note on right padding)
+        for extra in ({}, dict(num_beams=3, num_return_sequences=2)):
+            assert_same(model.generate(**kwargs, **extra),
+                        model.generate(cache_implementation="paged", **kwargs, **extra))
 
 
 def test_beam_search(arch):
