@@ -4,7 +4,9 @@ Each case draws a model layout, block size, pool sizing, batch with random paddi
 inner, right, all-padding rows), decoding mode, EOS token and, for some, a second turn on the
 returned cache, assisted decoding, a PEFT adapter (LoRA, prompt or prefix tuning) or a model
 left in training mode. `HF_PAGED_FUZZ_CASES` sets how many cases run (default
-300) and `HF_PAGED_FUZZ_SEED` where they start, so a failing case can be rerun alone.
+300) and `HF_PAGED_FUZZ_SEED` where they start, so a failing case can be rerun alone. The
+`_zoo` tests draw the same cases over every architecture of tests/zoo.py
+(`HF_PAGED_FUZZ_ZOO_CASES`, default 500).
 """
 
 from __future__ import annotations
@@ -19,16 +21,25 @@ import torch
 
 import hf_paged
 from conftest import MODEL_KINDS, PAD, VOCAB, grown_mask, make_model
+from zoo import NAMES, make_arch
 
 NUM_CASES = int(os.environ.get("HF_PAGED_FUZZ_CASES", "300"))
 FIRST_SEED = int(os.environ.get("HF_PAGED_FUZZ_SEED", "0"))
+ZOO_CASES = int(os.environ.get("HF_PAGED_FUZZ_ZOO_CASES", "500"))
+# Zoo models that PEFT's adapters do not fit (stock fails too): LoRA on fused expert
+# weights, prompt and prefix tuning on their attention configs.
+NO_PEFT = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "phimoe", "dbrx", "gpt_neox"}
 
 _models: dict = {}
 
 
+def build(kind, seed=0):
+    return make_model(kind, seed=seed) if kind in MODEL_KINDS else make_arch(kind)
+
+
 def model_for(kind):
     if kind not in _models:
-        _models[kind] = make_model(kind)
+        _models[kind] = build(kind)
     return _models[kind]
 
 
@@ -54,9 +65,9 @@ def random_batch(rng: random.Random, rows: int, width: int):
     return ids, mask
 
 
-def draw_case(seed: int) -> dict:
+def draw_case(seed: int, kinds=MODEL_KINDS) -> dict:
     rng = random.Random(seed)
-    kind = rng.choice(MODEL_KINDS)
+    kind = rng.choice(kinds)
     mode = rng.choice(["greedy", "greedy", "sample", "beam", "beam_sample", "nrs", "assisted",
                        "lookup"])
     rows = 1 if mode in ("assisted", "lookup") else rng.randint(1, 4)
@@ -83,6 +94,8 @@ def draw_case(seed: int) -> dict:
         adapter = rng.choice(["lora", "prompt", "prefix", "train"])
         if adapter == "prefix" and kind in ("falcon_mq", "falcon_new"):
             adapter = "lora"  # their caches hold other heads than a prefix has (stock fails)
+        if kind in NO_PEFT:
+            adapter = "train"
     return dict(seed=seed, kind=kind, mode=mode, rows=rows, width=width, options=options,
                 cache_config=cache_config, second_turn=mode in ("greedy", "sample") and
                 adapter is None and rng.random() < 0.5, assistant=rng.choice(MODEL_KINDS),
@@ -128,7 +141,7 @@ def adapted(kind: str, adapter: str):
         from peft import (LoraConfig, PrefixTuningConfig, PromptTuningConfig, TaskType,
                           get_peft_model)
 
-        model = make_model(kind, seed=7)
+        model = build(kind, seed=7)
         if adapter == "train":
             for name, module in model.named_modules():
                 if isinstance(module, torch.nn.Dropout) and "attention" not in name:
@@ -207,6 +220,7 @@ def logits_of(model, cache, ids, mask, positions, paged):
         if not paged:
             with stock_transformers():
                 return model(**kw).logits
+        hf_paged.prepare_model(model)  # (stock_transformers() unwrapped the zoo's classes)
         own = model.config._attn_implementation_internal
         model.config._attn_implementation_internal = "paged"
         try:
@@ -218,12 +232,16 @@ def logits_of(model, cache, ids, mask, positions, paged):
 def test_fuzz_direct_forwards(seed):
     """Random forwards, crops and reorders on a DynamicCache and a PagedCache side by side,
     with masks that hide and show cached columns: logits agree at every step."""
+    direct_forwards(seed, MODEL_KINDS)
+
+
+def direct_forwards(seed: int, kinds) -> None:
     from transformers import DynamicCache
 
     from hf_paged import PagedCache
 
     rng = random.Random(10_000 + seed)
-    kind = rng.choice(MODEL_KINDS)
+    kind = rng.choice(kinds)
     model = model_for(kind)
     rows = rng.randint(1, 3)
     caches = [DynamicCache(config=model.config),
@@ -263,13 +281,14 @@ def test_fuzz_direct_forwards(seed):
         except RuntimeError:
             # DynamicCache's sliding-window layers shrink to the window on some crops and
             # then cannot take a mask over every column: no reference beyond this point.
-            assert kind == "mistral_sw"
+            assert model.config.get_text_config().sliding_window
             return
         out = logits_of(model, caches[1], ids, mask, positions[:, -q:], paged=True)
-        if kind == "falcon_alibi" and seen:
-            # Falcon-RW's float mask makes a query that sees no key attend uniformly to
-            # every column; after the first forward the padding it would average is not
-            # stored. Such queries sit on padding, whose logits nothing reads.
+        if kind == "falcon_alibi" and seen or model.config._attn_implementation == "eager":
+            # Falcon-RW's float mask, and eager attention (Gemma 2's softcap), make a query
+            # that sees no key attend uniformly to every column; the padding it would
+            # average is not stored (Falcon: after the first forward). Such queries sit on
+            # padding, whose logits nothing reads.
             keep = mask.cummax(1).values.bool()[:, -q:]
             out, ref = out[keep], ref[keep]
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4,
@@ -278,3 +297,17 @@ def test_fuzz_direct_forwards(seed):
 
 test_fuzz_direct_forwards = pytest.mark.parametrize(
     "seed", range(FIRST_SEED, FIRST_SEED + NUM_CASES))(test_fuzz_direct_forwards)
+
+
+@pytest.mark.parametrize("seed", range(FIRST_SEED, FIRST_SEED + ZOO_CASES))
+def test_fuzz_case_zoo(seed):
+    """`test_fuzz_case` over every architecture of the zoo."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        check(draw_case(seed, NAMES))
+
+
+@pytest.mark.parametrize("seed", range(FIRST_SEED, FIRST_SEED + ZOO_CASES))
+def test_fuzz_direct_forwards_zoo(seed):
+    """`test_fuzz_direct_forwards` over every architecture of the zoo."""
+    direct_forwards(seed, NAMES)
