@@ -175,6 +175,10 @@ class EngineRequest:
         "delta", of what is new since the last. Text not followed token by token is decoded
         once its completion has ended; if that fails, the request ends with the error (its
         tokens stand)."""
+        delta = self.params.output_kind is RequestOutputKind.DELTA
+        first = self.sent is None
+        if delta and first:
+            self.sent = [(0, 0, False)] * len(self.completions)
         completions = []
         for out in self.completions:
             if (self.texts is None and tokenizer is not None and out.finished
@@ -188,14 +192,19 @@ class EngineRequest:
             text = out.text
             if self.hold and not out.finished:
                 text = text[:max(0, len(text) - self.hold)]
+            tokens = chars = 0  # where this output starts (a delta: where the last ended)
+            if delta:
+                tokens, chars, ended = self.sent[out.index]
+                if len(out.token_ids) == tokens and len(text) == chars and out.finished == ended:
+                    continue  # nothing new: left out
+                self.sent[out.index] = (len(out.token_ids), len(text), out.finished)
             completions.append(CompletionOutput(  # field by field: replace() is slow
-                out.index, text, list(out.token_ids), out.finish_reason, out.stop_reason,
-                None if out.logprobs is None else list(out.logprobs), out.cumulative_logprob))
-        prompt_logprobs = None if self.prompt_logprobs is None else list(self.prompt_logprobs)
-        if self.params.output_kind is RequestOutputKind.DELTA:
-            if self.sent is not None:  # (prompt logprobs come with the first output)
-                prompt_logprobs = None
-            completions = self._deltas(completions)
+                out.index, text[chars:], out.token_ids[tokens:], out.finish_reason,
+                out.stop_reason, None if out.logprobs is None else out.logprobs[tokens:],
+                out.cumulative_logprob))
+        prompt_logprobs = None  # (a delta stream's come with its first output)
+        if self.prompt_logprobs is not None and (first or not delta):
+            prompt_logprobs = list(self.prompt_logprobs)
         cached = self.seqs[0].cached_tokens if self.seqs else 0
         m = self.metrics
         return RequestOutput(self.request_id, self.prompt, self.prompt_ids, completions,
@@ -203,19 +212,3 @@ class EngineRequest:
                              RequestMetrics(m.arrival_time, m.first_scheduled_time,
                                             m.first_token_time, m.finished_time),
                              prompt_logprobs)
-
-    def _deltas(self, completions: list[CompletionOutput]) -> list[CompletionOutput]:
-        """The parts of `completions` (snapshots) not in an earlier output; completions
-        with nothing new are left out."""
-        if self.sent is None:
-            self.sent = [(0, 0, False) for _ in completions]
-        out = []
-        for c in completions:
-            tokens, chars, ended = self.sent[c.index]
-            if len(c.token_ids) == tokens and len(c.text) == chars and c.finished == ended:
-                continue
-            self.sent[c.index] = (len(c.token_ids), len(c.text), c.finished)
-            out.append(CompletionOutput(
-                c.index, c.text[chars:], c.token_ids[tokens:], c.finish_reason, c.stop_reason,
-                None if c.logprobs is None else c.logprobs[tokens:], c.cumulative_logprob))
-        return out
