@@ -113,6 +113,8 @@ class SamplingParams:
                         at the end of its text
     ignore_eos:         keep going past the model's EOS token
     min_tokens:         EOS and stop token ids are masked until this many tokens are out
+                        (a structured output that is complete and allows nothing but its
+                        end ends there, shorter)
     logprobs:           return the log-probabilities (of the model's raw distribution) of
                         this many most likely tokens at each step, plus the sampled one's
     prompt_logprobs:    the same for every prompt token after the first (the first has none),

@@ -29,6 +29,16 @@ logger = logging.getLogger("hf_paged")
 
 NOT_FINITE = ("its next-token distribution is not finite (NaN or infinity from the model's "
               "logits or its sampling settings)")
+MASKED = ("; its settings may allow no token here (allowed_token_ids, logit_bias, bad_words, "
+          "min_tokens and stop_token_ids, its structured output)")
+
+
+def failure(row: "SampleRow") -> str:
+    """Why a row had nothing to sample from, naming its masks if it has any."""
+    params = row.params
+    masks = (row.grammar is not None or row.suppress or row.bad_words
+             or params.allowed_token_ids is not None or params.logit_bias)
+    return NOT_FINITE + MASKED if masks else NOT_FINITE
 
 
 @dataclass
@@ -124,7 +134,7 @@ class Sampled:
                 entry[token_list[i]] = chosen[j]
                 logprobs[i], token_logprobs[i] = entry, chosen[j]
         result = SampleResult(token_list, logprobs, token_logprobs, failed)
-        return result, {j: NOT_FINITE for j in failed}
+        return result, {j: failure(rows[j]) for j in failed}
 
 
 class Sampler:
@@ -145,7 +155,10 @@ class Sampler:
         raw = torch.log_softmax(logits, -1) if want_logprobs else None
         constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
         if constrained:  # in place: masking again (rows sampled apart) changes nothing
-            mask_rows(logits, constrained, [rows[i].grammar for i in constrained])
+            complete = mask_rows(logits, constrained, [rows[i].grammar for i in constrained],
+                                 [rows[i].suppress for i in constrained])
+            for j in complete:  # its constraint allows nothing but its end: min_tokens
+                rows[constrained[j]].lift_suppression()  # does not hold that back
         if any([r.penalized or r.suppress for r in rows]):  # (a list: faster than a generator)
             logits = self.penalize(logits.clone(), rows)  # the caller's logits stay as given
         greedy_rows = [r.greedy for r in rows]
@@ -178,7 +191,7 @@ class Sampler:
             try:
                 one = self(logits[j:j + 1], [row], None if noise is None else noise[j:j + 1])
                 if one.failed:
-                    errors[j] = NOT_FINITE
+                    errors[j] = failure(row)
             except Exception as row_err:  # noqa: BLE001
                 one, errors[j] = None, f"sampling failed: {describe(row_err)}"
             tokens.append(one.tokens[0] if one else 0)

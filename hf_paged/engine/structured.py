@@ -161,29 +161,43 @@ class _Ahead:
 
 
 @torch.inference_mode()  # (a forward's logits are inference tensors: changed in place)
-def mask_rows(logits: torch.Tensor, rows: list[int], matchers: list[Matcher]) -> None:
+def mask_rows(logits: torch.Tensor, rows: list[int], matchers: list[Matcher],
+              ends: list[list[int] | None] | None = None) -> list[int]:
     """In place: logits [S, V] float32; `rows[j]` may only take the tokens `matchers[j]`
     allows next (the others become -inf). The bitmask is built on the host (int32 words,
     bit b of word w is token 32 w + b, over the grammars' vocabulary), then unpacked:
-    by numpy on a CPU, on the device on a GPU (only the packed words travel)."""
+    by numpy on a CPU, on the device on a GPU (only the packed words travel).
+
+    ends[j]: the stop tokens row j masks for now (min_tokens), if any. Returns the j whose
+    constraint allows nothing but those: it is complete, and its end must come now."""
     vocab, device = logits.shape[1], logits.device
     bitmask = torch.zeros(len(rows), matchers[0].words, dtype=torch.int32)
     for j, matcher in enumerate(matchers):
         matcher.fill(bitmask, j)
+    known = min(matchers[0].vocab, vocab)
+    ending = [j for j, tokens in enumerate(ends or []) if tokens
+              and _only(bitmask[j].numpy(), tokens, known)]
     if device.type == "cpu":
         allowed = torch.from_numpy(numpy.unpackbits(bitmask.numpy().view(numpy.uint8), axis=1,
                                                      bitorder="little").view(bool))
     else:
         bits = bitmask.to(device, non_blocking=True)
         allowed = ((bits[:, :, None] >> _BITS.to(device)) & 1).bool().flatten(1)
-    known = min(matchers[0].vocab, vocab)
     blocked = ~allowed[:, :known]  # (bits past the grammars' vocabulary are not tokens)
     if len(rows) == logits.shape[0]:  # every row (the usual case): in place
         logits[:, :known].masked_fill_(blocked, float("-inf"))
         logits[:, known:] = float("-inf")  # ids the tokenizer does not have: never
-        return
+        return ending
     index = torch.tensor(rows, device=device)
     part = logits[index]
     part[:, :known].masked_fill_(blocked, float("-inf"))
     part[:, known:] = float("-inf")
     logits[index] = part
+    return ending
+
+
+def _only(words: numpy.ndarray, tokens: list[int], known: int) -> bool:
+    """words [W] int32, a row's bitmask: it allows no token below `known` but `tokens`."""
+    allowed = numpy.unpackbits(words.view(numpy.uint8), bitorder="little")[:known].view(bool)
+    allowed[[t for t in tokens if t < known]] = False
+    return not allowed.any()

@@ -124,6 +124,33 @@ def test_preemption_and_prompt_logprobs_keep_constraints():
                 assert all(abs(g[t] - w[t]) < 1e-4 for t in w)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_min_tokens_does_not_hold_back_a_complete_constraint(async_scheduling):
+    """A choice is complete after a token or two, then allows only EOS; min_tokens masks EOS
+    until more tokens are out. The completion ends at its constraint's end ("stop", in the
+    language) instead of failing, and the masking still holds where the constraint goes on
+    (a regex with more to add, and rows without a constraint)."""
+    model, tok = setup()
+    llm = LLM(model, tok, block_size=4, num_blocks=1024, async_scheduling=async_scheduling)
+    choice = S(choice=["x", "café"])
+    short = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=20, min_tokens=8,
+                           structured_outputs=choice)
+    longer = SamplingParams(temperature=0, max_tokens=20, min_tokens=8,
+                            structured_outputs=S(regex=r"[ab]+c?"))
+    free = SamplingParams(temperature=0, max_tokens=12, min_tokens=6)
+    prompts = [tok(p)["input_ids"] for p in ("hello", "the fox", "日本")]
+    outs = llm.generate(prompts, [short, longer, free], use_tqdm=False)
+    assert all(out.error is None for out in outs)
+    for c in outs[0].outputs:
+        assert c.finish_reason == "stop" and c.token_ids[-1] == EOS and c.text in choice.choice
+    grown = outs[1].outputs[0]
+    assert len(grown.token_ids) >= 8 and re.fullmatch(r"[ab]+c?", grown.text), grown.text
+    assert EOS not in outs[2].outputs[0].token_ids[:6]
+    alone = LLM(model, tok, block_size=4, num_blocks=1024).generate(
+        prompts[2:], free, use_tqdm=False)
+    assert outs[2].outputs[0].token_ids == alone[0].outputs[0].token_ids
+
+
 def test_constraints_compile_once_and_bad_ones_are_refused():
     model, tok = setup()
     engine = LLMEngine(model, tok, block_size=4, num_blocks=256)
