@@ -119,11 +119,11 @@ class EngineRequest:
             out.text = self.texts[k].text
         if (params.stop and self.texts is not None and len(out.text) > before
                 and len(seq.output) > params.min_tokens):  # (vLLM's rule for stop strings)
-            # A stop string not in the text before ends after `before` (also in text that
-            # only a stop token's end of the completion settled).
-            start = max(0, before - max(len(s) for s in params.stop) + 1)
-            hits = [(at, s) for at, s in ((out.text.find(s, start), s) for s in params.stop)
-                    if at >= 0]
+            # A stop string ends in the new text (also text that only a stop token's end of
+            # the completion settled): one wholly before it was there before min_tokens (as
+            # vLLM), and a stream may have shown it.
+            hits = [(at, s) for at, s in ((out.text.find(s, max(0, before - len(s) + 1)), s)
+                                          for s in params.stop) if at >= 0]
             if hits:
                 at, out.stop_reason = min(hits)
                 # cut before the stop string, or after it

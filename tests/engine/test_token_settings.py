@@ -420,6 +420,28 @@ def test_stop_strings_wait_for_min_tokens_and_are_found_in_a_stop_tokens_text(ll
     assert out.stop_reason == pair and out.text == free.text[:free.text.index(pair) + len(pair)]
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_string_out_before_min_tokens_never_ends_it_later(llm, include):
+    """A stop string wholly in the text of the first min_tokens tokens is not matched once
+    stop strings count (vLLM's rule), however long the request's other stop strings are, so
+    that a stream, which may already have shown what follows it, equals the final text."""
+    prompt = "w5 w6 w7 w8"
+    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    words = free.text.split()
+    j = next(j for j in range(1, 6) if words[j] not in words[:j] + words[j + 1:])
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, min_tokens=j + 2,
+                            stop=[words[j], "\x00" * 12], include_stop_str_in_output=include)
+    final = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    assert final.finish_reason == "length" and final.text == free.text
+    engine = llm.engine
+    engine.add_request("d", prompt, replace(params, output_kind=RequestOutputKind.DELTA))
+    shown = ""
+    while engine.has_unfinished_requests():
+        shown += "".join(c.text for out in engine.step() for c in out.outputs)
+    assert shown == final.text
+
+
 @pytest.mark.parametrize("value, kind", [(0, "cumulative"), (1, "delta"), (2, "final_only"),
                                          (RequestOutputKind.DELTA, "delta")])
 def test_output_kinds_take_vllms_values(value, kind):
