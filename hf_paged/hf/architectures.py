@@ -58,6 +58,11 @@ def unsupported_reason(model) -> str | None:
                 "blocks cannot hold")
     if getattr(model, "_is_stateful", False):
         return f"{name} carries recurrent state, which a KV cache of blocks cannot hold"
+    bidirectional = sorted({type(m).__name__ for m in model.modules()
+                            if getattr(m, "is_causal", None) is False})
+    if bidirectional:  # (BERT-style models not configured with is_decoder=True)
+        return (f"{name}'s attention is bidirectional ({bidirectional[0]}.is_causal is False), "
+                "and the paged attention is causal")
     if not getattr(model, "_supports_attention_backend", False):
         return (f"{name}'s attention does not go through Transformers' attention interface, "
                 "so no attention implementation can read its keys from blocks")

@@ -187,6 +187,10 @@ def _refused():
     yield "keys changed", t.JetMoeForCausalLM(t.JetMoeConfig(
         vocab_size=64, hidden_size=32, num_hidden_layers=2, num_key_value_heads=2,
         kv_channels=8, intermediate_size=64, num_local_experts=2, num_experts_per_tok=1))
+    # A BERT-style LM head not configured as a decoder attends both ways.
+    yield "bidirectional", t.BertLMHeadModel(t.BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64))
     # ... or splits its values in two (differential attention).
     yield "values changed", t.DiffLlamaForCausalLM(t.DiffLlamaConfig(**small,
                                                                      num_key_value_heads=2))
@@ -199,7 +203,8 @@ _WHY = {"bypasses": "does not go through Transformers' attention interface",
         "per-layer KV shapes": "do not share one KV shape",
         "keywords dropped": "did not reach the attention",
         "keys changed": "changed its keys",
-        "values changed": "changed its values"}
+        "values changed": "changed its values",
+        "bidirectional": "bidirectional"}
 
 
 @pytest.mark.parametrize("kind", list(_WHY))
@@ -223,6 +228,25 @@ def test_unservable_models_are_refused_by_name(kind):
                                  cache_implementation="paged", return_dict_in_generate=True)
         assert torch.equal(ref, out.sequences)
         assert not isinstance(out.past_key_values, PagedCache)
+
+
+def test_a_bert_style_decoder_is_served():
+    """The same BERT-style model with is_decoder=True attends causally: served, stock's
+    tokens."""
+    import transformers as t
+
+    torch.manual_seed(0)
+    model = t.BertLMHeadModel(t.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                                           num_attention_heads=2, intermediate_size=64,
+                                           is_decoder=True)).eval()
+    assert unsupported_reason(model) is None
+    ids = torch.randint(3, 60, (2, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                         cache_implementation="paged")
+    assert torch.equal(ref, out)
 
 
 # -- layouts read from the config ---------------------------------------------------------------
