@@ -13,8 +13,9 @@ a tiny random model (hidden size 64, two layers, vocabulary 128) and compares st
   b  refused with a reason (UnsupportedModelError, or generate's fallback warning)
   c  wrong tokens
   d  any other failure (an exception, a request error, a crash or a timeout)
-  e  the tiny config could not be built, or stock generate itself fails (or the child was
-     killed or timed out before stock generate finished: BLT's defaults take >20 GB to build)
+  e  the tiny config could not be built (or has over MAX_PARAMETERS parameters: BLT's
+     sub-configs), or stock generate itself fails (or the child was killed or timed out
+     before stock generate finished)
 One JSON line per model goes to --out (or stdout); a summary table follows at the end.
 """
 
@@ -35,6 +36,7 @@ PROMPT_LENS, NEW_TOKENS = (9, 5), 12
 RESULT_PREFIX = "SWEEP_RESULT "
 STOCK_DONE = "SWEEP_STOCK_DONE"  # the child built the model and ran stock generate
 UNSET = object()  # an override value that removes the base setting
+MAX_PARAMETERS = 5_000_000  # a bigger "tiny" model is not built
 
 BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -132,9 +134,14 @@ def build(model_type):
         del kwargs["sliding_window"]
     kwargs.update(overrides)
     kwargs = {k: v for k, v in kwargs.items() if v is not UNSET}
-    torch.manual_seed(seed)
     model_cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
-    model = model_cls(config_cls(**kwargs)).float().eval()
+    config = config_cls(**kwargs)
+    with torch.device("meta"):  # (sub-configs these sizes miss stay large: BLT's take >20 GB)
+        size = sum(p.numel() for p in model_cls(config).parameters())
+    if size > MAX_PARAMETERS:
+        raise ValueError(f"the tiny {model_cls.__name__} still has {size:,} parameters")
+    torch.manual_seed(seed)
+    model = model_cls(config).float().eval()
     head = model.get_output_embeddings()
     if isinstance(head, torch.nn.Linear) and head.weight is not model.get_input_embeddings().weight:
         with torch.no_grad():  # sharper logits: fewer near-ties between greedy candidates
