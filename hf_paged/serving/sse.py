@@ -149,8 +149,9 @@ async def completion_events(server, body, rid, streams, tenant, echo=None):
     yield "data: [DONE]\n\n"
 
 
-def _tool_choice(server, tools, c, sent: list) -> dict:
-    """The last chunk of a held answer: what is left of its content, then its calls."""
+def _tool_choice(server, tools, c, sent: list, top: int) -> dict:
+    """The last chunk of a held answer: what is left of its content, then its calls, with
+    the logprobs of the tokens held (as a response without streaming has them)."""
     content, calls = tools.answer(c.text, server.raw_text(c))
     delta: dict = {}
     rest = (content or "")[sent[1]:] if calls else c.text[sent[1]:]
@@ -158,8 +159,9 @@ def _tool_choice(server, tools, c, sent: list) -> dict:
         delta["content"] = rest
     if calls:
         delta["tool_calls"] = [call.as_openai(i) for i, call in enumerate(calls)]
+    logprobs = None if c.logprobs is None else chat_logprobs(c, sent[0], server.pieces, top)
     sent[:] = [len(c.token_ids), len(c.text), True]
-    return {"index": c.index, "delta": delta, "logprobs": None,
+    return {"index": c.index, "delta": delta, "logprobs": logprobs,
             "finish_reason": "tool_calls" if calls else c.finish_reason}
 
 
@@ -183,9 +185,10 @@ async def chat_events(server, body, rid, stream, top, tenant, tools=None):
                     deltas.sent.setdefault(c.index, [0, 0, False])
                 if tools is not None and (c.index in held or tools.holds(server.raw_text(c))):
                     held.add(c.index)
-                    if c.finished:
-                        yield _sse(dict(head, choices=[_tool_choice(server, tools, c,
-                                                                    deltas.sent[c.index])]))
+                    if c.finished and not deltas.sent[c.index][2]:  # (once: with n > 1,
+                        # later outputs still show a choice that has ended)
+                        yield _sse(dict(head, choices=[_tool_choice(
+                            server, tools, c, deltas.sent[c.index], top)]))
                     continue
                 delta = deltas.next(c.index, c)
                 if delta is None:

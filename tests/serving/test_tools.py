@@ -109,6 +109,27 @@ def test_named_function_and_streaming(served):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+def test_streamed_calls_of_several_choices_equal_the_response(served):
+    """n=2 with a named function, streamed: each choice's call comes once (later chunks
+    still carry a choice that has ended), with the logprobs of its tokens, as in the
+    response without streaming."""
+    kw = dict(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=200, temperature=1.0,
+              seed=11, n=2, logprobs=True, top_logprobs=2,
+              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    whole = served.client.chat.completions.create(**kw)
+    chunks = [c for c in served.client.chat.completions.create(**kw, stream=True) if c.choices]
+    for choice in whole.choices:
+        mine = [c.choices[0] for c in chunks if c.choices[0].index == choice.index]
+        calls = [d for c in mine for d in (c.delta.tool_calls or [])]
+        assert [(d.function.name, d.function.arguments) for d in calls] == [
+            (t.function.name, t.function.arguments) for t in choice.message.tool_calls]
+        streamed = [e for c in mine if c.logprobs for e in c.logprobs.content]
+        assert [e.token for e in streamed] == [e.token for e in choice.logprobs.content]
+        assert [e.logprob for e in streamed] == pytest.approx(
+            [e.logprob for e in choice.logprobs.content], abs=1e-4)
+        assert [c.finish_reason for c in mine if c.finish_reason] == ["tool_calls"]
+
+
 # -- auto: what the model writes --------------------------------------------------------------
 CALL = ('Sure.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}'
         '</tool_call>')
