@@ -58,10 +58,12 @@ def unsupported_reason(model) -> str | None:
                 "blocks cannot hold")
     if getattr(model, "_is_stateful", False):
         return f"{name} carries recurrent state, which a KV cache of blocks cannot hold"
-    # Self-attention that attends both ways (BERT-style heads without is_decoder=True); a
-    # decoder's cross-attention (to encoder states a causal LM never gets) does not count.
+    # Cached self-attention (a layer_idx) that attends both ways: BERT-style heads without
+    # is_decoder=True. Neither a decoder's cross-attention (to encoder states a causal LM
+    # never gets) nor an uncached encoder (a vision tower's) counts.
     bidirectional = sorted({type(m).__name__ for path, m in model.named_modules()
                             if getattr(m, "is_causal", None) is False
+                            and hasattr(m, "layer_idx")
                             and not any(c in path for c in ("cross", "encoder_attn"))})
     if bidirectional:
         return (f"{name}'s attention is bidirectional ({bidirectional[0]}.is_causal is False), "
