@@ -175,11 +175,15 @@ def mask_rows(logits: torch.Tensor, rows: list[int], matchers: list[Matcher],
     for j, matcher in enumerate(matchers):
         matcher.fill(bitmask, j)
     known = min(matchers[0].vocab, vocab)
-    ending = [j for j, tokens in enumerate(ends or []) if tokens
-              and _only(bitmask[j].numpy(), tokens, known)]
+    ends = ends or []
+    host = None  # [R, 32 W] bool: the bitmask unpacked on the host
+    if device.type == "cpu" or any(ends):
+        host = numpy.unpackbits(bitmask.numpy().view(numpy.uint8), axis=1,
+                                bitorder="little").view(bool)
+    ending = [j for j, tokens in enumerate(ends) if tokens and not numpy.delete(
+        host[j, :known], [t for t in tokens if t < known]).any()]
     if device.type == "cpu":
-        allowed = torch.from_numpy(numpy.unpackbits(bitmask.numpy().view(numpy.uint8), axis=1,
-                                                     bitorder="little").view(bool))
+        allowed = torch.from_numpy(host)
     else:
         bits = bitmask.to(device, non_blocking=True)
         allowed = ((bits[:, :, None] >> _BITS.to(device)) & 1).bool().flatten(1)
@@ -194,10 +198,3 @@ def mask_rows(logits: torch.Tensor, rows: list[int], matchers: list[Matcher],
     part[:, known:] = float("-inf")
     logits[index] = part
     return ending
-
-
-def _only(words: numpy.ndarray, tokens: list[int], known: int) -> bool:
-    """words [W] int32, a row's bitmask: it allows no token below `known` but `tokens`."""
-    allowed = numpy.unpackbits(words.view(numpy.uint8), bitorder="little")[:known].view(bool)
-    allowed[[t for t in tokens if t < known]] = False
-    return not allowed.any()
