@@ -84,7 +84,8 @@ def sharpen_and_check(model, kind: str):
 def _assert_exercises_attention(model, kind: str) -> None:
     """A test model whose greedy continuation is one token repeated would make every parity
     test compare constant sequences: insist on a varied continuation of a random prompt."""
-    prompt = torch.randint(3, VOCAB, (1, 12), generator=torch.Generator().manual_seed(7))
+    high = min(VOCAB, model.config.get_text_config().vocab_size)
+    prompt = torch.randint(3, high, (1, 12), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12,
                              do_sample=False, pad_token_id=PAD, eos_token_id=None)
@@ -234,3 +235,26 @@ def make_byte_fallback_tokenizer() -> PreTrainedTokenizerFast:
                                      decoders.Fuse(), decoders.Strip(" ", 1, 0)])
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>",
                                    bos_token="<s>")
+
+
+PUNCTUATION = ["hello", "world", "do", "n't", "'s", "'m", "'ve", "'re", ".", ",", "!", "?",
+               "'", "-", "n", "v", "r", "a", "the"]
+
+
+def make_punctuation_tokenizer(kind: str, cleanup: bool) -> PreTrainedTokenizerFast:
+    """Word-level or WordPiece over words and the pieces Transformers' clean-up of spaces
+    rewrites (" .", " ' ", " n't", " 's", ...), with the clean-up on or off."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, "[SEP]": 2}
+    for word in PUNCTUATION + (["##ing", "##s", "##'"] if kind == "wordpiece" else []):
+        vocab[word] = len(vocab)
+    if kind == "wordpiece":
+        tok = Tokenizer(models.WordPiece(vocab=vocab, unk_token="[UNK]"))
+        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        tok.decoder = decoders.WordPiece(cleanup=False)
+    else:
+        tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]",
+                                   sep_token="[SEP]", clean_up_tokenization_spaces=cleanup)

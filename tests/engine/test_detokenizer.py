@@ -19,31 +19,9 @@ import hf_paged
 from hf_paged import LLM, SamplingParams
 from hf_paged.detokenizer import IncrementalText, TokenPieces
 from conftest import (
-    BYTE_CORPUS, make_byte_fallback_tokenizer, make_byte_tokenizer, make_tokenizer,
+    BYTE_CORPUS, make_byte_fallback_tokenizer, make_byte_tokenizer, make_punctuation_tokenizer,
+    make_tokenizer,
 )
-
-PUNCTUATION = ["hello", "world", "do", "n't", "'s", "'m", "'ve", "'re", ".", ",", "!", "?",
-               "'", "-", "n", "v", "r", "a", "the"]
-
-
-def make_punctuation_tokenizer(kind: str, cleanup: bool) -> PreTrainedTokenizerFast:
-    """Word-level or WordPiece over words and the pieces Transformers' clean-up of spaces
-    rewrites (" .", " ' ", " n't", " 's", ...), with the clean-up on or off."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {"[PAD]": 0, "[UNK]": 1, "[SEP]": 2}
-    for word in PUNCTUATION + (["##ing", "##s", "##'"] if kind == "wordpiece" else []):
-        vocab[word] = len(vocab)
-    if kind == "wordpiece":
-        tok = Tokenizer(models.WordPiece(vocab=vocab, unk_token="[UNK]"))
-        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-        tok.decoder = decoders.WordPiece(cleanup=False)
-    else:
-        tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
-        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]",
-                                   sep_token="[SEP]", clean_up_tokenization_spaces=cleanup)
-
 
 TOKENIZERS = {"byte-level": make_byte_tokenizer, "byte-fallback": make_byte_fallback_tokenizer,
               "word-level": make_tokenizer,

@@ -1,6 +1,7 @@
 """Streams carry exactly the response: random completions and chat requests (stop strings,
 min_tokens, penalties, biases, bad words, logprobs, echo, structured outputs, tools, n > 1,
-seeded sampling) over a byte-level tokenizer, each sent alone without streaming, then all
+seeded sampling) over a byte-level, a SentencePiece-style byte-fallback or a WordPiece
+tokenizer (with Transformers' clean-up of spaces), each sent alone without streaming, then all
 streamed at once next to streams their clients abandon and requests the server refuses.
 Every stream's text, tool calls, finish reasons, logprobs and usage equal its response, and
 the engine holds nothing afterwards. `HF_PAGED_STREAM_FUZZ_CASES` sets how many servers
@@ -17,32 +18,42 @@ import httpx
 import pytest
 
 from hf_paged.server import build_app
-from conftest import EOS, make_byte_tokenizer, make_model
+from conftest import (
+    EOS, PUNCTUATION, make_byte_fallback_tokenizer, make_byte_tokenizer, make_model,
+    make_punctuation_tokenizer,
+)
 from test_server import ServerThread
 
 CASES = int(os.environ.get("HF_PAGED_STREAM_FUZZ_CASES", "16"))
 TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
             "{% if add_generation_prompt %}<s>assistant:{% endif %}")
-WORDS = ["héllo", "wörld", "café", "naïve", "€5", "日本語", "テスト", "😀", "the", "quick",
-         "fox", " ", "é"]
+BYTE_WORDS = ["héllo", "wörld", "café", "naïve", "€5", "日本語", "テスト", "😀", "the", "quick",
+              "fox", " ", "é"]
+# Each tokenizer with the words its prompts, stop strings and bad words are drawn from.
+TOKENIZERS = {
+    "byte-level": (lambda: make_byte_tokenizer(300), BYTE_WORDS),
+    "byte-fallback": (make_byte_fallback_tokenizer, BYTE_WORDS + [" a", "b c", " quick fox"]),
+    "wordpiece": (lambda: make_punctuation_tokenizer("wordpiece", True),
+                  PUNCTUATION + [" ", "do n't", "it 's", " . "]),
+}
 TOOLS = [{"type": "function", "function": {"name": "get_w", "parameters": {
     "type": "object", "properties": {"city": {"enum": ["paris", "café"]}},
     "required": ["city"]}}}]
 
 
-def draw(rng: random.Random, vocab: int, chat: bool) -> dict:
-    text = lambda: "".join(rng.choice(WORDS) for _ in range(rng.randint(1, 10)))  # noqa: E731
+def draw(rng: random.Random, vocab: int, words: list[str], chat: bool) -> dict:
+    text = lambda: "".join(rng.choice(words) for _ in range(rng.randint(1, 10)))  # noqa: E731
     body = {"model": "m", "max_tokens": rng.randint(1, 30)}
     if rng.random() < 0.5:
         body["temperature"] = 0
     else:
         body.update(temperature=rng.choice([0.5, 1.0]), seed=rng.randrange(10**6),
                     n=rng.randint(1, 3), top_p=rng.choice([0.5, 1.0]))
-    options = [("stop", lambda: rng.sample(WORDS, 2)), ("include_stop_str_in_output", lambda: True),
+    options = [("stop", lambda: rng.sample(words, 2)), ("include_stop_str_in_output", lambda: True),
                ("min_tokens", lambda: rng.randint(1, 8)), ("presence_penalty", lambda: 1.0),
                ("repetition_penalty", lambda: 1.3), ("ignore_eos", lambda: True),
                ("logit_bias", lambda: {str(rng.randrange(3, vocab)): rng.choice([-100, 5])}),
-               ("bad_words", lambda: [rng.choice(WORDS)]),
+               ("bad_words", lambda: [rng.choice(words)]),
                ("guided_regex", lambda: rng.choice(["[a-c]{2,5}", "(é|x)+z"]))]
     for name, value in options:
         if rng.random() < 0.2:
@@ -105,9 +116,12 @@ async def abandoned(client, path: str, body: dict, after: int) -> None:
 
 async def run(seed: int) -> None:
     rng = random.Random(seed)
-    tok = make_byte_tokenizer(300)
+    make_tokenizer, words = TOKENIZERS[rng.choice(sorted(TOKENIZERS))]
+    tok = make_tokenizer()
     tok.chat_template = TEMPLATE
-    model = make_model(rng.choice(["llama_gqa", "mistral_sw"]), vocab_size=320,
+    # (a structured output or a tool call the WordPiece vocabulary cannot spell fails its
+    # request: the stream must then end in the same error as the response)
+    model = make_model(rng.choice(["llama_gqa", "mistral_sw"]), vocab_size=len(tok) + 8,
                        eos_token_id=EOS)
     block = rng.choice([1, 4, 16])
     app = build_app(model, tok, served_model_name="m", block_size=block,
@@ -118,7 +132,7 @@ async def run(seed: int) -> None:
     for _ in range(rng.randint(2, 8)):
         chat = rng.random() < 0.4
         jobs.append(("/v1/chat/completions" if chat else "/v1/completions", chat,
-                     draw(rng, len(tok), chat)))
+                     draw(rng, len(tok), words, chat)))
     with ServerThread(app) as server:
         async with httpx.AsyncClient(base_url=server.url) as client:
             alone = [await client.post(path, json=body, timeout=120) for path, _, body in jobs]
