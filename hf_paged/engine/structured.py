@@ -82,10 +82,23 @@ class Grammars:
                         f"{str(err).strip().splitlines()[0] if str(err).strip() else err!r}",
                         "structured_outputs") from err
                 self.compiles += 1
+                if not self._startable(self._compiled[key], spec):
+                    del self._compiled[key]
+                    raise InvalidRequestError(
+                        f"structured_outputs: no token of the tokenizer's vocabulary can "
+                        f"start the {key[0]} constraint (the vocabulary cannot spell its "
+                        f"first character)", "structured_outputs")
                 if len(self._compiled) > MAX_COMPILED:  # (running matchers keep theirs)
                     self._compiled.popitem(last=False)
             self._compiled.move_to_end(key)
             return self._compiled[key]
+
+    def _startable(self, compiled, spec: StructuredOutputsParams) -> bool:
+        """Whether any token may come first: one that may not would fail its request at its
+        first sample, so it is refused up front (a dead end later fails only then)."""
+        bitmask = torch.zeros(1, -(-self.vocab_size // 32), dtype=torch.int32)
+        self.matcher(compiled, spec).fill(bitmask, 0)
+        return bool(bitmask.any())
 
     def _compile(self, spec: StructuredOutputsParams):
         c = self._compiler

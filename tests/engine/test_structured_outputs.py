@@ -17,7 +17,7 @@ from xgrammar.contrib.hf import LogitsProcessor
 
 from hf_paged import LLM, InvalidRequestError, LLMEngine, SamplingParams
 from hf_paged.sampling_params import StructuredOutputsParams as S
-from conftest import EOS, make_byte_tokenizer, make_model
+from conftest import EOS, make_byte_tokenizer, make_model, make_punctuation_tokenizer
 from test_engine import run_engine
 
 VOCAB = 320
@@ -167,6 +167,24 @@ def test_constraints_compile_once_and_bad_ones_are_refused():
     assert set(engine.requests) == {"a", "b"}
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_a_constraint_the_vocabulary_cannot_start_is_refused():
+    """A WordPiece vocabulary of words and punctuation has no digit, brace or kana: such a
+    constraint would fail its request at the first sample, so it is refused when added."""
+    tok = make_punctuation_tokenizer("wordpiece", True)
+    model = make_model("llama_gqa", vocab_size=len(tok) + 8, eos_token_id=EOS)
+    engine = LLMEngine(model, tok, block_size=4, num_blocks=64)
+    for bad in (S(regex="[0-9]+"), S(json_object=True), S(json=SCHEMA), S(choice=["日本"]),
+                S(grammar='root ::= "{" "hello"')):
+        with pytest.raises(InvalidRequestError, match="no token .* can start") as err:
+            engine.add_request("bad", "hello world", SamplingParams(structured_outputs=bad))
+        assert err.value.param == "structured_outputs"
+    assert not engine.requests and engine.grammars.compiles == 5
+    done = run_engine(engine, ["hello"], SamplingParams(max_tokens=6, structured_outputs=S(
+        choice=["hello", "world", "日本"])))  # (one choice it can spell is enough)
+    assert (done["0"].outputs[0].text, done["0"].outputs[0].finish_reason) in (
+        ("hello", "stop"), ("world", "stop"))
 
 
 @pytest.mark.parametrize("kwargs, message", [
