@@ -7,17 +7,23 @@ model forward (generate/patches.py). Without it, this is Transformers' SDPA atte
 
 Masks: a paged cache answers `get_mask_sizes` with 0 keys (`NO_MASK`), and the mask function
 then returns None: the metadata has the lengths. A 4D mask the caller prepared skips mask
-creation and reaches the attention, which honours it. Any other forward (another cache, no
-cache, training) gets Transformers' own SDPA mask, built once per forward.
+creation and reaches the attention, which honours it.
+
+Any other forward (another cache, no cache, training) runs the mask and attention functions
+of the implementation the model had before it was switched to "paged" (hf/switch.py), so
+that a stock forward gives the same result whichever name it reads, even as another thread
+switches the shared config. A model loaded as "paged" has no other: it runs SDPA's.
 """
 
 from __future__ import annotations
 
 import sys
+import weakref
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import sdpa_mask
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..errors import HFPagedError, PagedRouteError
 from ..kernels.forward import PagedForward
@@ -25,6 +31,22 @@ from ..kv.pool import is_pool_view
 
 ATTENTION_NAME = "paged"
 KWARG = "paged_kv"  # the forward keyword that carries a PagedForward to the attention
+
+# id(config) -> the attention implementation it had when last switched to "paged" (kept
+# after the switch ends: a stock forward may still be between its mask and its attention)
+_originals: dict[int, str] = {}
+
+
+def remember_original(config, implementation: str | None) -> None:
+    if implementation and implementation != ATTENTION_NAME:
+        if id(config) not in _originals:
+            weakref.finalize(config, _originals.pop, id(config), None)
+        _originals[id(config)] = implementation
+
+
+def original_implementation(config) -> str | None:
+    """The implementation `config` had before "paged"; None if it never had another."""
+    return _originals.get(id(config))
 
 
 def paged_attention_forward(
@@ -60,18 +82,32 @@ def paged_attention_forward(
             "attention layers do not pass the forward's keywords on to the attention "
             "function; it is not supported on the paged cache."
         )
+    passed = {name: value for name, value in (("sliding_window", sliding_window),
+              ("softcap", softcap), ("s_aux", s_aux)) if value is not None}
+    original = original_implementation(module.config)
+    own = None
+    if original is not None:
+        own = _module_eager(module) if original == "eager" else \
+            ALL_ATTENTION_FUNCTIONS.get_interface(original, _module_eager(module))
+    if own is not None:  # the model's own implementation, as the model calls it
+        return own(module, query, key, value, attention_mask, dropout=dropout,
+                   scaling=scaling, **passed, **kwargs)
     if softcap is not None or s_aux is not None:  # beyond SDPA: the model's own eager path
         return _eager(module, query, key, value, attention_mask, dropout=dropout,
-                      scaling=scaling, sliding_window=sliding_window, softcap=softcap,
-                      s_aux=s_aux, **kwargs)
+                      scaling=scaling, **passed, **kwargs)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                  scaling=scaling, sliding_window=sliding_window, **kwargs)
+                                  scaling=scaling, **passed, **kwargs)
+
+
+def _module_eager(module):
+    """The modeling module's own `eager_attention_forward` (None if it has none)."""
+    return getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
 
 
 def _eager(module, query, key, value, attention_mask, **kwargs):
     """The modeling module's own `eager_attention_forward` (which applies its softcap or
     sinks), with the boolean SDPA mask made additive as eager attention adds it."""
-    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    eager = _module_eager(module)
     if eager is None:
         raise HFPagedError(f"{type(module).__name__} passes softcap or s_aux to its attention "
                            "but its module has no eager_attention_forward to run them.")
@@ -101,8 +137,15 @@ def paged_mask(
     **kwargs,
 ) -> torch.Tensor | None:
     """Mask interface: None for a forward on a paged cache (which reports 0 keys to mask),
-    Transformers' SDPA mask for any other forward."""
+    the mask of the model's own implementation (SDPA's if it has none) for any other."""
     if kv_length == 0:
         return None
+    original = original_implementation(kwargs.get("config"))
+    if original is not None:
+        if original not in ALL_MASK_ATTENTION_FUNCTIONS:
+            return None  # (as Transformers skips mask creation for such an implementation)
+        return ALL_MASK_ATTENTION_FUNCTIONS[original](
+            batch_size, q_length, kv_length, q_offset, kv_offset,
+            attention_mask=attention_mask, **kwargs)
     return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset,
                      attention_mask=attention_mask, **kwargs)

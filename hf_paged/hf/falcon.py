@@ -16,7 +16,7 @@ import torch
 from transformers.models.falcon.modeling_falcon import apply_rotary_pos_emb, build_alibi_tensor
 
 from ..kernels.forward import PagedLayers
-from .attention import ATTENTION_NAME
+from .attention import ATTENTION_NAME, original_implementation
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:
@@ -42,13 +42,14 @@ def split_qkv(module, fused_qkv: torch.Tensor):
     return query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
 
 
-class SdpaView:
-    """A Falcon attention module's view of its model config: "paged" reads as "sdpa".
+class ConfigView:
+    """A Falcon attention module's view of its model config: "paged" reads as the model's
+    own implementation before the switch ("sdpa" if it had none).
 
     Falcon picks its attention branch by name at every call. Under the "paged" name on one
-    of Transformers' own caches it must take the SDPA branch, as a model loaded with sdpa
-    does (its eager branch adds ALiBi twice). Every other attribute, and every later change
-    of the implementation, reads through to the config itself.
+    of Transformers' own caches it must take the branch of the implementation whose mask
+    `paged_mask` made (hf/attention.py), as a stock forward does. Every other attribute, and
+    every later change of the implementation, reads through to the config itself.
     """
 
     def __init__(self, config):
@@ -57,7 +58,9 @@ class SdpaView:
     @property
     def _attn_implementation(self):
         name = self._config._attn_implementation
-        return "sdpa" if name == ATTENTION_NAME else name
+        if name != ATTENTION_NAME:
+            return name
+        return original_implementation(self._config) or "sdpa"
 
     def __getattr__(self, name):
         if name == "_config":  # not set yet (unpickling)
@@ -68,7 +71,7 @@ class SdpaView:
         setattr(self._config, name, value)
 
     def __reduce__(self):
-        return SdpaView, (self._config,)
+        return ConfigView, (self._config,)
 
 
 def paged_falcon_attention(original):
@@ -81,8 +84,8 @@ def paged_falcon_attention(original):
             # Installed before any stock call, not only once switched: a paged call on another
             # thread may switch the shared config between this check and the original's read
             # of the name, which would then take the eager branch with an SDPA mask.
-            if not isinstance(self.config, SdpaView):
-                self.config = SdpaView(self.config)
+            if not isinstance(self.config, ConfigView):
+                self.config = ConfigView(self.config)
             return original(self, hidden_states, alibi, attention_mask, position_ids=position_ids,
                             layer_past=layer_past, use_cache=use_cache,
                             output_attentions=output_attentions,

@@ -1,12 +1,19 @@
 """The attention switch: a model's attention implementation set to "paged" while paged
-forwards run, shared by concurrent users of one model and restored by the last one out."""
+forwards run, shared by concurrent users of one model and restored by the last one out.
+
+The switch is on the model's config, which every thread sees: a stock forward on another
+thread may build its mask before the switch and run its attention after it, or the reverse.
+So the switch remembers the config's own implementation (`original_implementation`), and
+"paged" runs exactly that implementation's mask and attention for a forward that is not a
+paged one (hf/attention.py): which name such a forward reads makes no difference.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import threading
 
-from .attention import ATTENTION_NAME
+from .attention import ATTENTION_NAME, remember_original
 
 # id(config) -> [config, its own attention implementation, users of the switch]
 _switched: dict[int, list] = {}
@@ -22,6 +29,7 @@ def use_paged_attention(model, swapped: list | None) -> None:
         if entry is None:
             if config._attn_implementation == ATTENTION_NAME:
                 return  # loaded with attn_implementation="paged", or switched for good
+            remember_original(config, config._attn_implementation)
             if swapped is None:
                 config._attn_implementation_internal = ATTENTION_NAME
                 return

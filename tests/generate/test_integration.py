@@ -224,6 +224,52 @@ def test_stock_falcon_forward_when_switched_mid_layer(kind):
     torch.testing.assert_close(out, ref)
 
 
+@pytest.mark.parametrize("name, implementation", [
+    ("gemma2", "eager"), ("gpt_oss", "eager"), ("llama_gqa", "eager"), ("llama_gqa", "sdpa"),
+    ("qwen2_sliding", "eager")])
+@pytest.mark.parametrize("switched", ["for the mask", "for the attention"])
+def test_a_stock_forward_is_stock_whichever_name_it_reads(name, implementation, switched):
+    """A paged call on another thread switches the shared config to "paged" and back at any
+    time: a stock forward that builds its mask under one name and runs its attention under
+    the other must give the logits of the model's own implementation, bit for bit (an
+    eager model's additive mask read as SDPA's boolean one, or no causal mask at all,
+    changed them)."""
+    from zoo import make_arch
+    from hf_paged.hf.switch import release_paged_attention, use_paged_attention
+
+    model = make_model(name) if name.startswith("llama") else make_arch(name)
+    model.config._attn_implementation_internal = implementation
+    ids, mask = left_padded_batch([5, 11], seed=4)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask).logits
+    entries: list = []
+    switches = []
+
+    def on(*_):
+        use_paged_attention(model, entries)
+        switches.append(True)
+
+    def off(*_):
+        release_paged_attention(entries)
+        entries.clear()
+
+    # on before the mask and off before the first layer, or on from the first layer to the end
+    first, layer = (on, off) if switched == "for the mask" else (None, on)
+    hooks = [model.model.layers[0].register_forward_pre_hook(layer),
+             model.model.register_forward_pre_hook(first) if first else
+             model.model.register_forward_hook(off)]
+    try:
+        with torch.no_grad():
+            out = model(input_ids=ids, attention_mask=mask).logits
+    finally:
+        for hook in hooks:
+            hook.remove()
+        off()
+    assert switches, "the switch did not happen inside the forward"
+    assert model.config._attn_implementation == implementation
+    assert torch.equal(out, ref)
+
+
 def test_sized_pool_with_the_model_assisting_itself(llama):
     ids, mask = left_padded_batch([9], seed=5)
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
