@@ -165,6 +165,12 @@ def _prepare_cache_for_generation(original):
             return original(self, generation_config, model_kwargs, generation_mode, batch_size,
                             max_cache_length, *args, **kwargs)
 
+        def stock_instead():  # (warned): the call and the assistant's calls run stock
+            generation_config.cache_implementation = None
+            if _is_paged_cache_config(generation_config.cache_config):
+                generation_config.cache_config = None  # (or each assistant call warns again)
+            return stock()
+
         cache = model_kwargs.get("past_key_values")
         paged = isinstance(cache, PagedCache)
         if generation_config.cache_implementation != CACHE_IMPLEMENTATION and not paged:
@@ -186,8 +192,7 @@ def _prepare_cache_for_generation(original):
                     f"A PagedCache was passed to {type(self).__name__}.generate(), which it "
                     f"cannot serve: {reason}.")
             _warn_unsupported(self, reason)
-            generation_config.cache_implementation = None
-            return stock()
+            return stock_instead()
         if cache is not None and not paged:
             return stock()  # a user cache together with cache_implementation: Transformers' error
         if generation_config.output_attentions:
@@ -197,16 +202,14 @@ def _prepare_cache_for_generation(original):
                                  "the paged attention does not materialize attention weights.")
             _warn_stock(self, "output_attentions=True needs attention weights, which the paged "
                               "attention does not materialize")
-            generation_config.cache_implementation = None
-            return stock()
+            return stock_instead()
         reason = training_reason(self)
         if reason is not None:
             if paged:
                 raise HFPagedError(f"This PagedCache cannot serve the call: {reason}. Call "
                                    "model.eval() first, or pass no cache.")
             _warn_stock(self, f"{reason}; model.eval() brings the paged cache back")
-            generation_config.cache_implementation = None
-            return stock()
+            return stock_instead()
         if generation_config.use_cache is False:
             return None
         if paged:  # the user's cache, or an assistant's own cache coming back

@@ -230,6 +230,22 @@ def test_unservable_models_are_refused_by_name(kind):
         assert not isinstance(out.past_key_values, PagedCache)
 
 
+def test_a_refused_model_warns_once_per_call_with_an_assistant():
+    """The fallback drops the paged settings from the call: the assistant's own generate
+    calls (one per candidate) do not warn about them again."""
+    model = dict(_refused())["bypasses"].eval()
+    ids = torch.randint(3, 60, (1, 6), generator=torch.Generator().manual_seed(1))
+    kwargs = dict(max_new_tokens=12, do_sample=False, assistant_model=model)
+    ref = model.generate(ids, **kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = model.generate(ids, **kwargs, cache_implementation="paged",
+                             cache_config={"block_size": 4})
+    ours = [str(w.message) for w in caught if str(w.message).startswith("hf-paged")]
+    assert len(ours) == 1 and "BloomForCausalLM" in ours[0], ours
+    assert torch.equal(ref, out)
+
+
 def test_a_bert_style_decoder_is_served():
     """The same BERT-style model with is_decoder=True attends causally: served, stock's
     tokens."""
