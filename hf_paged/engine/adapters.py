@@ -76,7 +76,9 @@ class RuntimeAdapters:
         self.unloading.add(name)
 
     def in_use(self, name: str) -> bool:
-        return any(r.adapter == name and not r.finished for r in self.engine.requests.values())
+        # (a request with no adapter's name runs the sum of several active ones)
+        return any(r.adapter in (name, None) and not r.finished
+                   for r in self.engine.requests.values())
 
     def finish_unload(self, name: str) -> None:
         """Deletes `name` (no request of it left) and drops its prefix-cache blocks."""
@@ -84,7 +86,8 @@ class RuntimeAdapters:
         runner.model.delete_adapter(name)
         runner.adapters.remove(name)
         self.unloading.discard(name)
-        self.engine.scheduler.prefix.forget(namespace(name)[:-1])  # every salt of it
+        for adapter in (name, None):  # every salt of it; None: blocks of the sum of several
+            self.engine.scheduler.prefix.forget(namespace(adapter)[:-1])
 
     @property
     def live(self) -> list[str]:

@@ -176,6 +176,8 @@ class LLMEngine:
         if adapter is not None and adapter not in self.lora.live + [BASE]:
             raise InvalidRequestError(f"unknown adapter {adapter!r}; the model has "
                                       f"{self.lora.live}.", "model")
+        if adapter is None:  # named: its cached blocks are that adapter's, as its hold on it
+            adapter = self.runner.default_adapter()
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError(f"priority must be an integer; got {priority!r}.",
                                       "priority")

@@ -71,6 +71,9 @@ def add_routes(app: FastAPI, server) -> None:
         _check_runtime_lora(server)
         if body.lora_path is None:
             raise APIError(400, "lora_path: the adapter's folder is needed.", "lora_path")
+        if body.lora_name == server.model_name:  # (that name always means the base model)
+            raise APIError(400, f"lora_name: {body.lora_name!r} is the served model's name.",
+                           "lora_name")
         await _lora(llm.load_adapter(body.lora_name, body.lora_path))
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added "
                                  "successfully.")

@@ -13,7 +13,7 @@ import pytest
 import torch
 from peft import LoraConfig, PeftModel, TaskType, get_peft_model
 
-from hf_paged import LLMEngine
+from hf_paged import LLMEngine, SamplingParams
 from hf_paged.errors import InvalidRequestError
 from hf_paged.server import build_app
 from conftest import make_model, make_tokenizer
@@ -117,6 +117,7 @@ def test_unload_waits_for_requests_in_flight(served, adapters):
     ({"lora_name": "x"}, "lora_path"),
     ({"lora_name": ""}, "lora_name"),
     ({"lora_name": "__base__", "lora_path": "."}, "lora_name"),
+    ({"lora_name": "base", "lora_path": "."}, "lora_name"),  # the served model's name
 ])
 def test_bad_loads_are_400s(served, body, param):
     r = served.http.post("/v1/load_lora_adapter", json=body)
@@ -142,3 +143,34 @@ def test_engine_refuses_under_compile(adapters):
     with pytest.raises(InvalidRequestError, match="compile"):
         engine.lora.load("a", adapters["a"])
     assert engine.adapters == []
+
+
+def test_requests_without_an_adapter_hold_the_active_one(adapters):
+    """A PEFT model given to the engine runs its active adapter for requests that name
+    none: their prefix-cache blocks are that adapter's, dropped when it is unloaded (the same
+    prompt then runs the base model and finds none), and an unload waits for them."""
+    long_prompt = list(range(3, 43))  # ten full blocks of 4
+    model = PeftModel.from_pretrained(make_model("llama_gqa"), adapters["a"],
+                                      adapter_name="a").eval()
+    engine = LLMEngine(model, block_size=4, num_blocks=200)
+
+    def run(request_id, prompt):
+        engine.add_request(request_id, prompt, SamplingParams(temperature=0, max_tokens=6))
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                done[out.request_id] = out
+        return done[request_id]
+
+    as_a = run("1", long_prompt)
+    assert TOKENIZER.decode(as_a.outputs[0].token_ids) == stock(long_prompt, adapters["a"])
+    engine.add_request("2", PROMPT, SamplingParams(temperature=0, max_tokens=8))
+    engine.lora.begin_unload("a")
+    assert engine.lora.in_use("a")  # request 2 runs on a
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert not engine.lora.in_use("a")
+    engine.lora.finish_unload("a")
+    as_base = run("3", long_prompt)
+    assert as_base.num_cached_tokens == 0
+    assert TOKENIZER.decode(as_base.outputs[0].token_ids) == stock(long_prompt)
