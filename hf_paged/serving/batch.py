@@ -70,7 +70,7 @@ def _parse(number: int, line: str) -> tuple[str, str, dict]:
     """(custom_id, url, body) of an input line; LineError if it cannot be sent."""
     try:
         item = json.loads(line)
-    except json.JSONDecodeError as err:
+    except (ValueError, RecursionError) as err:  # (nested too deeply, an int too long, ...)
         raise LineError("invalid_json_line", f"line {number}: not JSON ({err}).") from None
     if not isinstance(item, dict):
         raise LineError("invalid_json_line", f"line {number}: expected a JSON object.")
@@ -92,6 +92,17 @@ def _parse(number: int, line: str) -> tuple[str, str, dict]:
     else:
         return custom_id, url, body
     raise LineError(problem[0], f"line {number}: {problem[1]}", custom_id)
+
+
+def output_line(record: dict) -> str:
+    """A record as a line of UTF-8 JSON (a lone surrogate, which a line's JSON may hold in
+    its custom_id, has no UTF-8: that line escapes its non-ASCII characters instead)."""
+    text = json.dumps(record, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(record)
+    return text + "\n"
 
 
 async def _send(client, number: int, line: str) -> dict:
@@ -161,6 +172,9 @@ async def _run(app, lines: Iterable[str], max_concurrency: int, bar, write) -> N
         nonlocal next_out
         try:
             done[index] = await _send(client, number, line)
+        except Exception as err:  # noqa: BLE001 (a line's failure never ends the run)
+            done[index] = _record(None, None, {"code": "internal_error",
+                                               "message": f"{type(err).__name__}: {err}"})
         finally:
             slots.release()
         bar.update(1)
@@ -252,7 +266,7 @@ def main(argv=None) -> None:
     try:
         run_batch(app, lines, max_concurrency=args.max_concurrency,
                   progress=not args.no_progress,
-                  write=lambda record: out.write(json.dumps(record, ensure_ascii=False) + "\n"))
+                  write=lambda record: out.write(output_line(record)))
         alive = llm.is_alive
     finally:
         llm.shutdown()

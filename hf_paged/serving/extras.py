@@ -12,10 +12,10 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..errors import APIError, InvalidRequestError
-from .protocol import ChatMessage
+from .protocol import ChatMessage, UnicodeBody
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(UnicodeBody):
     """vLLM's /tokenize: a prompt, or chat messages rendered by the chat template."""
 
     model_config = ConfigDict(extra="ignore")
@@ -34,7 +34,7 @@ class TokenizeRequest(BaseModel):
         return self
 
 
-class LoraAdapterRequest(BaseModel):
+class LoraAdapterRequest(UnicodeBody):
     """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter body."""
 
     model_config = ConfigDict(extra="ignore")

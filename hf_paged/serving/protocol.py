@@ -68,16 +68,20 @@ GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choi
           "guided_grammar": "grammar"}
 
 
-class _Sampling(BaseModel):
-    """Fields shared by completions and chat (OpenAI's, then the extras vLLM accepts)."""
-
-    model_config = ConfigDict(extra="ignore")
+class UnicodeBody(BaseModel):
+    """A request body whose strings must all be valid Unicode (a 400 naming the field)."""
 
     @model_validator(mode="before")
     @classmethod
     def _unicode(cls, data):
         _check_unicode(data)
         return data
+
+
+class _Sampling(UnicodeBody):
+    """Fields shared by completions and chat (OpenAI's, then the extras vLLM accepts)."""
+
+    model_config = ConfigDict(extra="ignore")
 
     model: str
     n: int = Field(1, ge=1, le=64)

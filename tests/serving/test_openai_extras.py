@@ -154,6 +154,16 @@ def test_bad_extras_get_400s(served, path, body, param):
     assert served.http.post("/tokenize", json={"prompt": "w5"}).status_code == 200
 
 
+@pytest.mark.parametrize("raw, param", [
+    ('{"prompt": "w5 \\ud800"}', "prompt"),
+    ('{"messages": [{"role": "user", "content": "\\udc00"}]}', "messages"),
+])
+def test_a_lone_surrogate_is_a_400_for_the_extras_too(served, raw, param):
+    r = served.http.post("/tokenize", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
 def test_extras_need_the_key(served):
     r = httpx.post(served.url + "/tokenize", json={"prompt": "w5"}, timeout=30)
     assert r.status_code == 401

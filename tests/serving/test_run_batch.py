@@ -52,6 +52,15 @@ def batch_file(model_name: str):
             lines.append("")  # blank lines are skipped: no output line
             lines.append("{not json")
             expect.append((None, "error", "invalid_json_line", None))
+            # JSON that Python's parser refuses with other errors: too deep, an int too long
+            lines.append("[" * 100_000 + "]" * 100_000)
+            lines.append('{"custom_id": "big", "url": "/v1/completions", "body": '
+                         '{"max_tokens": ' + "9" * 5000 + "}}")
+            expect += [(None, "error", "invalid_json_line", None)] * 2
+            # A lone surrogate (valid JSON) in a custom_id: the output line still encodes.
+            request("lone-\ud800", "/v1/completions", {"model": model_name, "prompt": prompt,
+                                                        "max_tokens": 3, "temperature": 0},
+                    "ok", ("completion", prompt, 3))
     for i, messages in enumerate(CHATS):
         request(f"chat-{i}", "/v1/chat/completions",
                 {"model": model_name, "messages": messages, "max_tokens": 6, "temperature": 0},
