@@ -62,7 +62,12 @@ class InvalidRequestError(HFPagedError, ValueError):
 
 
 class RequestRejectedError(HFPagedError, ValueError):
-    """A request that can never run: longer than the model's context or than the whole pool."""
+    """A request that can never run: longer than the model's context or than the whole pool
+    (`param` None), or an empty prompt ("prompt") or more sequences than run at once ("n")."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class EngineDeadError(HFPagedError, RuntimeError):

@@ -101,7 +101,8 @@ class Scheduler:
         """Raises RequestRejectedError for a request that could never run."""
         total = prompt_len + max_tokens
         if prompt_len == 0:
-            raise RequestRejectedError("the prompt is empty; give at least one token.")
+            raise RequestRejectedError("the prompt is empty; give at least one token.",
+                                       "prompt")
         if total > self.max_model_len:
             raise RequestRejectedError(
                 f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} tokens "
@@ -116,7 +117,7 @@ class Scheduler:
             )
         if n > self.max_num_seqs:
             raise RequestRejectedError(
-                f"n={n} sequences exceed max_num_seqs={self.max_num_seqs}.")
+                f"n={n} sequences exceed max_num_seqs={self.max_num_seqs}.", "n")
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING

@@ -211,6 +211,9 @@ class _Server:
                                                  adapter, cache_salt))
             except RequestRejectedError as err:
                 self.metrics.rejected.labels(self.model_name, "400").inc()
+                if err.param is not None:  # (an empty prompt, n past max_num_seqs)
+                    raise APIError(400, str(err), field if err.param == "prompt"
+                                   else err.param) from err
                 raise APIError(400, str(err), field, code="context_length_exceeded") from err
             except InvalidRequestError as err:
                 param = field if err.param in (None, "prompt") else err.param

@@ -312,6 +312,7 @@ BAD = [
     (dict(model="tiny", prompt="w5", allowed_token_ids=[]), 400, "allowed_token_ids"),
     (dict(model="tiny", prompt="w5", allowed_token_ids=[10**6]), 400, "allowed_token_ids"),
     (dict(prompt="w5"), 400, "model"),
+    (dict(model="tiny", prompt="w5", max_tokens=2, n=17), 400, "n"),  # > max_num_seqs
 ]
 
 
@@ -322,6 +323,8 @@ def test_bad_requests_get_4xx_and_the_server_goes_on(served, body, status, param
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert error["param"] == param and error["message"]
+    too_long = isinstance(body.get("prompt"), list) and len(body["prompt"]) > 1000
+    assert (error.get("code") == "context_length_exceeded") == too_long
     good = served.client.completions.create(model="tiny", prompt="w5", max_tokens=2)
     assert good.choices[0].finish_reason in ("stop", "length")
 
