@@ -18,6 +18,34 @@ from ..errors import InvalidRequestError
 BASE = "__base__"  # the adapter name of a PEFT model's base model (PEFT's own name for it)
 
 
+def default_adapter(runner) -> str | None:
+    """The adapter a request that names none runs, by name, so that its prefix-cache
+    blocks and its hold on the adapter are that adapter's: the base model for a plain
+    model wrapped to load adapters, else the model as given."""
+    return BASE if runner.none_means_base else as_given(runner)
+
+
+def as_given(runner) -> str | None:
+    """The adapter the runner's model runs called as it is: PEFT's one active adapter
+    (BASE with none active); None for a plain model, or several adapters active at once
+    (no one name for their sum)."""
+    if not runner.adapters:
+        return None
+    active = getattr(runner.model, "active_adapters", None)
+    active = [active] if isinstance(active, str) else list(active or [])
+    if not active:
+        return BASE
+    return active[0] if len(active) == 1 and active[0] in runner.adapters else None
+
+
+def forward_adapter(runner, adapter: str | None) -> str | None:
+    """What a forward of `adapter`'s requests asks the model for: None to call it as it is
+    (compiled, where it is), or an adapter name for PEFT to pick per row."""
+    if adapter is None and runner.none_means_base:  # (admitted before the model was wrapped)
+        adapter = BASE
+    return None if adapter is not None and adapter == as_given(runner) else adapter
+
+
 class RuntimeAdapters:
     """The engine's adapters, changeable at runtime."""
 

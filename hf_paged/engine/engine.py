@@ -37,7 +37,7 @@ from ..sampling_params import SamplingParams, generation_defaults
 from .debug import check_isolation
 from .detokenizer import IncrementalText
 from . import prompt_logprobs
-from .adapters import BASE, RuntimeAdapters
+from .adapters import BASE, RuntimeAdapters, default_adapter
 from .output import InFlight, OutputProcessor
 from .request import EngineRequest, prompt_ids
 from .logits import StepLogits
@@ -177,7 +177,7 @@ class LLMEngine:
             raise InvalidRequestError(f"unknown adapter {adapter!r}; the model has "
                                       f"{self.lora.live}.", "model")
         if adapter is None:  # named: its cached blocks are that adapter's, as its hold on it
-            adapter = self.runner.default_adapter()
+            adapter = default_adapter(self.runner)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError(f"priority must be an integer; got {priority!r}.",
                                       "priority")

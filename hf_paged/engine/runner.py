@@ -36,7 +36,7 @@ from ..kv.placement import group_layers
 from ..kv import quant
 from ..kv.pool import KVPool, block_bytes
 from ..utils import cdiv
-from .adapters import BASE
+from .adapters import forward_adapter
 from .compiled import COMPILE_ERRORS, compile_forward, run_eagerly
 from .graphs import DecodeGraphs, wants_graphs
 
@@ -378,35 +378,13 @@ class ModelRunner:
             keep = 0  # every token's logits, in order (`last` ascends): nothing to pick
         else:
             keep = to_device(want or [len(f.ids) - 1], self._index_device)
-        adapter = f.adapter
-        if adapter is None and self.none_means_base:  # (admitted before the model was wrapped)
-            adapter = BASE
-        if adapter is not None and adapter == self.as_given():
-            adapter = None  # the model called as it is runs it (compiled, where it is)
         try:
-            logits = self.run_model(f.fill_pending(ids), positions, metas, keep, adapter)
+            logits = self.run_model(f.fill_pending(ids), positions, metas, keep,
+                                    forward_adapter(self, f.adapter))
         except COMPILE_ERRORS as err:  # (raised again if the forward ran eagerly)
             run_eagerly(self, err)  # nothing ran: the step runs anew, eagerly
             return self.forward(f, check)
         return logits[:len(want)]
-
-    def default_adapter(self) -> str | None:
-        """The adapter a request that names none runs, by name, so that its prefix-cache
-        blocks and its hold on the adapter are that adapter's: the base model for a plain
-        model wrapped to load adapters, else the model as given."""
-        return BASE if self.none_means_base else self.as_given()
-
-    def as_given(self) -> str | None:
-        """The adapter the model runs called as it is: PEFT's one active adapter (BASE with
-        none active); None for a plain model, or several adapters active at once (no one
-        name for their sum)."""
-        if not self.adapters:
-            return None
-        active = getattr(self.model, "active_adapters", None)
-        active = [active] if isinstance(active, str) else list(active or [])
-        if not active:
-            return BASE
-        return active[0] if len(active) == 1 and active[0] in self.adapters else None
 
     def run_model(self, ids: torch.Tensor, positions: torch.Tensor,
                   metas: list[ForwardMetadata], keep: torch.Tensor | int,
