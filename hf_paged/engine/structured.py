@@ -142,12 +142,17 @@ class Matcher:
             bitmask[row] &= self._allowed
 
     def allows(self, tokens) -> int:
-        """How many of `tokens`, in order, the constraint takes from here (it stays here)."""
+        """How many of `tokens`, in order, the constraint takes from here (it stays here),
+        short of the one that ends it: nothing may be masked after that one."""
+        if self._m.is_terminated():
+            return 0
         n = 0
-        while (n < len(tokens) and tokens[n] < self.vocab and not self._m.is_terminated()
-               and self._m.accept_token(tokens[n])):
+        while n < len(tokens) and tokens[n] < self.vocab and self._m.accept_token(tokens[n]):
             n += 1
-        self.rollback(n)
+            if self._m.is_terminated():
+                n -= 1
+                break
+        self.rollback(n + self._m.is_terminated())
         return n
 
     def rollback(self, n: int) -> None:
@@ -169,8 +174,10 @@ class _Ahead:
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         m = self._matcher
         taken = sum(1 for _ in itertools.takewhile(m.accept, self._tokens))  # (all: `allows`)
-        m.fill(bitmask, row)
-        m.rollback(taken)
+        try:
+            m.fill(bitmask, row)
+        finally:  # (the matcher is the completion's own: never left ahead)
+            m.rollback(taken)
 
 
 @torch.inference_mode()  # (a forward's logits are inference tensors: changed in place)

@@ -221,6 +221,26 @@ def test_structured_outputs_with_speculation_equal_the_plain_engine():
             assert a.token_ids == b.token_ids and a.text == b.text
 
 
+def test_a_draft_that_completes_a_constraint_and_ends_it():
+    """A draft may hold a constraint's last token and then EOS (the prompt repeats the
+    answer): the constraint ends there, so nothing after the EOS is masked, and the
+    completion equals the plain engine's instead of failing in the grammar matcher."""
+    model = make_model("llama_gqa", vocab_size=320, eos_token_id=EOS)
+    tok = make_byte_tokenizer(300)
+    answer = tok.encode("ab.") + [EOS]
+    params = SamplingParams(temperature=0, max_tokens=10,
+                            structured_outputs=StructuredOutputsParams(choice=["ab."]))
+    config = dict(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1,
+                  min_acceptance=0.0)
+    with_spec, plain, stats = spec_and_plain(model, [answer * 2, answer * 3], params, tok,
+                                             spec=config, block_size=4, num_blocks=64)
+    assert stats.spec_proposed_tokens > 0
+    for i in ("0", "1"):
+        got, want = with_spec[i].outputs[0], plain[i].outputs[0]
+        assert (got.token_ids, got.text, got.finish_reason) == (
+            want.token_ids, want.text, "stop") and with_spec[i].error is None
+
+
 @pytest.mark.parametrize("config, message", [
     ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
