@@ -70,24 +70,25 @@ class Grammars:
         self.compiles = 0  # distinct constraints compiled (for tests and stats)
 
     def compile(self, spec: StructuredOutputsParams):
-        """The compiled grammar of `spec`; InvalidRequestError if it does not compile."""
+        """The compiled grammar of `spec`; InvalidRequestError if it does not compile or no
+        token can start it."""
         key = spec.key
         with self._lock:
             if key not in self._compiled:
                 try:
-                    self._compiled[key] = self._compile(spec)
+                    compiled = self._compile(spec)
                 except Exception as err:  # noqa: BLE001 (xgrammar raises RuntimeError et al.)
                     raise InvalidRequestError(
                         f"structured_outputs: the {key[0]} constraint does not compile: "
                         f"{str(err).strip().splitlines()[0] if str(err).strip() else err!r}",
                         "structured_outputs") from err
                 self.compiles += 1
-                if not self._startable(self._compiled[key], spec):
-                    del self._compiled[key]
+                if not self._startable(compiled, spec):
                     raise InvalidRequestError(
                         f"structured_outputs: no token of the tokenizer's vocabulary can "
                         f"start the {key[0]} constraint (the vocabulary cannot spell its "
                         f"first character)", "structured_outputs")
+                self._compiled[key] = compiled
                 if len(self._compiled) > MAX_COMPILED:  # (running matchers keep theirs)
                     self._compiled.popitem(last=False)
             self._compiled.move_to_end(key)
@@ -148,11 +149,11 @@ class Matcher:
             return 0
         n = 0
         while n < len(tokens) and tokens[n] < self.vocab and self._m.accept_token(tokens[n]):
-            n += 1
-            if self._m.is_terminated():
-                n -= 1
+            if self._m.is_terminated():  # it ends the constraint: not taken
+                self._m.rollback(1)
                 break
-        self.rollback(n + self._m.is_terminated())
+            n += 1
+        self.rollback(n)
         return n
 
     def rollback(self, n: int) -> None:

@@ -85,11 +85,10 @@ def paged_attention_forward(
     passed = {name: value for name, value in (("sliding_window", sliding_window),
               ("softcap", softcap), ("s_aux", s_aux)) if value is not None}
     original = original_implementation(module.config)
-    own = None
-    if original is not None:
-        own = _module_eager(module) if original == "eager" else \
-            ALL_ATTENTION_FUNCTIONS.get_interface(original, _module_eager(module))
-    if own is not None:  # the model's own implementation, as the model calls it
+    # the model's own implementation, picked and called as its attention layers do
+    own = None if original is None else ALL_ATTENTION_FUNCTIONS.get_interface(
+        original, _module_eager(module))
+    if own is not None:
         return own(module, query, key, value, attention_mask, dropout=dropout,
                    scaling=scaling, **passed, **kwargs)
     if softcap is not None or s_aux is not None:  # beyond SDPA: the model's own eager path

@@ -209,15 +209,13 @@ class _Server:
             try:
                 prepared.append(self.llm.prepare(prompt, params, new_id("req"), priority,
                                                  adapter, cache_salt))
-            except RequestRejectedError as err:
-                self.metrics.rejected.labels(self.model_name, "400").inc()
-                if err.param is not None:  # (an empty prompt, n past max_num_seqs)
-                    raise APIError(400, str(err), field if err.param == "prompt"
-                                   else err.param) from err
-                raise APIError(400, str(err), field, code="context_length_exceeded") from err
-            except InvalidRequestError as err:
+            except (RequestRejectedError, InvalidRequestError) as err:
+                rejected = isinstance(err, RequestRejectedError)  # (never runs)
+                if rejected:
+                    self.metrics.rejected.labels(self.model_name, "400").inc()
+                code = "context_length_exceeded" if rejected and err.param is None else None
                 param = field if err.param in (None, "prompt") else err.param
-                raise APIError(400, str(err), param) from err
+                raise APIError(400, str(err), param, code=code) from err
         new = sum(r.params.n for r in prepared)
         bound = self.limits.max_waiting_sequences
         if 0 < bound < new:
