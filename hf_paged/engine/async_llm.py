@@ -55,7 +55,8 @@ class RequestStream:
         self._llm, self._loop = llm, loop
         self._items: collections.deque = collections.deque()  # filled by the stepping thread
         self._ready = asyncio.Event()
-        self._ended = False  # the last output (or an error) was taken, or the stream aborted
+        self._ended = False  # the last output (or an error) was taken
+        self._aborted = False  # abort() was called
         self.aborting = False  # set by the stepping thread when the reader fell behind
         self.delta = False  # its outputs are deltas: one not delivered joins the next
         self.held = None  # the deltas not delivered (while aborting), joined
@@ -92,10 +93,11 @@ class RequestStream:
         return item
 
     def abort(self) -> None:
-        """Ends the request (no-op once it has ended)."""
-        if not self._ended:
-            self._ended = True
-            self._llm.abort(self.request_id)
+        """Ends the request (no-op once it has ended). The abort names this stream, not
+        just its id: a request that ended meanwhile leaves a later one of the same id alone."""
+        if not self._ended and not self._aborted:
+            self._aborted = True
+            self._llm._post("abort", (self.request_id, self))
 
 
 class AsyncLLM:
@@ -189,14 +191,13 @@ class AsyncLLM:
 
     def submit(self, request) -> RequestStream:
         """Queues a request made by `prepare`; returns its stream."""
-        if self._dead:
-            raise EngineDeadError("the engine was shut down.")
         request_id = request.request_id
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use.")
         stream = RequestStream(self, request_id, asyncio.get_running_loop())
         stream.delta = request.params.output_kind is RequestOutputKind.DELTA
         with self._inbox_lock:
+            self._check_alive()  # (under the lock: shutdown's last drain sees it, or it fails)
             self._streams[request_id] = stream
             self._inbox.append(("add", request))
             self._inbox_seqs += request.params.n
@@ -234,11 +235,9 @@ class AsyncLLM:
 
     async def call(self, fn):
         """fn(engine) on the stepping thread, between steps; its result (or exception)."""
-        if self._dead:
-            raise EngineDeadError("the engine was shut down.")
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._post("call", (fn, future, loop))
+        self._post("call", (fn, future, loop), alive=True)
         return await future
 
     async def load_adapter(self, name: str, path: str) -> None:
@@ -253,13 +252,22 @@ class AsyncLLM:
             await asyncio.sleep(poll_s)
         await self.call(lambda engine: engine.lora.finish_unload(name))
 
-    def _post(self, kind: str, payload) -> None:
+    def _post(self, kind: str, payload, alive: bool = False) -> None:
+        """alive: raise EngineDeadError rather than post what a dead engine would never
+        answer."""
         with self._inbox_lock:
+            if alive:
+                self._check_alive()
             self._inbox.append((kind, payload))
         self._wake.set()
 
+    def _check_alive(self) -> None:
+        if self._dead:
+            raise EngineDeadError("the engine was shut down.")
+
     def shutdown(self) -> None:
-        self._dead = True
+        with self._inbox_lock:  # nothing is posted after the stepping thread's last drain
+            self._dead = True
         self._wake.set()
         self._thread.join(timeout=60)
         if self._thread.is_alive() and self.engine.tp_size > 1:
@@ -316,7 +324,9 @@ class AsyncLLM:
                     if stream is not None:
                         stream._put(err)
             elif kind == "abort":
-                self.engine.abort(*payload)
+                request_id, stream = payload  # (a stream's: only while it is the id's)
+                if stream is None or self._streams.get(request_id) is stream:
+                    self.engine.abort(request_id)
             elif kind == "fail_all":
                 self._deliver(self.engine.fail_all(payload))
             elif kind == "call":

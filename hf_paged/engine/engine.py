@@ -17,7 +17,6 @@ finish_reason "error" and the message in `error`; the others go on as they would
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import logging
 import os
@@ -39,7 +38,7 @@ from .detokenizer import IncrementalText
 from . import prompt_logprobs
 from .adapters import BASE, RuntimeAdapters, default_adapter
 from .output import InFlight, OutputProcessor
-from .request import EngineRequest, prompt_ids
+from .request import Deadlines, EngineRequest, prompt_ids
 from .logits import StepLogits
 from .runner import DeviceStep, Forward, ModelRunner, engine_options, step_budget
 from .sampler import Sampler, bad_word_ids
@@ -140,7 +139,7 @@ class LLMEngine:
             self.scheduler, self.requests,
             {e for e in eos if isinstance(e, int) and 0 <= e < self.vocab_size})
         self._aborts: dict[str, str | None] = {}  # request id -> why (None: asked to)
-        self._deadlines: list = []  # heap of (deadline, tie-break, request)
+        self._deadlines = Deadlines()
         self._arrivals = itertools.count()
         self.prompt_tokens = 0
         self.debug = os.environ.get(DEBUG_ENV_VAR) == "1"
@@ -235,6 +234,9 @@ class LLMEngine:
         """Queues a request made by `prepare_request`."""
         if request.request_id in self.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use.")
+        if request.adapter not in (None, BASE, *self.runner.adapters):  # (deleted since)
+            raise InvalidRequestError(f"the adapter {request.adapter!r} was unloaded after the "
+                                      f"request was prepared; loaded: {self.lora.live}.", "model")
         params = request.params
         seq = Sequence(self.output.new_seq_id(), request.request_id, request.prompt_ids,
                        params.max_tokens, request.priority, next(self._arrivals),
@@ -243,7 +245,7 @@ class LLMEngine:
         request.seqs = [seq]
         self.requests[request.request_id] = request
         if request.deadline is not None:
-            heapq.heappush(self._deadlines, (request.deadline, next(self._arrivals), request))
+            self._deadlines.add(request, len(self.requests))
         self.scheduler.add(seq)
 
     def abort(self, request_id: str, error: str | None = None) -> None:
@@ -309,8 +311,8 @@ class LLMEngine:
         in_flight, self._in_flight = self._in_flight, None
         now = time.monotonic()
         # Ending requests keep their last token; a token forking n completions lands first.
-        if in_flight is not None and (in_flight.forks or self._aborts or self._deadlines
-                                      and self._deadlines[0][0] <= now):
+        if in_flight is not None and (in_flight.forks or self._aborts
+                                      or self._deadlines.due(now)):
             self.output.land(in_flight, touched)
         for request_id, error in self._aborts.items():
             request = self.requests[request_id]
@@ -335,9 +337,8 @@ class LLMEngine:
         return self.output.outputs(touched, self.tokenizer, self.finished_only)
 
     def _expire(self, touched: dict, now: float) -> None:
-        while self._deadlines and self._deadlines[0][0] <= now:
-            _, _, request = heapq.heappop(self._deadlines)
-            if self.requests.get(request.request_id) is request and not request.finished:
+        for request in self._deadlines.expired(now):
+            if self.requests.get(request.request_id) is request:
                 self.output.end(request, "timeout")
                 touched[request.request_id] = request
 

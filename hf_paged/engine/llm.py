@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 from dataclasses import replace
 
 from .engine import LLMEngine
@@ -62,6 +63,7 @@ class LLM:
             model, found = load_model(model)
             tokenizer = tokenizer if tokenizer is not None else found
         self.engine = LLMEngine(model, tokenizer, **engine_options)
+        self._lock = threading.Lock()  # one call steps the engine at a time
 
     @property
     def tokenizer(self):
@@ -77,7 +79,8 @@ class LLM:
         and `error` set, as does one that fails while running; the others run normally.
         Malformed input raises InvalidRequestError before anything runs. If the call raises
         (or is interrupted), none of its requests stays queued: the `LLM` serves the next
-        call as if this one had not happened."""
+        call as if this one had not happened. Calls from several threads run one after
+        another."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                         and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -105,7 +108,15 @@ class LLM:
                                                        priority[i] if priority else 0))
             except RequestRejectedError as err:
                 results[rid] = _rejected(rid, prompt, p, str(err))
-        bar = _progress(len(prompts), use_tqdm)
+        with self._lock:
+            return self._run(ids, prepared, results, use_tqdm)
+
+    def _run(self, ids: list[str], prepared: list, results: dict,
+             use_tqdm: bool) -> list[RequestOutput]:
+        """Queues the prepared requests and steps the engine until all of this call's
+        have finished (`results` holds those that never ran)."""
+        engine = self.engine
+        bar = _progress(len(ids), use_tqdm)
         bar.update(len(results))
         before, engine.finished_only = engine.finished_only, True
         try:

@@ -7,7 +7,10 @@ ended and why (the engine then frees its sequence).
 from __future__ import annotations
 
 import contextlib
+import heapq
+import itertools
 import logging
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -212,3 +215,39 @@ class EngineRequest:
                              RequestMetrics(m.arrival_time, m.first_scheduled_time,
                                             m.first_token_time, m.finished_time),
                              prompt_logprobs)
+
+
+class Deadlines:
+    """The deadlines of the requests that have one, soonest first. Entries hold their
+    requests weakly, so a request that ends early is let go at once rather than at its
+    deadline; entries of ended requests are dropped once they outnumber the live ones."""
+
+    def __init__(self):
+        self._heap: list = []  # (deadline, tie-break, weakref to the EngineRequest)
+        self._ties = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def add(self, request: EngineRequest, live: int) -> None:
+        """`live`: how many requests the engine holds (for pruning)."""
+        heapq.heappush(self._heap, (request.deadline, next(self._ties), weakref.ref(request)))
+        if len(self._heap) > 2 * live + 64:
+            self._heap = [e for e in self._heap if _running(e[2]())]
+            heapq.heapify(self._heap)
+
+    def due(self, now: float) -> bool:
+        return bool(self._heap) and self._heap[0][0] <= now
+
+    def expired(self, now: float) -> list[EngineRequest]:
+        """Pops the requests past their deadline that are still running."""
+        out = []
+        while self.due(now):
+            request = heapq.heappop(self._heap)[2]()
+            if _running(request):
+                out.append(request)
+        return out
+
+
+def _running(request: EngineRequest | None) -> bool:
+    return request is not None and not request.finished

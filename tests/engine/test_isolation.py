@@ -306,6 +306,95 @@ def test_a_stream_nobody_reads_is_aborted():
     assert llm.stats().blocks_used == 0
 
 
+def test_llm_calls_from_two_threads_run_one_after_another():
+    import threading
+
+    model = long_model("llama_gqa")
+    prompts, refs = victims()
+    llm = LLM(model, block_size=4, num_blocks=200)
+    results, errors = {}, []
+
+    def call(k):
+        try:
+            results[k] = llm.generate(prompts[3 * k:3 * k + 3], greedy(8), use_tqdm=False)
+        except Exception as err:  # noqa: BLE001
+            errors.append(err)
+
+    threads = [threading.Thread(target=call, args=(k,)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors
+    assert [o.outputs[0].token_ids for k in (0, 1) for o in results[k]] == refs
+    assert_clean(llm.engine)
+
+
+def _stream_test(body, **options):
+    """Runs `body(llm)` (a coroutine function) on a fresh AsyncLLM, bounded in time."""
+    import asyncio
+
+    llm = hf_paged.AsyncLLM(long_model("llama_gqa"), block_size=4, num_blocks=200, **options)
+    try:
+        return asyncio.run(asyncio.wait_for(body(llm), 60))
+    finally:
+        llm.shutdown()
+
+
+def test_an_aborted_stream_yields_its_last_output():
+    async def body(llm):
+        stream = llm.add([3, 4, 5], greedy(500))
+        await stream.__anext__()
+        stream.abort()
+        return [out async for out in stream]
+
+    outs = _stream_test(body)
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+    assert not any(out.finished for out in outs[:-1])
+
+
+def test_a_stale_stream_leaves_a_new_request_of_its_id_alone():
+    """A stream whose request finished unread, closed after a new request took its id,
+    sends no abort that would end the new one."""
+    import asyncio
+
+    async def body(llm):
+        old = llm.add([3, 4, 5], greedy(2), request_id="x")
+        while llm.engine.requests or old.unread < 2:  # finished, not read
+            await asyncio.sleep(0.01)
+        new = llm.add([6, 7], greedy(40), request_id="x")
+        old.abort()  # as closing its iterator does
+        return [out async for out in new][-1]
+
+    last = _stream_test(body)
+    assert last.outputs[0].finish_reason == "length"
+    assert last.outputs[0].token_ids == stock_greedy(long_model("llama_gqa"), [6, 7], 40)
+
+
+def test_a_request_submitted_as_the_engine_shuts_down_is_refused(monkeypatch):
+    """A shutdown from another thread between `submit`'s start and its queueing: the
+    request is refused, never left in an inbox nobody drains."""
+    import threading
+
+    from hf_paged.engine import async_llm
+    from hf_paged.errors import EngineDeadError
+
+    made = async_llm.RequestStream.__init__
+
+    def shut_down_meanwhile(self, llm, *args):
+        thread = threading.Thread(target=llm.shutdown)
+        thread.start()
+        thread.join(30)
+        made(self, llm, *args)
+
+    async def body(llm):
+        monkeypatch.setattr(async_llm.RequestStream, "__init__", shut_down_meanwhile)
+        with pytest.raises(EngineDeadError):
+            llm.add([3, 4, 5], greedy(2))
+
+    _stream_test(body)
+
+
 # -- deadlines ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("overlap", [False, True])  # async scheduling
 def test_deadlines_end_queued_and_running_requests(overlap):
@@ -324,6 +413,18 @@ def test_deadlines_end_queued_and_running_requests(overlap):
     assert 0 < len(done["running"].outputs[0].token_ids) < 1000
     assert done["victim"].outputs[0].token_ids == stock_greedy(model, [5, 6], 8)
     assert_clean(engine)
+
+
+def test_a_request_that_ends_early_is_let_go_before_its_deadline():
+    import gc
+    import weakref
+
+    engine = LLMEngine(long_model("llama_gqa"), block_size=4, num_blocks=300)
+    engine.add_request("r", [3, 4], greedy(2, timeout=3600))
+    ended = weakref.ref(engine.requests["r"])
+    run_engine(engine, [], [])
+    gc.collect()
+    assert ended() is None
 
 
 # -- prefix-cache namespaces ----------------------------------------------------------------------

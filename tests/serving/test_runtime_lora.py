@@ -174,3 +174,18 @@ def test_requests_without_an_adapter_hold_the_active_one(adapters):
     as_base = run("3", long_prompt)
     assert as_base.num_cached_tokens == 0
     assert TOKENIZER.decode(as_base.outputs[0].token_ids) == stock(long_prompt)
+
+
+def test_a_request_prepared_before_its_adapter_was_unloaded_is_refused(adapters):
+    """A request checked while its adapter was loaded and queued after the adapter was
+    deleted fails by name: it would run the base model and cache blocks under the deleted
+    adapter's name, which a reloaded adapter of that name would then find."""
+    engine = LLMEngine(make_model("llama_gqa"), block_size=4, num_blocks=200)
+    engine.lora.load("a", adapters["a"])
+    late = engine.prepare_request("late", PROMPT, SamplingParams(temperature=0, max_tokens=4),
+                                  adapter="a")
+    engine.lora.begin_unload("a")
+    engine.lora.finish_unload("a")
+    with pytest.raises(InvalidRequestError, match="'a' was unloaded"):
+        engine.add_prepared(late)
+    assert not engine.requests and not engine.has_unfinished_requests()
