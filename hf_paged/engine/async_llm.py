@@ -60,6 +60,7 @@ class RequestStream:
         self.aborting = False  # set by the stepping thread when the reader fell behind
         self.delta = False  # its outputs are deltas: one not delivered joins the next
         self.held = None  # the deltas not delivered (while aborting), joined
+        self.on_finished = None  # see AsyncLLM.submit
 
     @property
     def unread(self) -> int:
@@ -189,13 +190,16 @@ class AsyncLLM:
         return self.engine.prepare_request(request_id, prompt, sampling_params, priority,
                                            adapter, cache_salt)
 
-    def submit(self, request) -> RequestStream:
-        """Queues a request made by `prepare`; returns its stream."""
+    def submit(self, request, on_finished=None) -> RequestStream:
+        """Queues a request made by `prepare`; returns its stream. on_finished(output):
+        called on the stepping thread with the request's last output, whether or not the
+        stream is read to its end (a server's metrics)."""
         request_id = request.request_id
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use.")
         stream = RequestStream(self, request_id, asyncio.get_running_loop())
         stream.delta = request.params.output_kind is RequestOutputKind.DELTA
+        stream.on_finished = on_finished
         with self._inbox_lock:
             self._check_alive()  # (under the lock: shutdown's last drain sees it, or it fails)
             self._streams[request_id] = stream
@@ -346,6 +350,11 @@ class AsyncLLM:
                 out, stream.held = stream.held.add(out), None
             if out.finished:
                 del self._streams[out.request_id]
+                if stream.on_finished is not None:
+                    try:
+                        stream.on_finished(out)
+                    except Exception:  # noqa: BLE001 (the caller's bug: never the engine's)
+                        logger.exception("hf-paged: on_finished of %s failed", out.request_id)
             elif stream.aborting or stream.unread >= self.max_unread_outputs:
                 if not stream.aborting:
                     stream.aborting = True

@@ -18,6 +18,7 @@ import itertools
 import json
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future
 
 import numpy
 import torch
@@ -65,34 +66,58 @@ class Grammars:
                 safe[token] = False
         self._json_safe = torch.from_numpy(numpy.packbits(safe, bitorder="little").view("<i4"))
         self._compiled: OrderedDict[tuple[str, str], object] = OrderedDict()  # LRU
-        self._lock = threading.Lock()
+        self._pending: dict[tuple[str, str], Future] = {}  # constraints being compiled
+        self._lock = threading.Lock()  # (never held while compiling)
         self.vocab_size = vocab_size
         self.compiles = 0  # distinct constraints compiled (for tests and stats)
 
     def compile(self, spec: StructuredOutputsParams):
         """The compiled grammar of `spec`; InvalidRequestError if it does not compile or no
-        token can start it."""
+        token can start it. Distinct constraints compile at once on their callers' threads
+        (a large schema takes seconds: nobody else's waits on it); callers of one that is
+        compiling wait for it."""
         key = spec.key
         with self._lock:
-            if key not in self._compiled:
-                try:
-                    compiled = self._compile(spec)
-                except Exception as err:  # noqa: BLE001 (xgrammar raises RuntimeError et al.)
-                    raise InvalidRequestError(
-                        f"structured_outputs: the {key[0]} constraint does not compile: "
-                        f"{str(err).strip().splitlines()[0] if str(err).strip() else err!r}",
-                        "structured_outputs") from err
-                self.compiles += 1
-                if not self._startable(compiled, spec):
-                    raise InvalidRequestError(
-                        f"structured_outputs: no token of the tokenizer's vocabulary can "
-                        f"start the {key[0]} constraint (the vocabulary cannot spell its "
-                        f"first character)", "structured_outputs")
-                self._compiled[key] = compiled
-                if len(self._compiled) > MAX_COMPILED:  # (running matchers keep theirs)
-                    self._compiled.popitem(last=False)
-            self._compiled.move_to_end(key)
-            return self._compiled[key]
+            if key in self._compiled:
+                self._compiled.move_to_end(key)
+                return self._compiled[key]
+            pending, mine = self._pending.get(key), key not in self._pending
+            if mine:
+                pending = self._pending[key] = Future()
+        if not mine:
+            return pending.result()
+        try:
+            compiled = self._checked(spec)
+        except BaseException as err:
+            with self._lock:
+                del self._pending[key]
+            pending.set_exception(err)
+            raise
+        with self._lock:
+            del self._pending[key]
+            self._compiled[key] = compiled
+            if len(self._compiled) > MAX_COMPILED:  # (running matchers keep theirs)
+                self._compiled.popitem(last=False)
+        pending.set_result(compiled)
+        return compiled
+
+    def _checked(self, spec: StructuredOutputsParams):
+        key = spec.key
+        try:
+            compiled = self._compile(spec)
+        except Exception as err:  # noqa: BLE001 (xgrammar raises RuntimeError et al.)
+            raise InvalidRequestError(
+                f"structured_outputs: the {key[0]} constraint does not compile: "
+                f"{str(err).strip().splitlines()[0] if str(err).strip() else err!r}",
+                "structured_outputs") from err
+        with self._lock:
+            self.compiles += 1
+        if not self._startable(compiled, spec):
+            raise InvalidRequestError(
+                f"structured_outputs: no token of the tokenizer's vocabulary can start the "
+                f"{key[0]} constraint (the vocabulary cannot spell its first character)",
+                "structured_outputs")
+        return compiled
 
     def _startable(self, compiled, spec: StructuredOutputsParams) -> bool:
         """Whether any token may come first: one that may not would fail its request at its

@@ -92,7 +92,9 @@ class ServerMetrics:
                              "Time from arrival to the last token.", labels,
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.rejected = Counter("hf_paged_requests_rejected",
-                                "Requests refused before running, by HTTP status.",
+                                "Requests refused at admission (more sequences than may "
+                                "wait, too long for the context or the pool, or the server "
+                                "busy), by HTTP status.",
                                 labels + ["status"], registry=self.registry)
         tenant = labels + ["tenant"]
         self.tenant_requests = Counter("hf_paged_tenant_requests",

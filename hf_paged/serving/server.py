@@ -80,8 +80,9 @@ class _Server:
         self.metrics = ServerMetrics(llm.stats, model_name)
         self.pieces = TokenPieces(llm.tokenizer)
         self.started = int(time.time())
-        # Tokenizing a long prompt takes long: never on the event loop.
-        self.executor = ThreadPoolExecutor(4, thread_name_prefix="hf-paged-tokenize")
+        # Tokenizing a long prompt, or encoding a large response, takes long: never on the
+        # event loop.
+        self.executor = ThreadPoolExecutor(4, thread_name_prefix="hf-paged-worker")
         self.draining = False
         self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop, once started
         self.tool_parser = "hermes"  # the format of the model's own tool calls
@@ -200,10 +201,21 @@ class _Server:
             except InvalidRequestError as err:
                 raise APIError(400, str(err), field) from err
 
-    def start(self, prompts: list[list[int]], params, adapter, priority: int,
+    def check_count(self, new: int) -> None:
+        """APIError 400 for a request of more sequences (prompts x n) than may wait."""
+        bound = self.limits.max_waiting_sequences
+        if 0 < bound < new:
+            self.metrics.rejected.labels(self.model_name, "400").inc()
+            raise APIError(400, f"This request has {new} sequences (prompts x n); the server "
+                           f"queues at most {bound} (--max-waiting-requests).", "n")
+
+    def start(self, prompts: list[list[int]], params, adapter, priority: int, tenant,
               cache_salt: str | None, field: str) -> list[RequestStream]:
         """Checks every prompt, admits them together, then queues them (no await between
-        the admission and the queueing: concurrent requests cannot overshoot the bound)."""
+        the admission and the queueing: concurrent requests cannot overshoot the bound).
+        Each request is counted in the metrics when it ends, read to the end or not."""
+        self.check_count(len(prompts) * params.n)
+        cache_salt = self.salt_for(tenant, cache_salt)
         prepared = []
         for prompt in prompts:
             try:
@@ -216,19 +228,23 @@ class _Server:
                 code = "context_length_exceeded" if rejected and err.param is None else None
                 param = field if err.param in (None, "prompt") else err.param
                 raise APIError(400, str(err), param, code=code) from err
-        new = sum(r.params.n for r in prepared)
-        bound = self.limits.max_waiting_sequences
-        if 0 < bound < new:
-            self.metrics.rejected.labels(self.model_name, "400").inc()
-            raise APIError(400, f"This request has {new} sequences (prompts x n); the server "
-                           f"queues at most {bound} (--max-waiting-requests).", "n")
+        new, bound = len(prompts) * params.n, self.limits.max_waiting_sequences
         waiting = self.llm.num_waiting_sequences()
         if waiting + new > bound:
             self.metrics.rejected.labels(self.model_name, "503").inc()
             raise APIError(503, f"The server has {waiting} sequences waiting (the limit is "
                            f"{bound}); retry shortly.", None, "server_busy",
                            headers={"Retry-After": "1"})
-        return [self.llm.submit(r) for r in prepared]
+        return [self.llm.submit(r, lambda out: self.metrics.finished(out, tenant))
+                for r in prepared]
+
+    async def respond(self, build, *args) -> Response:
+        """The JSON response `build(*args)` makes, built and encoded on a worker thread
+        (n choices with logprobs make tens of megabytes: seconds of work)."""
+        def encode() -> bytes:
+            return json.dumps(build(*args), ensure_ascii=False, allow_nan=False,
+                              separators=(",", ":")).encode()
+        return Response(await self.off_loop(encode), media_type="application/json")
 
     async def collect(self, streams: list[RequestStream], request: Request):
         """The final outputs of `streams`, or None if the client left first (then they are
@@ -381,24 +397,24 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
         params = body.sampling_params(body.engine_max_tokens, body.logprobs,
                                       server.timeout_for(body.timeout), body.prompt_logprobs)
         raw = body.prompts()
+        server.check_count(len(raw) * params.n)  # (before any of them is tokenized)
         await server.compile_constraint(params, body.constraint_field)
         whole = [await server.tokens(p, "prompt") for p in raw]
         prompts = [server.truncated(p, body.truncate_prompt_tokens) for p in whole]
         echo = [await server.prompt_text(r if len(w) == len(p) else p, p)  # (as it is run)
                 for r, w, p in zip(raw, whole, prompts)] if body.echo else None
         tenant = request.state.tenant
-        streams = server.start(prompts, params, adapter, body.priority,
-                               server.salt_for(tenant, body.cache_salt), "prompt")
+        streams = server.start(prompts, params, adapter, body.priority, tenant,
+                               body.cache_salt, "prompt")
         rid = new_id("cmpl")
         if body.stream:
-            return EventStream(completion_events(server, body, rid, streams, tenant, echo),
+            return EventStream(completion_events(server, body, rid, streams, echo),
                                streams)
         results = await server.collect(streams, request)
         if results is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
-        for out in results:
-            server.metrics.finished(out, tenant)
-        return completion_response(rid, body.model, results, body, server.pieces, echo)
+        return await server.respond(completion_response, rid, body.model, results, body,
+                                    server.pieces, echo)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
@@ -419,17 +435,16 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
         await server.compile_constraint(params, body.constraint_field if forced is None
                                         else "tool_choice")
         tenant = request.state.tenant
-        streams = server.start([prompt], params, adapter, body.priority,
-                               server.salt_for(tenant, body.cache_salt), "messages")
+        streams = server.start([prompt], params, adapter, body.priority, tenant,
+                               body.cache_salt, "messages")
         rid = new_id("chatcmpl")
         if body.stream:
-            return EventStream(chat_events(server, body, rid, streams[0], top or 0, tenant,
-                                           tools), streams)
+            return EventStream(chat_events(server, body, rid, streams[0], top or 0, tools),
+                               streams)
         results = await server.collect(streams, request)
         if results is None:
             return Response(status_code=499)
-        server.metrics.finished(results[0], tenant)
-        return chat_response(rid, body.model, results[0], server.pieces, top or 0, tools,
-                             server.raw_text)
+        return await server.respond(chat_response, rid, body.model, results[0], server.pieces,
+                                    top or 0, tools, server.raw_text)
 
     return app

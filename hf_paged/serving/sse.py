@@ -95,7 +95,7 @@ async def _merged(streams: list[RequestStream]):
             task.cancel()
 
 
-async def completion_events(server, body, rid, streams, tenant, echo=None):
+async def completion_events(server, body, rid, streams, echo=None):
     """echo: per prompt, its text, sent (with its logprobs) before a choice's first text."""
     created, n = int(time.time()), body.n
     deltas = _Deltas()
@@ -134,7 +134,6 @@ async def completion_events(server, body, rid, streams, tenant, echo=None):
                 yield _sse({"id": rid, "object": "text_completion", "created": created,
                             "model": body.model, "choices": [choice]})
             if out.finished:
-                server.metrics.finished(out, tenant)
                 prompt_tokens += len(out.prompt_token_ids)
                 completion_tokens += 0 if scoring else sum(len(c.token_ids) for c in out.outputs)
                 cached += out.num_cached_tokens
@@ -165,7 +164,7 @@ def _tool_choice(server, tools, c, sent: list, top: int) -> dict:
             "finish_reason": "tool_calls" if calls else c.finish_reason}
 
 
-async def chat_events(server, body, rid, stream, top, tenant, tools=None):
+async def chat_events(server, body, rid, stream, top, tools=None):
     """tools (a ToolMode): an answer that turns out to be a tool call is held back once
     its marker shows, and sent as `tool_calls` deltas when it ends."""
     head = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
@@ -201,7 +200,6 @@ async def chat_events(server, body, rid, stream, top, tenant, tools=None):
     except Exception as err:  # noqa: BLE001 (reported in the stream)
         error = describe(err)
     if last is not None and last.finished:
-        server.metrics.finished(last, tenant)
         error = error or last.error
     if error:
         yield _sse({"error": error_body(error)})

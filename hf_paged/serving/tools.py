@@ -65,7 +65,8 @@ def check_tools(tools: list | None, tool_choice) -> None:
                            "tools")
         names.append(fn["name"])
     if isinstance(tool_choice, dict):
-        name = (tool_choice.get("function") or {}).get("name")
+        fn = tool_choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
         if tool_choice.get("type") != "function" or name not in names:
             raise APIError(400, f"tool_choice names a function the request's tools do not "
                            f"have; it has {names}.", "tool_choice")
@@ -110,8 +111,13 @@ def template_messages(messages: list[dict]) -> list[dict]:
     """OpenAI messages as chat templates read them: an assistant's tool-call arguments as
     objects (templates write them with `tojson`), not JSON strings."""
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
         calls = m.get("tool_calls")
+        if calls is not None and not (isinstance(calls, list) and all(
+                isinstance(c, dict) and isinstance(c.get("function") or {}, dict) for c in calls)):
+            raise APIError(400, f"messages[{i}].tool_calls must be a list of {{\"id\": ..., "
+                           "\"type\": \"function\", \"function\": {\"name\": ..., \"arguments\": "
+                           "...}}.", "messages")
         if calls:
             m = dict(m, tool_calls=[_template_call(c) for c in calls])
         out.append(m)

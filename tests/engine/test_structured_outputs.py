@@ -169,6 +169,42 @@ def test_constraints_compile_once_and_bad_ones_are_refused():
         engine.step()
 
 
+def test_a_slow_compile_holds_up_no_other_constraint(monkeypatch):
+    """One constraint compiling (a huge schema takes seconds) never makes another wait;
+    callers of the same one wait for that one compile and share it."""
+    import threading
+
+    from hf_paged.engine.structured import Grammars
+
+    model, tok = setup()
+    grammars = LLMEngine(model, tok, block_size=4, num_blocks=16)._grammars()
+    slow, cheap = S(regex="[a-z]+"), S(json_object=True)
+    started, release = threading.Event(), threading.Event()
+    compile_ = Grammars._compile
+
+    def held(self, spec):
+        if spec == slow:
+            started.set()
+            assert release.wait(30)
+        return compile_(self, spec)
+
+    monkeypatch.setattr(Grammars, "_compile", held)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(grammars.compile(slow)))
+               for _ in range(2)]
+    threads[0].start()
+    assert started.wait(30)
+    threads[1].start()
+    done = threading.Thread(target=grammars.compile, args=(cheap,))
+    done.start()
+    done.join(30)
+    assert not done.is_alive() and not got  # the cheap one ended while the slow one ran
+    release.set()
+    for t in threads:
+        t.join(30)
+    assert len(got) == 2 and got[0] is got[1] and grammars.compiles == 2
+
+
 def test_a_constraint_the_vocabulary_cannot_start_is_refused():
     """A WordPiece vocabulary of words and punctuation has no digit, brace or kana: such a
     constraint would fail its request at the first sample, so it is refused when added."""

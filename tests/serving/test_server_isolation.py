@@ -214,14 +214,75 @@ def test_tenants_never_share_cached_prompts(hostile):
     assert after["key-1"] - before.get("key-1", 0) == 56
 
 
-def test_a_client_that_leaves_a_non_streaming_request_aborts_it(hostile):
+def counters(server) -> dict:
+    """The request counters of /metrics: {(name, finish reason or tenant): value}."""
+    text = httpx.get(server.url + "/metrics", headers=A).text
+    return {(s.name, s.labels.get("finish_reason") or s.labels.get("tenant")): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name in ("hf_paged_requests_total", "hf_paged_tenant_requests_total")}
+
+
+def test_a_client_that_leaves_aborts_its_request_which_is_counted(hostile):
     body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 1100, "ignore_eos": True}
-    before = hostile.llm.stats().generation_tokens
-    for _ in range(3):
+    before, counted = hostile.llm.stats().generation_tokens, counters(hostile)
+    for _ in range(2):
         with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes
             httpx.post(hostile.url + "/v1/completions", json=body, headers=A, timeout=0.6)
+    with httpx.stream("POST", hostile.url + "/v1/completions", json={**body, "stream": True},
+                      headers=A, timeout=60) as r:
+        next(r.iter_lines())  # one event, then the client is gone
     blocks_back(hostile)
     assert hostile.llm.stats().generation_tokens - before < 3 * 1100
+    deadline = time.time() + 20
+    while True:  # counted as they end, unread (the stream's last output comes a step later)
+        now = counters(hostile)
+        added = {k: now[k] - counted.get(k, 0) for k in now if now[k] != counted.get(k, 0)}
+        if added == {("hf_paged_requests_total", "abort"): 3,
+                     ("hf_paged_tenant_requests_total", "key-0"): 3} or time.time() > deadline:
+            break
+        time.sleep(0.05)
+    assert added == {("hf_paged_requests_total", "abort"): 3,
+                     ("hf_paged_tenant_requests_total", "key-0"): 3}
+
+
+def test_too_many_prompts_are_refused_before_any_is_checked(hostile, monkeypatch):
+    checked = []
+    monkeypatch.setattr(hostile.llm, "prepare", lambda *args: checked.append(args))
+    r = post(hostile, {"model": "tiny", "prompt": [[5]] * 5000, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    assert not checked
+
+
+def test_a_response_is_built_off_the_event_loop(hostile, monkeypatch):
+    from hf_paged.serving import server as module
+
+    built, build = [], module.completion_response
+
+    def recorded(*args):
+        built.append(threading.current_thread().name)
+        return build(*args)
+
+    monkeypatch.setattr(module, "completion_response", recorded)
+    r = post(hostile, {"model": "tiny", "prompt": [5, 6], "max_tokens": 2, "logprobs": 2})
+    assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["tokens"]) == 2
+    assert len(built) == 1 and built[0].startswith("hf-paged-worker")
+
+
+@pytest.mark.parametrize("extra", [
+    dict(tools=[{"type": "function", "function": {"name": "f"}}],
+         tool_choice={"type": "function", "function": "f"}),
+    dict(messages=[{"role": "assistant", "content": "w5", "tool_calls": "abc"}]),
+    dict(messages=[{"role": "assistant", "content": "w5", "tool_calls": [1]}]),
+    dict(messages=[{"role": "assistant", "content": "w5", "tool_calls": [{"function": "f"}]}]),
+], ids=["tool_choice", "calls-string", "calls-number", "function-string"])
+def test_malformed_tool_fields_are_400s(hostile, extra):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "w5"}], "max_tokens": 3,
+            **extra}
+    param = "tool_choice" if "tool_choice" in extra else "messages"
+    paths = ["/v1/chat/completions"] + (["/tokenize"] if param == "messages" else [])
+    for path in paths:
+        r = post(hostile, body, path=path)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, r.text)
 
 
 def test_deadlines(hostile):
