@@ -82,6 +82,7 @@ class RuntimeAdapters:
         if getattr(config, "is_prompt_learning", False) or config.peft_type != "LORA":
             raise InvalidRequestError(f"The engine loads LoRA adapters; {path!r} is "
                                       f"{config.peft_type}.", "lora_path")
+        before = _snapshot(runner.model)
         try:
             if hasattr(runner.model, "load_adapter") and hasattr(runner.model, "peft_config"):
                 runner.model.load_adapter(path, adapter_name=name)
@@ -90,6 +91,7 @@ class RuntimeAdapters:
                 runner.model.eval()
                 runner.none_means_base = True
         except Exception as err:  # noqa: BLE001 (shapes that do not fit this model, ...)
+            _restore(before)  # PEFT put the adapter's layers in before its weights failed
             raise InvalidRequestError(f"The adapter {name!r} could not be loaded from "
                                       f"{path!r}: {err}", "lora_path") from err
         runner.adapters.append(name)
@@ -121,3 +123,20 @@ class RuntimeAdapters:
     def live(self) -> list[str]:
         """Adapters that take requests."""
         return [a for a in self.engine.runner.adapters if a not in self.unloading]
+
+
+def _snapshot(model) -> list:
+    """What loading an adapter may change in `model`, to put back when the load fails:
+    each module's attributes, children, parameters and buffers (PEFT replaces layers,
+    adds entries to their adapter dicts and a `peft_config` to the model in place)."""
+    return [(m, dict(m.__dict__), {k: dict(v) for k, v in m.__dict__.items()
+                                   if isinstance(v, dict)}) for m in model.modules()]
+
+
+def _restore(snapshot: list) -> None:
+    for module, attributes, dicts in snapshot:
+        module.__dict__.clear()
+        module.__dict__.update(attributes)
+        for key, saved in dicts.items():
+            attributes[key].clear()
+            attributes[key].update(saved)

@@ -433,7 +433,7 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
                                       constraint=None if forced is None else
                                       StructuredOutputsParams(json=forced))
         await server.compile_constraint(params, body.constraint_field if forced is None
-                                        else "tool_choice")
+                                        else "tools")  # (a function's parameters)
         tenant = request.state.tenant
         streams = server.start([prompt], params, adapter, body.priority, tenant,
                                body.cache_salt, "messages")

@@ -51,9 +51,11 @@ class _Deltas:
     """What each choice of a stream has been sent: tokens, characters, and whether its end.
     (The engine's text already leaves out what could start a stop string.)"""
 
-    def __init__(self, hold: int = 0):
-        """hold: characters to hold back until the end (a tool-call marker's start)."""
-        self.hold = hold
+    def __init__(self, hold: int = 0, spaces: bool = False):
+        """hold: characters to hold back until the end (a tool-call marker's start);
+        spaces: trailing whitespace too, until text follows it (content before a tool call
+        ends without it)."""
+        self.hold, self.spaces = hold, spaces
         self.sent: dict[int, list] = {}
 
     def next(self, index: int, c) -> tuple[int, str] | None:
@@ -62,7 +64,12 @@ class _Deltas:
         tokens, chars, done = state
         if done or (len(c.token_ids) == tokens and not c.finished):
             return None
-        visible = len(c.text) if c.finished else max(chars, len(c.text) - self.hold)
+        visible = len(c.text)
+        if not c.finished:
+            visible = max(visible - self.hold, 0)
+            if self.spaces:
+                visible = len(c.text[:visible].rstrip())
+            visible = max(chars, visible)
         state[:] = [len(c.token_ids), visible, c.finished]
         return tokens, c.text[chars:visible]
 
@@ -169,7 +176,8 @@ async def chat_events(server, body, rid, stream, top, tools=None):
     its marker shows, and sent as `tool_calls` deltas when it ends."""
     head = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
             "model": body.model}
-    deltas = _Deltas(len(marker(tools.parser)) - 1 if tools is not None else 0)
+    deltas = _Deltas(len(marker(tools.parser)) - 1 if tools is not None else 0,
+                     tools is not None)
     held: set[int] = set()  # choices whose answer may be a tool call
     last: RequestOutput | None = None
     error = None

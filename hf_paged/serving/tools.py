@@ -158,7 +158,9 @@ def _json_calls(text: str, arguments_key: str) -> list[ToolCall] | None:
 
 def parse(parser: str, text: str) -> tuple[str, list[ToolCall]]:
     """(content, calls) of an answer in `parser`'s format; an answer with no complete call
-    is all content. `text` is decoded with special tokens (markers may be special)."""
+    is all content. `text` is decoded with special tokens (markers may be special). The
+    content before a call loses its trailing whitespace only (a stream sends the rest as
+    it comes, and holds whitespace back until something follows it)."""
     if parser == "hermes":
         calls = []
         for match in _HERMES.finditer(text):
@@ -168,13 +170,13 @@ def parse(parser: str, text: str) -> tuple[str, list[ToolCall]]:
             calls += found
         if not calls:
             return text, []
-        return text[:text.index("<tool_call>")].strip(), calls
+        return text[:text.index("<tool_call>")].rstrip(), calls
     if parser == "mistral":
         if "[TOOL_CALLS]" not in text:
             return text, []
         head, _, body = text.partition("[TOOL_CALLS]")
         calls = _json_calls(body.strip(), "arguments")
-        return (text, []) if calls is None else (head.strip(), calls)
+        return (text, []) if calls is None else (head.rstrip(), calls)
     if parser == "llama3_json":
         body = text.strip().removeprefix("<|python_tag|>").strip()
         if not body.startswith("{"):

@@ -189,3 +189,34 @@ def test_a_request_prepared_before_its_adapter_was_unloaded_is_refused(adapters)
     with pytest.raises(InvalidRequestError, match="'a' was unloaded"):
         engine.add_prepared(late)
     assert not engine.requests and not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("first", [None, "a"])  # a plain model, or one with an adapter
+def test_a_load_that_fails_leaves_the_model_as_it_was(adapters, tmp_path, first):
+    """PEFT puts an adapter's layers into the model before it loads their weights: a load
+    whose weights do not fit (another width) must take them out again, so the base model
+    (and adapters loaded before) keep their tokens and the name can be loaded later."""
+    narrow = get_peft_model(make_model("llama_gqa", hidden_size=32, intermediate_size=64),
+                            LoraConfig(task_type=TaskType.CAUSAL_LM, r=4,
+                                       target_modules="all-linear", init_lora_weights=False))
+    narrow.save_pretrained(tmp_path / "narrow")
+    engine = LLMEngine(make_model("llama_gqa"), block_size=4, num_blocks=200)
+    if first:
+        engine.lora.load(first, adapters[first])
+
+    def text(adapter=None):
+        engine.add_request("r", PROMPT, SamplingParams(temperature=0, max_tokens=6),
+                           adapter=adapter)
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update((o.request_id, o) for o in engine.step())
+        return TOKENIZER.decode(done["r"].outputs[0].token_ids, skip_special_tokens=True)
+
+    with pytest.raises(InvalidRequestError) as err:
+        engine.lora.load("x", tmp_path / "narrow")
+    assert err.value.param == "lora_path" and engine.adapters == ([first] if first else [])
+    assert text("__base__" if first else None) == stock(PROMPT)
+    if first:
+        assert text(first) == stock(PROMPT, adapters[first])
+    engine.lora.load("x", adapters["b"])
+    assert text("x") == stock(PROMPT, adapters["b"])

@@ -139,18 +139,22 @@ def _regex(text: str) -> str:
     return "".join("\\" + ch if ch in r".^$*+?{}[]\|()" else ch for ch in text)
 
 
-def test_auto_parses_the_models_own_calls(served):
+@pytest.mark.parametrize("before", ["Sure.", " Sure. \n", " "])
+def test_auto_parses_the_models_own_calls(served, before):
+    """Content before the call ends without its trailing whitespace, streamed or not (a
+    stream holds whitespace back until text follows it)."""
+    call = before + CALL.removeprefix("Sure.")
     kw = dict(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=200, temperature=0,
-              extra_body={"structured_outputs": {"regex": _regex(CALL)}})
+              extra_body={"structured_outputs": {"regex": _regex(call)}})
     choice = served.client.chat.completions.create(**kw).choices[0]
     assert choice.finish_reason == "tool_calls"
-    assert choice.message.content == "Sure."
+    assert choice.message.content == (before.rstrip() or None)
     assert json.loads(choice.message.tool_calls[0].function.arguments) == {"city": "Paris",
                                                                          "unit": "c"}
     chunks = [c for c in served.client.chat.completions.create(**kw, stream=True) if c.choices]
     content = "".join(c.choices[0].delta.content or "" for c in chunks)
     calls = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
-    assert content == "Sure." and "<tool_call>" not in content
+    assert content == before.rstrip() and "<tool_call>" not in content
     assert calls[0].function.name == "get_weather"
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     plain = served.client.chat.completions.create(
@@ -158,7 +162,7 @@ def test_auto_parses_the_models_own_calls(served):
         extra_body={"structured_outputs": {"regex": "abc"}})
     assert plain.choices[0].message.content == "abc" and not plain.choices[0].message.tool_calls
     none = served.client.chat.completions.create(**kw | {"tool_choice": "none"})
-    assert none.choices[0].message.content == CALL and not none.choices[0].message.tool_calls
+    assert none.choices[0].message.content == call and not none.choices[0].message.tool_calls
 
 
 def test_tool_results_go_back_through_the_template(served):
@@ -188,6 +192,8 @@ def test_tool_results_go_back_through_the_template(served):
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
      "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "bogus"}}}], "tool_choice": "required"}, "tools"),  # (does not compile)
 ])
 def test_bad_tools_are_400s(served, body, param):
     r = served.http.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES,
