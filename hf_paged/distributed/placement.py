@@ -24,8 +24,13 @@ def _hook_device(module) -> torch.device | None:
 
 def input_device(model) -> torch.device:
     """Where `model` takes its inputs: the execution device of accelerate's hook on a
-    dispatched model (its first weight may be offloaded, on "meta"), else `model.device`."""
-    return _hook_device(model) or model.device
+    dispatched model (its first weight may be offloaded, on "meta"), or of the first module
+    hooked to run somewhere (`cpu_offload` hooks each module, not the model), else
+    `model.device`."""
+    device = _hook_device(model)
+    if device is None and model.device.type == "meta":
+        device = next((d for d in map(_hook_device, model.modules()) if d is not None), None)
+    return device or model.device
 
 
 def logits_index_device(model) -> torch.device:
@@ -47,6 +52,11 @@ def logits_index_device(model) -> torch.device:
     return torch.device("cpu")
 
 
+# What an attention module (not the decoder layer around it) holds: its key projection
+# (fused in some: Falcon, Phi-3, DBRX; DeepSeek-V3's latent one).
+_KV_PROJECTIONS = ("k_proj", "query_key_value", "qkv_proj", "Wqkv", "kv_a_proj_with_mqa")
+
+
 def layer_devices(model, num_layers: int) -> list[torch.device]:
     """The device each decoder layer's attention runs on (where its keys and values are made).
 
@@ -59,7 +69,7 @@ def layer_devices(model, num_layers: int) -> list[torch.device]:
         layer = getattr(module, "layer_idx", None)
         if not isinstance(layer, int) or not 0 <= layer < num_layers or devices[layer] is not None:
             continue
-        if not any(hasattr(module, n) for n in ("k_proj", "query_key_value", "qkv_proj")):
+        if not any(hasattr(module, n) for n in _KV_PROJECTIONS):
             continue  # a decoder layer carrying the index, not its attention
         device = _hook_device(module)
         if device is None:
@@ -77,6 +87,6 @@ def model_placement(model, num_layers: int | None = None) -> Placement:
         from ..hf.architectures import kv_layout
 
         num_layers = kv_layout(model.config.get_text_config(decoder=True))[0]
-    if not getattr(model, "hf_device_map", None):
-        return Placement.single(num_layers, model.device)
+    if not getattr(model, "hf_device_map", None):  # (offloaded modules run on its input device)
+        return Placement.single(num_layers, input_device(model))
     return Placement.of_layers(layer_devices(model, num_layers))

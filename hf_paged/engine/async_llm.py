@@ -24,6 +24,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from typing import AsyncIterator
 
 import torch
@@ -290,12 +291,13 @@ class AsyncLLM:
         tp = engine.tp_size > 1
         if engine.device.type == "cuda":  # a new thread starts on device 0
             torch.cuda.set_device(engine.device)
+        last = time.monotonic()  # when the other ranks last heard from this one (about)
         while not self._dead:
-            woken = self._wake.wait(self.HEARTBEAT_S if tp else None)
+            self._wake.wait(max(0.0, last + self.HEARTBEAT_S - time.monotonic()) if tp else None)
             self._wake.clear()
-            if tp and not woken:
-                engine.heartbeat()
-                continue
+            if tp and time.monotonic() - last >= self.HEARTBEAT_S:  # (wakes that run no
+                engine.heartbeat()  # step do not put it off)
+                last = time.monotonic()
             while not self._dead:
                 self._drain_inbox()
                 if not engine.has_unfinished_requests():
@@ -305,6 +307,7 @@ class AsyncLLM:
                 except Exception as err:  # noqa: BLE001 (no single request caused it)
                     logger.exception("hf-paged: an engine step failed; ending its requests")
                     outputs = engine.fail_all(f"the engine step failed: {describe(err)}")
+                last = time.monotonic()
                 self._deliver(outputs)
         self._drain_inbox()
         outputs = engine.fail_all("the engine was shut down")

@@ -142,6 +142,7 @@ class LLMEngine:
         self._deadlines = Deadlines()
         self._arrivals = itertools.count()
         self.prompt_tokens = 0
+        self._stopped = False  # (tensor parallelism: the other ranks were told to stop)
         self.debug = os.environ.get(DEBUG_ENV_VAR) == "1"
         self.lora = RuntimeAdapters(self)  # adapters loaded and unloaded at runtime
         self.grammars: Grammars | None = None  # structured outputs' compiled constraints
@@ -436,8 +437,10 @@ class LLMEngine:
         self.runner.broadcast(tp.IDLE)
 
     def stop_workers(self) -> None:
-        """Rank 0: ends the other ranks' `worker_loop`."""
-        self.runner.broadcast(tp.STOP)
+        """Rank 0: ends the other ranks' `worker_loop` (once: they listen no more)."""
+        if not self._stopped:
+            self._stopped = True
+            self.runner.broadcast(tp.STOP)
 
     def worker_loop(self) -> None:
         """Ranks above 0 (which need only a `ModelRunner`): run rank 0's steps."""

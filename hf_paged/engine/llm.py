@@ -8,8 +8,10 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import threading
+import weakref
 from dataclasses import replace
 
 from .engine import LLMEngine
@@ -19,6 +21,7 @@ from ..sampling_params import RequestOutputKind, SamplingParams
 from ..core.scheduler import RequestRejectedError
 
 _batches = itertools.count()
+logger = logging.getLogger("hf_paged")
 
 
 def load_model(path, dtype="auto", device=None, tensor_parallel: bool = False,
@@ -64,6 +67,15 @@ class LLM:
             tokenizer = tokenizer if tokenizer is not None else found
         self.engine = LLMEngine(model, tokenizer, **engine_options)
         self._lock = threading.Lock()  # one call steps the engine at a time
+        self._end = _keep_workers(self) if self.engine.tp_size > 1 else None
+
+    HEARTBEAT_S = 60.0  # under tensor parallelism, idle rank 0 pings the others this often
+
+    def shutdown(self) -> None:
+        """Under tensor parallelism (rank 0): ends the other ranks' `worker_loop` (also
+        done when the LLM is collected or the process exits). Elsewhere nothing to do."""
+        if self._end is not None:
+            self._end()
 
     @property
     def tokenizer(self):
@@ -139,6 +151,33 @@ class LLM:
             engine.finished_only = before
             bar.close()
         return [results[rid] for rid in ids]
+
+
+def _keep_workers(llm: LLM):
+    """Rank 0 of a tensor-parallel group: while no call runs, pings the other ranks every
+    `HEARTBEAT_S` (they wait for its step plans under the group's timeout); the finalizer
+    returned stops them, once."""
+    engine, lock, stop, period = llm.engine, llm._lock, threading.Event(), llm.HEARTBEAT_S
+
+    def ping() -> None:  # (holds no reference to `llm`, which may then be collected)
+        while not stop.wait(period):
+            if lock.acquire(blocking=False):  # (a call running sends steps of its own)
+                try:
+                    if not stop.is_set():
+                        engine.heartbeat()
+                finally:
+                    lock.release()
+
+    def end() -> None:
+        stop.set()
+        with lock:
+            try:
+                engine.stop_workers()
+            except Exception as err:  # noqa: BLE001 (the group is gone already, at exit)
+                logger.warning("hf-paged: could not stop the other ranks: %s", err)
+
+    threading.Thread(target=ping, name="hf-paged-heartbeat", daemon=True).start()
+    return weakref.finalize(llm, end)
 
 
 def _rejected(request_id, prompt, params, error) -> RequestOutput:

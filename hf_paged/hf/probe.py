@@ -17,6 +17,7 @@ import threading
 
 import torch
 
+from ..distributed.placement import input_device
 from ..errors import PagedRouteError
 from ..kernels.dispatch import PoolAccess
 from ..kv.metadata import build_metadata, to_device
@@ -26,8 +27,8 @@ from .architectures import attention_tp_size, kv_spec, tp_heads
 from .attention import KWARG
 from .switch import paged_attention
 
-# (class, KV layout) -> verdict: models of one class with different layouts (heads, head
-# sizes, windows) are probed apart.
+# (class, KV layout, input device) -> verdict: models of one class with different layouts
+# (heads, head sizes, windows), or placed apart, are probed apart.
 _checked: dict[tuple, str | None] = {}
 _lock = threading.Lock()
 
@@ -42,7 +43,7 @@ def route_reason(model, placement=None) -> str | None:
     fails for another reason gives that as the reason: such a model cannot run paged.
     """
     # (Callers ask `unsupported_reason` first, which refuses a layout kv_spec cannot read.)
-    key = (type(model), kv_spec(model.config), attention_tp_size(model))
+    key = (type(model), kv_spec(model.config), attention_tp_size(model), input_device(model))
     if key in _checked:
         return _checked[key]
     if model.training:
@@ -57,7 +58,7 @@ def _probe(model, placement: Placement | None) -> str | None:
     text = model.config.get_text_config(decoder=True)
     spec = kv_spec(text)
     heads, kv_heads = tp_heads(text, attention_tp_size(model))
-    device = model.get_input_embeddings().weight.device
+    device = input_device(model)  # (offloaded embeddings are on "meta")
     groups, where = group_layers(spec.windows, placement, device)
     block_size = 16
     pool = KVPool(groups.slots, kv_heads, spec.head_dim, block_size, 1, model.dtype, where,

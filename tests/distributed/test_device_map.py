@@ -99,13 +99,17 @@ def test_normalize_device():
     assert normalize_device("cuda:3") == torch.device("cuda", 3)
 
 
-@pytest.mark.parametrize("kind", ["llama_gqa", "falcon_new"])
+@pytest.mark.parametrize("kind", ["llama_gqa", "falcon_new", "deepseek_v3", "dbrx"])
 def test_layer_devices_follow_accelerate_hooks_then_weights(kind):
+    """(DeepSeek-V3's attention holds a latent KV projection, DBRX's a fused one.)"""
+    from zoo import make_arch
+
     torch.manual_seed(0)
-    model = type(four_layer_model(kind))(four_layer_model(kind).config).eval()
+    model = (make_arch(kind, num_hidden_layers=4, n_layers=4) if kind in ("deepseek_v3", "dbrx")
+             else type(four_layer_model(kind))(four_layer_model(kind).config)).eval()
     assert model_placement(model, 4) == Placement.single(4, CPU)  # not dispatched
-    attention = [m for m in model.modules() if hasattr(m, "layer_idx")
-                 and any(hasattr(m, n) for n in ("k_proj", "query_key_value"))]
+    attention = [m for m in model.modules() if type(m).__name__.endswith("Attention")
+                 and hasattr(m, "layer_idx")]
     assert len(attention) == 4
     # Layers 0-1 run on GPU 0 (an int, as accelerate writes it), layer 2 on cuda:1; layer 3's
     # hook chain (a SequentialHook) names cuda:1 in its second hook; none is a CPU weight.
@@ -125,10 +129,13 @@ def test_layer_devices_follow_accelerate_hooks_then_weights(kind):
     assert layer_devices(model, 4)[2] == CPU
 
 
-def test_offloaded_device_map_runs_on_one_pool_and_equals_stock(tmp_path, tokenizer):
+def test_offloaded_device_map_runs_on_one_pool_and_equals_stock(tmp_path, tokenizer,
+                                                                monkeypatch):
     """A real accelerate dispatch on this machine: some layers on the CPU, some offloaded to
     disk (run on the CPU), the embeddings too (the model's first weight is then on "meta"):
-    one shard; generate and the engine equal stock."""
+    one shard; generate and the engine equal stock. The class's route probe runs on this
+    model (its input goes where the hooks run it, not to the embeddings' "meta")."""
+    monkeypatch.setattr(hf_paged.hf.probe, "_checked", {})
     four_layer_model("llama_gqa").save_pretrained(tmp_path / "m")
     device_map = {"model.embed_tokens": "disk", "model.layers.0": "cpu", "model.layers.1": "disk",
                   "model.layers.2": "cpu", "model.layers.3": "disk", "model.norm": "cpu",
@@ -150,6 +157,33 @@ def test_offloaded_device_map_runs_on_one_pool_and_equals_stock(tmp_path, tokeni
                                                       ignore_eos=True))
     for i, prompt in enumerate(prompts):
         assert done[str(i)].outputs[0].token_ids == stock_greedy(model, prompt, 6)
+
+
+@pytest.mark.parametrize("offload", ["cpu_offload", "disk_offload"])
+def test_a_model_offloaded_module_by_module_runs_where_its_hooks_run_it(
+        tmp_path, monkeypatch, offload):
+    """accelerate's cpu_offload / disk_offload hook every module (not the model, and no
+    `hf_device_map`): the KV pool and the inputs go to the hooks' execution device."""
+    import accelerate
+
+    monkeypatch.setattr(hf_paged.hf.probe, "_checked", {})
+    model = copy.deepcopy(four_layer_model("llama_gqa"))
+    if offload == "cpu_offload":
+        accelerate.cpu_offload(model, execution_device=CPU)
+    else:
+        accelerate.disk_offload(model, str(tmp_path / "off"), execution_device=CPU)
+    assert model.device.type == "meta" and input_device(model) == CPU
+    assert model_placement(model) == Placement.single(4, CPU)
+    ids, mask = left_padded_batch([5, 9, 2])
+    ref, out = both(model, input_ids=ids, attention_mask=mask, max_new_tokens=6,
+                    do_sample=False, return_dict_in_generate=True)
+    assert isinstance(out.past_key_values, PagedCache)
+    assert_same(ref, out)
+    prompts = [[5, 9, 14, 3], [7]]
+    done = run_engine(hf_paged.LLMEngine(model, block_size=4, num_blocks=64), prompts,
+                      SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    for i, prompt in enumerate(prompts):
+        assert done[str(i)].outputs[0].token_ids == stock_greedy(model, prompt, 5)
 
 
 def test_logits_index_stays_on_the_host_past_accelerate_hooks():

@@ -205,3 +205,70 @@ def test_tp_generate_for_every_architecture_with_a_tp_plan(tmp_path):
         for case in ("greedy", "sampling"):
             assert got[case]["paged"] == got[case]["stock"], (name, case)
     assert compared == list(folders), sorted(set(folders) - set(compared))  # stock TP ran all
+
+
+def _rank0(module, monkeypatch, period):
+    """`module`'s LLMEngine as rank 0 of a group of 2 (nothing is sent: the runner has no
+    group); its heartbeats and stops are recorded."""
+    import time
+
+    calls = {"heartbeat": [], "stop": 0}
+
+    class Rank0(module.LLMEngine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.tp_size = 2
+
+        def heartbeat(self):
+            calls["heartbeat"].append(time.monotonic())
+
+        def stop_workers(self):
+            calls["stop"] += 1
+
+    monkeypatch.setattr(module, "LLMEngine", Rank0)
+    owner = module.AsyncLLM if hasattr(module, "AsyncLLM") else module.LLM
+    monkeypatch.setattr(owner, "HEARTBEAT_S", period)
+    return calls
+
+
+def test_an_idle_async_rank_0_pings_however_often_it_is_woken(monkeypatch):
+    """Wakes that run no step (an abort of an unknown id, a call) must not put the
+    heartbeat off: the other ranks' wait would time out."""
+    import time
+
+    from hf_paged.engine import async_llm
+
+    calls = _rank0(async_llm, monkeypatch, 0.2)
+    llm = async_llm.AsyncLLM(make_model("llama_gqa"), block_size=4, num_blocks=16)
+    try:
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:
+            llm.abort("no-such-request")
+            time.sleep(0.05)
+    finally:
+        llm.shutdown()
+    assert len(calls["heartbeat"]) >= 4 and calls["stop"] == 1
+
+
+def test_an_idle_llm_rank_0_pings_and_stops_the_others_once(monkeypatch):
+    import gc
+    import time
+
+    from hf_paged import SamplingParams
+    from hf_paged.engine import llm as module
+
+    calls = _rank0(module, monkeypatch, 0.1)
+    llm = module.LLM(make_model("llama_gqa"), block_size=4, num_blocks=16)
+    time.sleep(0.6)  # between calls
+    assert len(calls["heartbeat"]) >= 3
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3), use_tqdm=False)
+    assert out[0].outputs[0].finish_reason is not None
+    llm.shutdown()
+    llm.shutdown()
+    assert calls["stop"] == 1
+    beats = len(calls["heartbeat"])
+    time.sleep(0.3)
+    assert len(calls["heartbeat"]) == beats  # no pings after the stop
+    module.LLM(make_model("llama_gqa"), block_size=4, num_blocks=16)  # collected at once
+    gc.collect()
+    assert calls["stop"] == 2

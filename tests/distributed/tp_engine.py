@@ -49,7 +49,7 @@ def main():
         sampled = llm.generate(prompts()[:3], SamplingParams(temperature=1.0, seed=3,
                                                              max_tokens=8, n=2), use_tqdm=False)
         stats = llm.stats()
-        llm.engine.stop_workers()
+        llm.shutdown()  # (the finalizer would too, at exit; once)
         with open(out_path, "w") as f:
             json.dump({"greedy": [o.outputs[0].token_ids for o in greedy],
                        "sampled": [[c.token_ids for c in o.outputs] for o in sampled],
