@@ -211,7 +211,7 @@ class ModelRunner:
         # A model spread by device_map keeps each layer's KV on that layer's device; on one
         # device, sliding-window and full layers form KV groups sharing the pool's blocks.
         placement = model_placement(base, num_layers)
-        reason = route_reason(base, placement)
+        reason = route_reason(base, placement, self.device)
         if reason is not None:
             raise UnsupportedModelError(f"The engine cannot serve this model: {reason}.")
         self.groups, placement = group_layers(spec.windows, placement)

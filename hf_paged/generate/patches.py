@@ -39,7 +39,7 @@ from transformers import GenerationMixin
 from transformers.cache_utils import Cache
 
 from ..config import PagedCacheConfig
-from ..distributed.placement import model_placement
+from ..distributed.placement import input_device, model_placement
 from ..errors import HFPagedError, UnsupportedModelError
 from ..hf.architectures import (
     EAGER_MODELS, SUPPORTED_ARCHITECTURES, attention_features, attention_tp_size,
@@ -185,7 +185,8 @@ def _prepare_cache_for_generation(original):
         reason = unsupported_reason(self)
         if reason is None:
             reason = route_reason(self, lambda: model_placement(
-                self, kv_spec(self.config.get_text_config(decoder=True)).num_layers))
+                self, kv_spec(self.config.get_text_config(decoder=True)).num_layers),
+                input_device(self))
         if reason is not None:
             if paged:
                 raise UnsupportedModelError(

@@ -17,7 +17,6 @@ import threading
 
 import torch
 
-from ..distributed.placement import input_device
 from ..errors import PagedRouteError
 from ..kernels.dispatch import PoolAccess
 from ..kv.metadata import build_metadata, to_device
@@ -33,32 +32,35 @@ _checked: dict[tuple, str | None] = {}
 _lock = threading.Lock()
 
 
-def route_reason(model, placement=None) -> str | None:
+def route_reason(model, placement=None, device=None) -> str | None:
     """Why the paged KV does not reach `model`'s attention (a sentence), or None.
 
     placement: where its layers are (a model spread by `device_map`), or a function giving
-    it (called only when the class is probed); default: the device of its input
-    embeddings. A model in training mode is not probed (its forward would draw random
-    numbers for dropout); its class is probed at its first call in eval mode. A probe that
-    fails for another reason gives that as the reason: such a model cannot run paged.
+    it (called only when the class is probed); default: `device`. device: where it takes
+    its inputs (for a model whose embeddings are offloaded to "meta", the execution device
+    of accelerate's hooks); default: its input embeddings' device. A model in training
+    mode is not probed (its forward would draw random numbers for dropout); its class is
+    probed at its first call in eval mode. A probe that fails for another reason gives
+    that as the reason: such a model cannot run paged.
     """
     # (Callers ask `unsupported_reason` first, which refuses a layout kv_spec cannot read.)
-    key = (type(model), kv_spec(model.config), attention_tp_size(model), input_device(model))
+    device = device or model.get_input_embeddings().weight.device
+    key = (type(model), kv_spec(model.config), attention_tp_size(model), device)
     if key in _checked:
         return _checked[key]
     if model.training:
         return None
     with _lock:
         if key not in _checked:
-            _checked[key] = _probe(model, placement() if callable(placement) else placement)
+            _checked[key] = _probe(model, placement() if callable(placement) else placement,
+                                   device)
     return _checked[key]
 
 
-def _probe(model, placement: Placement | None) -> str | None:
+def _probe(model, placement: Placement | None, device: torch.device) -> str | None:
     text = model.config.get_text_config(decoder=True)
     spec = kv_spec(text)
     heads, kv_heads = tp_heads(text, attention_tp_size(model))
-    device = input_device(model)  # (offloaded embeddings are on "meta")
     groups, where = group_layers(spec.windows, placement, device)
     block_size = 16
     pool = KVPool(groups.slots, kv_heads, spec.head_dim, block_size, 1, model.dtype, where,
