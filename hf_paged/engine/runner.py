@@ -172,7 +172,8 @@ def unwrap(model):
     return model, base, list(config)
 
 
-def positive(name: str, value) -> int:
+def positive(name: str, value, default: int | None = None) -> int:
+    value = default if value is None else value  # (0 is refused, not taken for unset)
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive integer; got {value!r}.")
     return value
@@ -192,8 +193,7 @@ class ModelRunner:
         (default 256 on CUDA, 64 elsewhere, and never more than a step's token budget
         `max_num_batched_tokens`: each running sequence decodes a token a step)."""
         self.model, base, self.adapters = unwrap(model)
-        # A request without an adapter runs the model as given (a PEFT model: its active
-        # adapter), or the base model once a plain model was wrapped to load adapters.
+        # Requests with no adapter run the model as given, or its base once wrapped for one.
         self.none_means_base = False
         reason = unsupported_reason(base)
         if reason is not None:
@@ -219,12 +219,12 @@ class ModelRunner:
         self._index_device = logits_index_device(base)  # for logits_to_keep
         self.on_cuda = any(d.type == "cuda" for d in placement.devices)
         self.block_size = positive("block_size", block_size)
-        self.max_model_len = positive("max_model_len", max_model_len
-                                      or getattr(text_config, "max_position_embeddings", 2048))
+        self.max_model_len = positive("max_model_len", max_model_len,
+                                      getattr(text_config, "max_position_embeddings", 2048))
         default_seqs = 256 if self.on_cuda else 64
         if isinstance(max_num_batched_tokens, int) and max_num_batched_tokens > 0:
             default_seqs = min(default_seqs, max_num_batched_tokens)
-        self.max_num_seqs = positive("max_num_seqs", max_num_seqs or default_seqs)
+        self.max_num_seqs = positive("max_num_seqs", max_num_seqs, default_seqs)
         self.kv_dtype = kv_dtype = quant.kv_cache_dtype(kv_cache_dtype)  # None: the model's
         per_layer = block_bytes(1, kv_heads, head_dim, self.block_size, self.dtype, v_head_dim,
                                 kv_dtype)
@@ -432,8 +432,8 @@ def step_budget(runner: ModelRunner, max_num_batched_tokens: int | None,
                 async_scheduling: bool = False) -> int:
     """Tokens per step (default 8192 on CUDA, 2048 elsewhere), with the scheduler's options
     checked: the same check on every tensor-parallel rank, so all fail alike."""
-    tokens = positive("max_num_batched_tokens",
-                      max_num_batched_tokens or (8192 if runner.on_cuda else 2048))
+    tokens = positive("max_num_batched_tokens", max_num_batched_tokens,
+                      8192 if runner.on_cuda else 2048)
     if not isinstance(async_scheduling, bool):
         raise ValueError(f"async_scheduling must be True or False; got {async_scheduling!r}.")
     if async_scheduling and runner.tp_size > 1:

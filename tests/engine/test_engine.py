@@ -130,6 +130,9 @@ def test_a_small_token_budget_bounds_the_default_number_of_running_sequences():
     with pytest.raises(ValueError, match=r"max_num_batched_tokens \(5\) must be at least "
                                          r"max_num_seqs \(8\)"):
         LLMEngine(model, num_blocks=60, max_num_seqs=8, max_num_batched_tokens=5)
+    for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens"):  # not "unset"
+        with pytest.raises(ValueError, match=f"{name} must be a positive integer; got 0"):
+            LLMEngine(model, num_blocks=60, **{name: 0})
 
 
 @pytest.mark.parametrize("kind", ["llama_gqa", "falcon_new"])
