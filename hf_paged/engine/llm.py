@@ -46,9 +46,15 @@ def load_model(path, dtype="auto", device=None, tensor_parallel: bool = False,
         model = model.to(device)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, TypeError):
+    except (OSError, ValueError, TypeError) as err:
+        if any(os.path.exists(os.path.join(str(path), name)) for name in _TOKENIZER_FILES):
+            raise ValueError(f"The tokenizer in {path} could not be loaded: {err}") from err
+        logger.warning("hf-paged: %s has no tokenizer; requests must send token ids.", path)
         tokenizer = None
     return model.eval(), tokenizer
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 class LLM:

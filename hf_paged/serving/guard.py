@@ -1,5 +1,5 @@
 """What the server checks before a request reaches an endpoint: its API key (and so its
-tenant) and the size of its body. Pure ASGI middleware, so it hides nothing from the app:
+tenant) and the size of its body; and `ServerLimits`, what one request may ask. Pure ASGI middleware, so it hides nothing from the app:
 disconnects still reach `request.is_disconnected()`, streams stay streams.
 
 Tenants: with API keys, each key is a tenant named by its position ("key-0", "key-1", ...;
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hmac
 import json
+import math
+from dataclasses import dataclass
 
 OPEN_PATHS = ("/health",)  # answered without a key (load balancers, probes)
 DEFAULT_TENANT = "default"  # the tenant of every request when the server has no keys
@@ -102,3 +104,43 @@ async def _reply(send, status: int, message: str, kind: str, code: str) -> None:
         headers.append((b"www-authenticate", b"Bearer"))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+@dataclass
+class ServerLimits:
+    """What one request may ask of the server (each has a `hf-paged serve` flag).
+
+    max_waiting_sequences: sequences (prompts x n) queued and not started, past which a
+        request gets 503 + Retry-After; a request with more than this alone gets 400 (0:
+        every request gets 503, a server that takes none for now)
+    max_request_bytes:     largest request body (413 past it)
+    max_stop_strings, max_stop_chars: stop strings per request, and their total length
+    request_timeout:       seconds a request may take, queued or running (None: no limit);
+        a request's own `timeout` may ask for less, never more
+    shutdown_grace:        seconds open requests get at shutdown before they end with an error
+    """
+
+    max_waiting_sequences: int = 512
+    max_request_bytes: int = 4 * 2**20
+    max_stop_strings: int = 64
+    max_stop_chars: int = 8192
+    request_timeout: float | None = None
+    shutdown_grace: float = 10.0
+
+    def __post_init__(self):
+        """ValueError for a limit no request could meet (a server that refuses everything)."""
+        for name, low in (("max_waiting_sequences", 0), ("max_request_bytes", 1),
+                          ("max_stop_strings", 0), ("max_stop_chars", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"ServerLimits.{name} must be an integer >= {low}; got "
+                                 f"{value!r}.")
+        for name in ("request_timeout", "shutdown_grace"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and not isinstance(
+                    value, bool) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"ServerLimits.{name} must be a number of seconds >= 0; got "
+                                 f"{value!r}.")
+        if self.request_timeout == 0:
+            raise ValueError("ServerLimits.request_timeout must be > 0 (None: no limit).")
+

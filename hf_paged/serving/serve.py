@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import signal
 import sys
 
@@ -24,7 +25,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hf-paged serve", description=__doc__.split("\n")[0])
     p.add_argument("model", help="a local model folder (or a Hub id, where the Hub is reachable)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (8000)")
+    p.add_argument("--port", type=_ranged(int, 0, 65535), default=8000, help="port (8000)")
     p.add_argument("--dtype", default="auto",
                    choices=["auto", "float32", "bfloat16", "float16"],
                    help="model dtype (auto: as saved)")
@@ -51,44 +52,47 @@ def parser() -> argparse.ArgumentParser:
                         "then name folders the server reads: off by default)")
     s.add_argument("--metrics-without-auth", action="store_true",
                    help="serve /metrics without a key (for a scraper inside the network)")
-    s.add_argument("--max-waiting-requests", type=int, default=512,
+    s.add_argument("--max-waiting-requests", type=_ranged(int, 1), default=512,
                    help="waiting sequences (prompts x n) past which requests get 503 + "
                         "Retry-After (512)")
-    s.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
+    s.add_argument("--max-request-bytes", type=_ranged(int, 1), default=4 * 2**20,
                    help="largest request body in bytes; larger ones get 413 (4 MiB)")
-    s.add_argument("--max-stop-strings", type=int, default=64,
+    s.add_argument("--max-stop-strings", type=_ranged(int, 0), default=64,
                    help="stop strings per request (64)")
-    s.add_argument("--max-stop-chars", type=int, default=8192,
+    s.add_argument("--max-stop-chars", type=_ranged(int, 0), default=8192,
                    help="total characters of a request's stop strings (8192)")
-    s.add_argument("--request-timeout", type=float, default=None,
+    s.add_argument("--request-timeout", type=_ranged(float, 0, above=True), default=None,
                    help="seconds a request may take, queued or running; it then ends with "
                         "finish_reason 'timeout' (no limit)")
-    s.add_argument("--max-unread-outputs", type=int, default=256,
+    s.add_argument("--max-unread-outputs", type=_ranged(int, 1), default=256,
                    help="outputs a stream may leave unread before its request is aborted "
                         "(256)")
-    s.add_argument("--shutdown-grace", type=float, default=10.0,
+    s.add_argument("--shutdown-grace", type=_ranged(float, 0), default=10.0,
                    help="at SIGTERM, seconds open requests get before they end with an "
                         "error (10)")
     e = p.add_argument_group("engine")
-    e.add_argument("--block-size", type=int, default=16, help="tokens per KV block (16)")
+    e.add_argument("--block-size", type=_ranged(int, 1), default=16,
+                   help="tokens per KV block (16)")
     budget = e.add_mutually_exclusive_group()
-    budget.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks")
-    budget.add_argument("--kv-cache-bytes", type=int, default=None, help="KV pool size in bytes")
-    e.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+    budget.add_argument("--num-blocks", type=_ranged(int, 1), default=None,
+                        help="KV pool size in blocks")
+    budget.add_argument("--kv-cache-bytes", type=_ranged(int, 1), default=None,
+                        help="KV pool size in bytes")
+    e.add_argument("--gpu-memory-utilization", type=_ranged(float, 0, 1, above=True), default=0.9,
                    help="on CUDA without a pool size: this fraction of free memory (0.9)")
-    e.add_argument("--max-num-seqs", type=int, default=None,
+    e.add_argument("--max-num-seqs", type=_ranged(int, 1), default=None,
                    help="sequences running at once (64 CPU, 256 CUDA)")
-    e.add_argument("--max-num-batched-tokens", type=int, default=None,
+    e.add_argument("--max-num-batched-tokens", type=_ranged(int, 1), default=None,
                    help="tokens per step (2048 CPU, 8192 CUDA)")
-    e.add_argument("--max-model-len", type=int, default=None,
+    e.add_argument("--max-model-len", type=_ranged(int, 1), default=None,
                    help="longest sequence (the model's max_position_embeddings)")
     e.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     e.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
                    help="when blocks run out: recompute later, or swap to a CPU pool")
-    e.add_argument("--admission-headroom", type=float, default=1.0,
+    e.add_argument("--admission-headroom", type=_ranged(float, 0), default=1.0,
                    help="free KV blocks kept per running sequence when admitting another "
                         "(1.0; 0 admits while a prompt's first chunk fits)")
-    e.add_argument("--swap-space-bytes", type=int, default=None,
+    e.add_argument("--swap-space-bytes", type=_ranged(int, 0), default=None,
                    help="CPU pool for swap preemption (default: the size of the KV pool)")
     e.add_argument("--backend", default="auto", help="attention backend (auto)")
     e.add_argument("--compile", action="store_true",
@@ -111,6 +115,24 @@ def parser() -> argparse.ArgumentParser:
                         '"model": DRAFT_DIR, "num_speculative_tokens": 4}')
     p.add_argument("--log-level", default="info", help="uvicorn log level (info)")
     return p
+
+
+def _ranged(kind, low, high=None, above: bool = False):
+    """An argparse type: a finite `kind` (int or float) of at least `low` (more than `low`
+    with `above`) and at most `high`, so that a bad value fails before the model loads."""
+    what = "an integer" if kind is int else "a number"
+    bounds = f"{'>' if above else '>='} {low}" + (f" and <= {high}" if high is not None else "")
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not math.isfinite(value) or value < low or (above and value == low) \
+                or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected {what} {bounds}; got {text!r}")
+        return value
+    return parse
 
 
 def _json_object(text: str) -> dict:

@@ -23,7 +23,6 @@ import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -36,7 +35,7 @@ from ..engine import BASE, truncate_prompt
 from ..errors import InvalidRequestError, RequestRejectedError, describe
 from ..sampling_params import StructuredOutputsParams
 from .extras import add_routes
-from .guard import RequestGuard
+from .guard import RequestGuard, ServerLimits
 from .metrics import ServerMetrics
 from .protocol import (
     APIError, ChatCompletionRequest, CompletionRequest, chat_response, completion_response,
@@ -47,27 +46,6 @@ from .tools import PARSERS, auto_parser, template_messages
 
 logger = logging.getLogger("hf_paged")
 SHUTDOWN_MESSAGE = "the server is shutting down"
-
-
-@dataclass
-class ServerLimits:
-    """What one request may ask of the server (each has a `hf-paged serve` flag).
-
-    max_waiting_sequences: sequences (prompts x n) queued and not started, past which a
-        request gets 503 + Retry-After; a request with more than this alone gets 400
-    max_request_bytes:     largest request body (413 past it)
-    max_stop_strings, max_stop_chars: stop strings per request, and their total length
-    request_timeout:       seconds a request may take, queued or running (None: no limit);
-        a request's own `timeout` may ask for less, never more
-    shutdown_grace:        seconds open requests get at shutdown before they end with an error
-    """
-
-    max_waiting_sequences: int = 512
-    max_request_bytes: int = 4 * 2**20
-    max_stop_strings: int = 64
-    max_stop_chars: int = 8192
-    request_timeout: float | None = None
-    shutdown_grace: float = 10.0
 
 
 class _Server:
@@ -317,6 +295,7 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
     limits = limits or ServerLimits()
     if max_waiting_requests is not None:
         limits.max_waiting_sequences = max_waiting_requests
+        limits.__post_init__()  # (checked again)
     keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     if any(not isinstance(k, str) or not k for k in keys):
         raise ValueError("API keys must be non-empty strings.")

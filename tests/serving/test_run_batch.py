@@ -15,7 +15,7 @@ import torch
 
 from hf_paged.server import build_app
 from hf_paged.serving import batch, cli
-from conftest import make_model
+from conftest import make_model, make_tokenizer
 from test_server import tokenizer_with_template
 
 PROMPTS = ["w5 w6 w7 w8 w9", "w10 w11", "w40 w41 w42 w43", "w20 w20 w21"]
@@ -196,3 +196,41 @@ def test_a_request_that_fails_while_running_or_cannot_be_sent_is_an_error_line()
     lost = asyncio.run(batch._send(Client(), 2, line("boom")))
     assert lost["custom_id"] == "boom" and lost["response"] is None
     assert lost["error"] == {"code": "internal_error", "message": "RuntimeError: no route"}
+
+
+@pytest.mark.parametrize("option, value", [
+    ("--max-request-bytes", "-1"), ("--max-waiting-requests", "0"), ("--request-timeout", "0"),
+    ("--request-timeout", "nan"), ("--max-stop-strings", "-1"), ("--shutdown-grace", "-1"),
+    ("--block-size", "0"), ("--num-blocks", "-1"), ("--max-num-seqs", "0"),
+    ("--gpu-memory-utilization", "1.5"), ("--swap-space-bytes", "-1"), ("--max-num-seqs", "x"),
+])
+def test_a_bad_limit_or_size_is_refused_by_name_before_the_model_loads(capsys, option, value):
+    """(A server with such a limit would refuse every request: /health itself got 413.)"""
+    with pytest.raises(SystemExit) as exit_:
+        batch.main(["-i", "in.jsonl", "-o", "out.jsonl", "/no/such/model", option, value])
+    assert exit_.value.code == 2
+    assert f"argument {option}: expected " in capsys.readouterr().err
+
+
+def test_server_limits_no_request_could_meet_are_refused():
+    from hf_paged.server import ServerLimits
+
+    for bad in (dict(max_request_bytes=0), dict(max_waiting_sequences=-1),
+                dict(request_timeout=0), dict(shutdown_grace=float("inf")),
+                dict(max_stop_chars=-1)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            ServerLimits(**bad)
+
+
+def test_a_broken_tokenizer_is_an_error_and_a_missing_one_a_warning(tmp_path, caplog):
+    from hf_paged.engine.llm import load_model
+
+    make_model("llama_gqa").save_pretrained(tmp_path)
+    with caplog.at_level("WARNING", logger="hf_paged"):
+        assert load_model(tmp_path)[1] is None
+    assert "has no tokenizer" in caplog.text
+    make_tokenizer().save_pretrained(tmp_path)
+    assert load_model(tmp_path)[1] is not None
+    (tmp_path / "tokenizer.json").write_text("{broken")
+    with pytest.raises(ValueError, match="tokenizer in .* could not be loaded"):
+        load_model(tmp_path)
