@@ -18,6 +18,7 @@ logger = logging.getLogger("hf_paged")
 
 STOP = None  # the message that ends `worker_loop`
 IDLE = "idle"  # rank 0's heartbeat while it has nothing to run
+HEARTBEAT_S = 60.0  # how often an idle rank 0 sends it (the group's timeout is 30 min)
 
 
 def world_size() -> int:

@@ -30,6 +30,7 @@ from typing import AsyncIterator
 import torch
 
 from .engine import LLMEngine
+from ..distributed import tensor_parallel as tp
 from ..errors import EngineDeadError, InvalidRequestError, describe
 from ..outputs import RequestOutput
 from ..sampling_params import RequestOutputKind, SamplingParams
@@ -284,7 +285,7 @@ class AsyncLLM:
             os._exit(1)
 
     # -- the stepping thread ------------------------------------------------------------------
-    HEARTBEAT_S = 60.0  # under tensor parallelism, idle rank 0 pings the others this often
+    HEARTBEAT_S = tp.HEARTBEAT_S  # under tensor parallelism, idle rank 0 pings this often
 
     def _run(self) -> None:
         engine = self.engine

@@ -15,6 +15,7 @@ import weakref
 from dataclasses import replace
 
 from .engine import LLMEngine
+from ..distributed import tensor_parallel as tp
 from ..errors import HFPagedError
 from ..outputs import CompletionOutput, RequestOutput
 from ..sampling_params import RequestOutputKind, SamplingParams
@@ -75,7 +76,7 @@ class LLM:
         self._lock = threading.Lock()  # one call steps the engine at a time
         self._end = _keep_workers(self) if self.engine.tp_size > 1 else None
 
-    HEARTBEAT_S = 60.0  # under tensor parallelism, idle rank 0 pings the others this often
+    HEARTBEAT_S = tp.HEARTBEAT_S  # under tensor parallelism, idle rank 0 pings this often
 
     def shutdown(self) -> None:
         """Under tensor parallelism (rank 0): ends the other ranks' `worker_loop` (also

@@ -226,9 +226,6 @@ class Deadlines:
         self._heap: list = []  # (deadline, tie-break, weakref to the EngineRequest)
         self._ties = itertools.count()
 
-    def __len__(self) -> int:
-        return len(self._heap)
-
     def add(self, request: EngineRequest, live: int) -> None:
         """`live`: how many requests the engine holds (for pruning)."""
         heapq.heappush(self._heap, (request.deadline, next(self._ties), weakref.ref(request)))

@@ -1,6 +1,7 @@
-"""What the server checks before a request reaches an endpoint: its API key (and so its
-tenant) and the size of its body; and `ServerLimits`, what one request may ask. Pure ASGI middleware, so it hides nothing from the app:
-disconnects still reach `request.is_disconnected()`, streams stay streams.
+"""What the server checks of a request: its API key (and so its tenant) and the size of
+its body, before it reaches an endpoint, in pure ASGI middleware that hides nothing from
+the app (disconnects still reach `request.is_disconnected()`, streams stay streams); and
+`ServerLimits`, what one request may ask of the server.
 
 Tenants: with API keys, each key is a tenant named by its position ("key-0", "key-1", ...;
 the key itself is never stored in labels or salts). The tenant goes into
@@ -129,18 +130,16 @@ class ServerLimits:
 
     def __post_init__(self):
         """ValueError for a limit no request could meet (a server that refuses everything)."""
-        for name, low in (("max_waiting_sequences", 0), ("max_request_bytes", 1),
-                          ("max_stop_strings", 0), ("max_stop_chars", 0)):
+        for name, kind, low in (("max_waiting_sequences", int, 0), ("max_request_bytes", int, 1),
+                                ("max_stop_strings", int, 0), ("max_stop_chars", int, 0),
+                                ("request_timeout", float, None), ("shutdown_grace", float, 0)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"ServerLimits.{name} must be an integer >= {low}; got "
-                                 f"{value!r}.")
-        for name in ("request_timeout", "shutdown_grace"):
-            value = getattr(self, name)
-            if value is not None and not (isinstance(value, (int, float)) and not isinstance(
-                    value, bool) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"ServerLimits.{name} must be a number of seconds >= 0; got "
-                                 f"{value!r}.")
-        if self.request_timeout == 0:
-            raise ValueError("ServerLimits.request_timeout must be > 0 (None: no limit).")
-
+            if value is None and low is None:  # (no limit)
+                continue
+            number = not isinstance(value, bool) and isinstance(value, (int, float) if
+                                                                  kind is float else int)
+            if not (number and math.isfinite(value) and (value > 0 if low is None else
+                                                         value >= low)):
+                bound = "> 0" if low is None else f">= {low}"
+                raise ValueError(f"ServerLimits.{name} must be a finite {kind.__name__} "
+                                 f"{bound}; got {value!r}.")
