@@ -51,6 +51,9 @@ class StructuredOutputsParams:
     json_object: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.json_object, bool):
+            raise InvalidRequestError("structured_outputs.json_object must be true or false; "
+                                      f"got {self.json_object!r:.100}.", "structured_outputs")
         given = [name for name in ("json", "regex", "choice", "grammar")
                  if getattr(self, name) is not None] + (["json_object"] if self.json_object
                                                         else [])

@@ -35,6 +35,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 import uuid
 from typing import Callable, Iterable
@@ -85,13 +86,24 @@ def _parse(number: int, line: str) -> tuple[str, str, dict]:
         problem = ("invalid_url", f"url must be one of {list(URLS)}; got {url!r}.")
     elif not isinstance(body, dict):
         problem = ("invalid_body", "body must be a JSON object.")
-    elif body.get("stream"):
+    elif _streams(body.get("stream")):
         # The output line holds one response body; a stream of events has no place in it.
         problem = ("stream_not_supported", "a batch cannot stream; leave out \"stream\" "
                    "(or set it to false).")
     else:
         return custom_id, url, body
     raise LineError(problem[0], f"line {number}: {problem[1]}", custom_id)
+
+
+def _streams(value) -> bool:
+    """Whether the server would take `value` of "stream" as true (its lax booleans take
+    "false" and 0 for false as well); a value it refuses is its 400 to give."""
+    from pydantic import TypeAdapter, ValidationError
+
+    try:
+        return TypeAdapter(bool).validate_python(value)
+    except ValidationError:
+        return False
 
 
 def output_line(record: dict) -> str:
@@ -242,7 +254,13 @@ def main(argv=None) -> None:
         p.error("--max-concurrency must be at least 1.")
     logging.basicConfig(level=logging.INFO)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
-    lines = _read(args.input_file)
+    try:
+        lines = _read(args.input_file)
+    except OSError as err:
+        p.error(f"cannot read the input file {args.input_file}: {err.strerror or err}")
+    if args.output_file != "-" and not _writable(args.output_file):
+        p.error(f"cannot write the output file {args.output_file}: its folder does not exist "
+                "or is not writable, or it is a folder")
     model, tokenizer = serve.load(args)
     if world_size() > 1 and torch.distributed.get_rank() != 0:
         from ..engine import run_worker  # tensor parallelism: as under `hf-paged serve`
@@ -258,7 +276,8 @@ def main(argv=None) -> None:
                           max_stop_chars=args.max_stop_chars,
                           request_timeout=args.request_timeout)
     # The engine is ours, not the app's, to ask after the run whether it is still alive.
-    llm = AsyncLLM(model, tokenizer, **serve.engine_options(args))
+    with serve.refused_settings():
+        llm = AsyncLLM(model, tokenizer, **serve.engine_options(args))
     app = build_app(llm=llm, served_model_name=args.served_model_name or args.model,
                     limits=limits, tool_call_parser=args.tool_call_parser)
     out = sys.stdout if args.output_file == "-" else open(args.output_file, "w",
@@ -277,6 +296,14 @@ def main(argv=None) -> None:
     if not alive:
         raise SystemExit("hf-paged run-batch: the engine died during the run (see the log); "
                          "the lines it had not finished have error lines.")
+
+
+def _writable(path: str) -> bool:
+    """Whether `path` can be written (checked before the model loads, which takes long)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not os.path.isdir(folder):
+        return False
+    return os.access(path if os.path.exists(path) else folder, os.W_OK)
 
 
 def _read(path: str) -> list[str]:

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..errors import APIError, InvalidRequestError
 from .protocol import ChatMessage, UnicodeBody
+from .tools import check_tools
 
 
 class TokenizeRequest(UnicodeBody):
@@ -31,6 +32,7 @@ class TokenizeRequest(UnicodeBody):
     def _one_input(self):
         if (self.prompt is None) == (self.messages is None):
             raise APIError(400, "Give either prompt or messages.", "prompt")
+        check_tools(self.tools, None)  # (as chat checks them)
         return self
 
 

@@ -9,15 +9,18 @@ over the visible devices (the KV cache follows the layers)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
+import os
 import signal
 import sys
 
 import torch
 
 from ..config import KV_CACHE_DTYPES
+from ..errors import HFPagedError
 from ..distributed.tensor_parallel import world_size
 
 
@@ -29,7 +32,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto",
                    choices=["auto", "float32", "bfloat16", "float16"],
                    help="model dtype (auto: as saved)")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: as loaded)")
+    p.add_argument("--device", default=None, type=_device,
+                   help="cpu, cuda, cuda:1, ... (default: as loaded)")
     p.add_argument("--device-map", default=None, type=_device_map,
                    help="spread the layers over devices: auto, balanced, sequential, or a JSON "
                         "object of module name -> device (the KV cache follows the layers)")
@@ -145,6 +149,15 @@ def _json_object(text: str) -> dict:
     return value
 
 
+def _device(text: str) -> str:
+    try:
+        torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(
+            f"expected a device such as cpu, cuda or cuda:1; got {text!r}") from None
+    return text
+
+
 def _device_map(text: str):
     if text in ("auto", "balanced", "balanced_low_0", "sequential"):
         return text
@@ -152,34 +165,80 @@ def _device_map(text: str):
         value = json.loads(text)
     except json.JSONDecodeError:
         value = None
-    if not isinstance(value, dict):
+    if not isinstance(value, dict) or not value:
         raise argparse.ArgumentTypeError(
-            f"expected auto, balanced, balanced_low_0, sequential or a JSON object; got {text!r}")
+            "expected auto, balanced, balanced_low_0, sequential or a non-empty JSON object "
+            f"of module name -> device; got {text!r}")
+    for module, device in value.items():
+        if isinstance(device, bool) or not (
+                (isinstance(device, int) and device >= 0)
+                or (isinstance(device, str) and (device == "disk" or _is_device(device)))):
+            raise argparse.ArgumentTypeError(
+                f"module {module!r} goes to {device!r}; expected a GPU index, a device such "
+                "as cpu or cuda:1, or disk")
     return value
+
+
+def _is_device(text: str) -> bool:
+    try:
+        torch.device(text)
+    except (RuntimeError, ValueError):
+        return False
+    return True
 
 
 def load(args):
     """The model to serve (with its adapters) and its tokenizer; under torchrun, this
-    rank's share of a model split by tensor parallelism."""
+    rank's share of a model split by tensor parallelism. A model or adapter that cannot be
+    loaded ends the command with one line saying why."""
     from ..engine.llm import load_model
 
     if args.device_map is not None and (args.device is not None or world_size() > 1):
         raise SystemExit("--device-map spreads the model of one process over devices; it "
                          "cannot be combined with --device or with torchrun (tensor "
                          "parallelism).")
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device,
-                                  tensor_parallel=world_size() > 1, device_map=args.device_map)
+    local = os.path.expanduser(args.model)
+    if local.startswith(("/", "./", "../", "~")) and not os.path.isdir(local):
+        raise SystemExit(f"hf-paged: no model folder at {args.model!r}.")
+    try:
+        model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device,
+                                      tensor_parallel=world_size() > 1,
+                                      device_map=args.device_map)
+    except (OSError, ValueError, KeyError, RuntimeError) as err:
+        where = "" if os.path.isdir(local) else " (no such folder here; as a Hub id)"
+        raise SystemExit(f"hf-paged: cannot load the model {args.model!r}{where}: "
+                         f"{_first_line(err)}") from err
     for i, spec in enumerate(args.lora):
         name, _, folder = spec.partition("=")
         if not name or not folder:
             raise SystemExit(f"--lora takes NAME=ADAPTER_DIR; got {spec!r}.")
         from peft import PeftModel
 
-        if i == 0:
-            model = PeftModel.from_pretrained(model, folder, adapter_name=name)
-        else:
-            model.load_adapter(folder, adapter_name=name)
+        try:
+            if i == 0:
+                model = PeftModel.from_pretrained(model, folder, adapter_name=name)
+            else:
+                model.load_adapter(folder, adapter_name=name)
+        except (OSError, ValueError, KeyError, RuntimeError) as err:
+            raise SystemExit(f"hf-paged: cannot load --lora {spec}: {_first_line(err)}") \
+                from err
     return model.eval(), tokenizer
+
+
+@contextlib.contextmanager
+def refused_settings():
+    """The engine refusing the model or a setting (an unsupported architecture, a KV budget
+    smaller than a block, ...) ends the command with its one-line reason."""
+    try:
+        yield
+    except (HFPagedError, ValueError) as err:
+        raise SystemExit(f"hf-paged: {err}") from err
+
+
+def _first_line(err: BaseException) -> str:
+    """An exception as one line: its type and its message's first line."""
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
 def engine_options(args) -> dict:
@@ -214,12 +273,14 @@ def main(argv=None) -> None:
     limits = ServerLimits(args.max_waiting_requests, args.max_request_bytes,
                           args.max_stop_strings, args.max_stop_chars, args.request_timeout,
                           args.shutdown_grace)
-    app = build_app(model, tokenizer, served_model_name=args.served_model_name or args.model,
-                    api_key=args.api_key, limits=limits, salt_by_api_key=args.salt_by_api_key,
-                    metrics_without_auth=args.metrics_without_auth,
-                    max_unread_outputs=args.max_unread_outputs,
-                    tool_call_parser=args.tool_call_parser,
-                    runtime_lora=args.enable_runtime_lora, **engine_options(args))
+    with refused_settings():
+        app = build_app(model, tokenizer, served_model_name=args.served_model_name or args.model,
+                        api_key=args.api_key, limits=limits,
+                        salt_by_api_key=args.salt_by_api_key,
+                        metrics_without_auth=args.metrics_without_auth,
+                        max_unread_outputs=args.max_unread_outputs,
+                        tool_call_parser=args.tool_call_parser,
+                        runtime_lora=args.enable_runtime_lora, **engine_options(args))
     # SIGINT/SIGTERM: uvicorn stops accepting; open requests get --shutdown-grace seconds,
     # then end with an error (streams: an error event and [DONE]). uvicorn then re-raises
     # the signal to the handler it found: exit 0, the shutdown was clean.

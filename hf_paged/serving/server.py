@@ -179,20 +179,22 @@ class _Server:
             except InvalidRequestError as err:
                 raise APIError(400, str(err), field) from err
 
-    def check_count(self, new: int) -> None:
-        """APIError 400 for a request of more sequences (prompts x n) than may wait."""
+    def check_count(self, prompts: int, n: int) -> None:
+        """APIError 400 for a request of more sequences (prompts x n) than may wait; it names
+        `n` where n > 1, else the prompts."""
         bound = self.limits.max_waiting_sequences
-        if 0 < bound < new:
+        if 0 < bound < prompts * n:
             self.metrics.rejected.labels(self.model_name, "400").inc()
-            raise APIError(400, f"This request has {new} sequences (prompts x n); the server "
-                           f"queues at most {bound} (--max-waiting-requests).", "n")
+            raise APIError(400, f"This request has {prompts * n} sequences (prompts x n); the "
+                           f"server queues at most {bound} (--max-waiting-requests).",
+                           "n" if n > 1 else "prompt")
 
     def start(self, prompts: list[list[int]], params, adapter, priority: int, tenant,
               cache_salt: str | None, field: str) -> list[RequestStream]:
         """Checks every prompt, admits them together, then queues them (no await between
         the admission and the queueing: concurrent requests cannot overshoot the bound).
         Each request is counted in the metrics when it ends, read to the end or not."""
-        self.check_count(len(prompts) * params.n)
+        self.check_count(len(prompts), params.n)
         cache_salt = self.salt_for(tenant, cache_salt)
         prepared = []
         for prompt in prompts:
@@ -376,7 +378,7 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
         params = body.sampling_params(body.engine_max_tokens, body.logprobs,
                                       server.timeout_for(body.timeout), body.prompt_logprobs)
         raw = body.prompts()
-        server.check_count(len(raw) * params.n)  # (before any of them is tokenized)
+        server.check_count(len(raw), params.n)  # (before any of them is tokenized)
         await server.compile_constraint(params, body.constraint_field)
         whole = [await server.tokens(p, "prompt") for p in raw]
         prompts = [server.truncated(p, body.truncate_prompt_tokens) for p in whole]

@@ -230,6 +230,7 @@ def test_a_constraint_the_vocabulary_cannot_start_is_refused():
     ({"choice": ["a", 3]}, "choice"),
     ({"regex": ""}, "regex"),
     ({"json": 5}, "json"),
+    ({"json_object": "yes"}, "json_object must be true or false"),
 ])
 def test_params_are_checked(kwargs, message):
     with pytest.raises(InvalidRequestError, match=message):

@@ -76,6 +76,13 @@ def batch_file(model_name: str):
     request("stream", "/v1/chat/completions",
             {"model": model_name, "messages": CHATS[0], "stream": True}, "error",
             "stream_not_supported", None)
+    # The server's booleans are lax: "false" is false there, so the line runs.
+    request("stream-false", "/v1/chat/completions",
+            {"model": model_name, "messages": CHATS[0], "stream": "false", "max_tokens": 6,
+             "temperature": 0}, "ok", ("chat", CHATS[0], 6))
+    request("stream-yes", "/v1/completions",
+            {"model": model_name, "prompt": "w5", "stream": "yes"}, "error",
+            "stream_not_supported", None)
     request("unknown-model", "/v1/completions", {"model": "nobody", "prompt": "w5"},
             "error", "model_not_found", 404)
     request("last", "/v1/completions", {"model": model_name, "prompt": PROMPTS[0],
@@ -234,3 +241,65 @@ def test_a_broken_tokenizer_is_an_error_and_a_missing_one_a_warning(tmp_path, ca
     (tmp_path / "tokenizer.json").write_text("{broken")
     with pytest.raises(ValueError, match="tokenizer in .* could not be loaded"):
         load_model(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("cli_model")
+    make_model("llama_gqa").save_pretrained(folder)
+    make_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("case", ["no model folder", "device", "device map", "empty device map",
+                                  "input file", "output folder", "output is a folder"])
+def test_bad_paths_and_devices_are_one_line_errors_before_the_model_loads(
+        tmp_path, capsys, case):
+    (tmp_path / "in.jsonl").write_text("")
+    args = {"no model folder": [str(tmp_path / "none")],
+            "device": ["m", "--device", "gpu0"],
+            "device map": ["m", "--device-map", '{"model": "gpu9"}'],
+            "empty device map": ["m", "--device-map", "{}"],
+            "input file": ["-i", str(tmp_path / "missing.jsonl"), "m"],
+            "output folder": ["-o", str(tmp_path / "none" / "out.jsonl"), "m"],
+            "output is a folder": ["-o", str(tmp_path), "m"]}[case]
+    defaults = {"-i": str(tmp_path / "in.jsonl"), "-o": str(tmp_path / "out.jsonl")}
+    argv = [a for k, v in defaults.items() if k not in args for a in (k, v)] + args
+    with pytest.raises(SystemExit) as exit_:
+        batch.main(argv)
+    err = capsys.readouterr().err
+    if case == "no model folder":
+        assert exit_.value.code == f"hf-paged: no model folder at {args[0]!r}."
+    else:
+        assert exit_.value.code == 2
+        assert err.strip().splitlines()[-1].startswith("hf-paged run-batch: error: ")
+        assert {"device": "--device", "device map": "module 'model'", "empty device map":
+                "non-empty JSON object", "input file": "missing.jsonl: No such file",
+                "output folder": "cannot write", "output is a folder": "cannot write"}[case] \
+            in err
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.parametrize("case", ["adapter", "budget", "model"])
+def test_what_cannot_load_or_serve_ends_with_one_line(tmp_path, model_folder, case):
+    """An adapter folder that holds none, a KV budget under one block, a model the engine
+    cannot serve: the reason, not a traceback."""
+    (tmp_path / "in.jsonl").write_text("")
+    folder, extra = model_folder, []
+    if case == "adapter":
+        extra = ["--lora", f"a={tmp_path}"]
+    elif case == "budget":
+        extra = ["--kv-cache-bytes", "10"]
+    else:
+        from transformers import MambaConfig, MambaForCausalLM
+
+        folder = tmp_path / "mamba"
+        MambaForCausalLM(MambaConfig(hidden_size=16, num_hidden_layers=1, vocab_size=300,
+                                     state_size=4)).save_pretrained(folder)
+    with pytest.raises(SystemExit) as exit_:
+        batch.main(["-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"),
+                    "--no-progress", str(folder), *extra])
+    message = exit_.value.code
+    assert isinstance(message, str) and message.startswith("hf-paged: ") and "\n" not in message
+    assert {"adapter": "cannot load --lora a=", "budget": "smaller than one KV block",
+            "model": "cannot serve this model"}[case] in message

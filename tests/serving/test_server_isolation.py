@@ -249,6 +249,8 @@ def test_too_many_prompts_are_refused_before_any_is_checked(hostile, monkeypatch
     checked = []
     monkeypatch.setattr(hostile.llm, "prepare", lambda *args: checked.append(args))
     r = post(hostile, {"model": "tiny", "prompt": [[5]] * 5000, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    r = post(hostile, {"model": "tiny", "prompt": [[5]] * 2500, "max_tokens": 2, "n": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
     assert not checked
 
@@ -274,12 +276,15 @@ def test_a_response_is_built_off_the_event_loop(hostile, monkeypatch):
     dict(messages=[{"role": "assistant", "content": "w5", "tool_calls": "abc"}]),
     dict(messages=[{"role": "assistant", "content": "w5", "tool_calls": [1]}]),
     dict(messages=[{"role": "assistant", "content": "w5", "tool_calls": [{"function": "f"}]}]),
-], ids=["tool_choice", "calls-string", "calls-number", "function-string"])
+    dict(tools=[{"type": "function", "function": "f"}]),
+    dict(tools=[{"type": "function", "function": {"name": "f", "parameters": []}}]),
+], ids=["tool_choice", "calls-string", "calls-number", "function-string", "tool-string",
+        "tool-parameters"])
 def test_malformed_tool_fields_are_400s(hostile, extra):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "w5"}], "max_tokens": 3,
             **extra}
-    param = "tool_choice" if "tool_choice" in extra else "messages"
-    paths = ["/v1/chat/completions"] + (["/tokenize"] if param == "messages" else [])
+    param = next(k for k in ("tool_choice", "tools", "messages") if k in extra)
+    paths = ["/v1/chat/completions"] + (["/tokenize"] if param != "tool_choice" else [])
     for path in paths:
         r = post(hostile, body, path=path)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, r.text)
