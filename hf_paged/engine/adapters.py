@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 from ..core.prefix_cache import namespace
-from ..errors import InvalidRequestError
+from ..errors import InvalidRequestError, UnsupportedModelError
 
 BASE = "__base__"  # the adapter name of a PEFT model's base model (PEFT's own name for it)
 
@@ -52,6 +52,8 @@ class RuntimeAdapters:
     def __init__(self, engine):
         self.engine = engine
         self.unloading: set[str] = set()  # adapters taking no new requests
+        if engine.runner.adapters and engine.runner.tp_size == 1:  # (a forward: no collectives)
+            check_side_by_side(engine.runner)  # those of a PEFT model given to the engine
 
     def _check(self) -> None:
         runner = self.engine.runner
@@ -82,7 +84,7 @@ class RuntimeAdapters:
         if getattr(config, "is_prompt_learning", False) or config.peft_type != "LORA":
             raise InvalidRequestError(f"The engine loads LoRA adapters; {path!r} is "
                                       f"{config.peft_type}.", "lora_path")
-        before = _snapshot(runner.model)
+        before = (_snapshot(runner.model), runner.model, runner.none_means_base)
         try:
             if hasattr(runner.model, "load_adapter") and hasattr(runner.model, "peft_config"):
                 runner.model.load_adapter(path, adapter_name=name)
@@ -90,11 +92,19 @@ class RuntimeAdapters:
                 runner.model = PeftModel.from_pretrained(runner.model, path, adapter_name=name)
                 runner.model.eval()
                 runner.none_means_base = True
+            runner.adapters.append(name)
+            check_side_by_side(runner)
         except Exception as err:  # noqa: BLE001 (shapes that do not fit this model, ...)
-            _restore(before)  # PEFT put the adapter's layers in before its weights failed
+            # PEFT put the adapter's layers in before its weights failed (or before it
+            # turned out not to run beside the others): the model goes back as it was.
+            _restore(before[0])
+            runner.model, runner.none_means_base = before[1:]
+            if name in runner.adapters:
+                runner.adapters.remove(name)
+            if isinstance(err, UnsupportedModelError):
+                raise InvalidRequestError(str(err), "lora_path") from err
             raise InvalidRequestError(f"The adapter {name!r} could not be loaded from "
                                       f"{path!r}: {err}", "lora_path") from err
-        runner.adapters.append(name)
         self.engine.model = runner.model
 
     def begin_unload(self, name: str) -> None:
@@ -116,6 +126,12 @@ class RuntimeAdapters:
         runner.model.delete_adapter(name)
         runner.adapters.remove(name)
         self.unloading.discard(name)
+        if not runner.model.peft_config:
+            # The last one: back to the plain model. (PEFT keeps the deleted adapter as the
+            # active one, and every forward after a later load then fails on its name.)
+            runner.model = runner.model.base_model.unload().eval()
+            runner.none_means_base = False
+            self.engine.model = runner.model
         for adapter in (name, None):  # every salt of it; None: blocks of the sum of several
             self.engine.scheduler.prefix.forget(namespace(adapter)[:-1])
 
@@ -123,6 +139,31 @@ class RuntimeAdapters:
     def live(self) -> list[str]:
         """Adapters that take requests."""
         return [a for a in self.engine.runner.adapters if a not in self.unloading]
+
+
+def check_side_by_side(runner) -> None:
+    """Runs a one-token forward of the base model and of each loaded adapter as the engine
+    calls them (by name per row, or as the model is); UnsupportedModelError if one fails.
+    PEFT cannot run some adapters beside others: a DoRA adapter named per row, or an
+    adapter beside one with `modules_to_save`. Refused when loaded, they would fail every
+    request of theirs instead."""
+    import torch
+
+    ids = torch.zeros(1, 1, dtype=torch.long, device=runner.device)
+    for adapter in [default_adapter(runner), *runner.adapters]:
+        name = forward_adapter(runner, adapter)
+        try:
+            with torch.inference_mode():
+                runner.model(input_ids=ids, use_cache=False,
+                             **({} if name is None else {"adapter_names": [name]}))
+        except Exception as err:  # noqa: BLE001
+            what = "the base model" if adapter in (None, BASE) else f"the adapter {adapter!r}"
+            raise UnsupportedModelError(
+                f"PEFT cannot run {what} beside the others of {runner.adapters} "
+                f"({type(err).__name__}: {str(err).rstrip('.')}): PEFT runs an adapter named "
+                "per request only if it is LoRA without DoRA and no adapter loaded beside it "
+                "has modules_to_save. Serve it apart, or load it first (the first adapter "
+                "runs unnamed).") from err
 
 
 def _snapshot(model) -> list:

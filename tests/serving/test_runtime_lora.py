@@ -14,7 +14,7 @@ import torch
 from peft import LoraConfig, PeftModel, TaskType, get_peft_model
 
 from hf_paged import LLMEngine, SamplingParams
-from hf_paged.errors import InvalidRequestError
+from hf_paged.errors import InvalidRequestError, UnsupportedModelError
 from hf_paged.server import build_app
 from conftest import make_model, make_tokenizer
 from test_server import ServerThread
@@ -23,12 +23,15 @@ PROMPT = [5, 9, 14, 3, 22, 40, 7, 61, 33, 12, 18, 4, 27]
 TOKENIZER = make_tokenizer()
 
 
-def save_adapter(folder, seed):
+def save_adapter(folder, seed, **options):
     model = make_model("llama_gqa")
     torch.manual_seed(seed)  # (after make_model, which seeds its own weights)
-    peft = get_peft_model(model, LoraConfig(
-        task_type=TaskType.CAUSAL_LM, r=4, lora_alpha=1, target_modules="all-linear",
-        init_lora_weights=False))
+    peft = get_peft_model(model, LoraConfig(**{
+        "task_type": TaskType.CAUSAL_LM, "r": 4, "lora_alpha": 1,
+        "target_modules": "all-linear", "init_lora_weights": False, **options}))
+    if "modules_to_save" in options:  # a head of its own, unlike the base model's
+        with torch.no_grad():
+            peft.base_model.model.lm_head.modules_to_save["default"].weight.mul_(-1)
     peft.save_pretrained(folder)  # the default adapter's files in `folder`
     return str(folder)
 
@@ -47,7 +50,11 @@ def stock(prompt, folder=None, n=6):
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory):
     root = tmp_path_factory.mktemp("loras")
-    return {name: save_adapter(root / name, seed) for name, seed in (("a", 1), ("b", 2))}
+    made = {name: save_adapter(root / name, seed) for name, seed in (("a", 1), ("b", 2))}
+    made["head"] = save_adapter(root / "head", 3, target_modules=["q_proj"],
+                                modules_to_save=["lm_head"])
+    made["dora"] = save_adapter(root / "dora", 4, use_dora=True)
+    return made
 
 
 @pytest.fixture()
@@ -220,3 +227,52 @@ def test_a_load_that_fails_leaves_the_model_as_it_was(adapters, tmp_path, first)
         assert text(first) == stock(PROMPT, adapters[first])
     engine.lora.load("x", adapters["b"])
     assert text("x") == stock(PROMPT, adapters["b"])
+
+
+def engine_text(engine, adapter=None, request_id="r"):
+    engine.add_request(request_id, PROMPT, SamplingParams(temperature=0, max_tokens=6),
+                       adapter=adapter)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o) for o in engine.step())
+    return TOKENIZER.decode(done[request_id].outputs[0].token_ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("last", ["a", "head"])
+def test_adapters_load_after_the_last_one_was_unloaded(adapters, last):
+    """PEFT keeps a deleted adapter active when it was the last: every forward after a
+    later load failed on its name (base model's requests too)."""
+    engine = LLMEngine(make_model("llama_gqa"), block_size=4, num_blocks=200)
+    engine.lora.load(last, adapters[last])
+    assert engine_text(engine, last) == stock(PROMPT, adapters[last])
+    engine.lora.begin_unload(last)
+    engine.lora.finish_unload(last)
+    assert engine_text(engine) == stock(PROMPT)
+    engine.lora.load("b", adapters["b"])
+    assert engine_text(engine, "b") == stock(PROMPT, adapters["b"])
+    assert engine_text(engine) == stock(PROMPT)
+
+
+@pytest.mark.parametrize("first, second", [("head", "a"), ("a", "dora")])
+def test_adapters_peft_cannot_run_side_by_side_are_refused(adapters, first, second):
+    """A DoRA adapter cannot be named per request, and an adapter beside one with
+    modules_to_save fails by name in PEFT: refused when loaded (the model and the adapters
+    loaded before keep their tokens), not failing every request of theirs. Loaded the
+    other way round both run (the first adapter runs unnamed)."""
+    engine = LLMEngine(make_model("llama_gqa"), block_size=4, num_blocks=200)
+    engine.lora.load(first, adapters[first])
+    with pytest.raises(InvalidRequestError, match="PEFT cannot run") as err:
+        engine.lora.load(second, adapters[second])
+    assert err.value.param == "lora_path" and engine.adapters == [first]
+    assert engine_text(engine, first) == stock(PROMPT, adapters[first])
+    assert engine_text(engine) == stock(PROMPT)
+    model = PeftModel.from_pretrained(make_model("llama_gqa"), adapters[first],
+                                      adapter_name=first)
+    model.load_adapter(adapters[second], adapter_name=second)
+    with pytest.raises(UnsupportedModelError, match=f"adapter '{second}'"):
+        LLMEngine(model.eval(), block_size=4, num_blocks=200)
+    engine = LLMEngine(make_model("llama_gqa"), block_size=4, num_blocks=200)
+    for name in (second, first):
+        engine.lora.load(name, adapters[name])
+    for name in (second, first):
+        assert engine_text(engine, name, name) == stock(PROMPT, adapters[name])
