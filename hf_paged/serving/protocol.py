@@ -8,6 +8,7 @@ plain dicts in OpenAI's layout.
 
 from __future__ import annotations
 
+
 import time
 import uuid
 from typing import Any, Literal, Union
@@ -16,8 +17,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..engine.detokenizer import TokenPieces
 from ..errors import APIError, InvalidRequestError
-from ..outputs import CompletionOutput, RequestOutput
+from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams, StructuredOutputsParams
+from .logprobs import (chat_logprobs, completion_logprobs, echoed, joined_logprobs,
+                       scored_only)
 from .tools import ToolMode, check_tools, forced_schema
 
 
@@ -304,87 +307,6 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 def error_body(message: str) -> dict:
     """The error object of a request that failed while running (finish_reason "error")."""
     return {"message": message, "type": "server_error", "param": None, "code": None}
-
-
-LOGPROB_FLOOR = -9999.0  # stands for -inf (JSON has no infinities), as vLLM sends it
-
-
-def _lp(value: float) -> float:
-    return max(value, LOGPROB_FLOOR)
-
-
-def completion_logprobs(out: CompletionOutput, start: int, pieces: TokenPieces,
-                        offset: int) -> dict:
-    """Completions-API logprobs of tokens [start:] of a completion. Each position's
-    `top_logprobs` holds the chosen token under its own string, then the others; a token
-    whose string another one already has is keyed `token_id:N` (nothing collapses)."""
-    return token_logprobs(out.token_ids[start:], out.logprobs[start:], pieces, offset)
-
-
-def piece_length(piece: str) -> int:
-    """Characters a token's piece adds to `text_offset` (none for a partial character)."""
-    return 0 if piece.startswith("bytes:") else len(piece)
-
-
-def token_logprobs(token_ids: list[int], entries: list, pieces: TokenPieces,
-                   offset: int) -> dict:
-    """`completion_logprobs` of any tokens; an entry of None (a prompt's first token) has
-    null `token_logprobs` and `top_logprobs`."""
-    tokens, token_lps, tops, offsets = [], [], [], []
-    for token, entry in zip(token_ids, entries):
-        piece = pieces.text(token)
-        tokens.append(piece)
-        offsets.append(offset)
-        offset += piece_length(piece)
-        if entry is None:
-            token_lps.append(None)
-            tops.append(None)
-            continue
-        token_lps.append(_lp(entry[token]))
-        top = {piece: _lp(entry[token])}
-        for t, lp in sorted(entry.items(), key=lambda kv: -kv[1]):
-            if t != token:
-                key = pieces.text(t)
-                top[f"token_id:{t}" if key in top else key] = _lp(lp)
-        tops.append(top)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
-            "text_offset": offsets}
-
-
-def echoed(result: RequestOutput, prompt_text: str, pieces: TokenPieces,
-           logprobs: bool) -> tuple[str, dict | None]:
-    """The prompt as `echo` returns it: its text, and (if asked) its tokens' logprobs."""
-    if not logprobs:
-        return prompt_text, None
-    entries = result.prompt_logprobs or [None] * len(result.prompt_token_ids)
-    return prompt_text, token_logprobs(result.prompt_token_ids, entries, pieces, 0)
-
-
-def scored_only(out: CompletionOutput) -> CompletionOutput:
-    """A completion of `max_tokens=0`: the token the engine sampled is dropped."""
-    return CompletionOutput(out.index, finish_reason="length",
-                            logprobs=None if out.logprobs is None else [])
-
-
-def joined_logprobs(first: dict | None, second: dict | None) -> dict | None:
-    """Two logprobs objects back to back (the second's text offsets already count the
-    first's text)."""
-    if first is None or second is None:
-        return first or second
-    return {key: first[key] + second[key] for key in first}
-
-
-def chat_logprobs(out: CompletionOutput, start: int, pieces: TokenPieces, top: int) -> dict:
-    """Chat-API logprobs of tokens [start:] of a completion; `bytes` are each token's own."""
-    content = []
-    for token, entry in zip(out.token_ids[start:], out.logprobs[start:]):
-        ranked = sorted(entry.items(), key=lambda kv: -kv[1])[:top]
-        content.append({
-            "token": pieces.text(token), "logprob": _lp(entry[token]),
-            "bytes": pieces.bytes(token),
-            "top_logprobs": [{"token": pieces.text(t), "logprob": _lp(lp),
-                              "bytes": pieces.bytes(t)} for t, lp in ranked]})
-    return {"content": content}
 
 
 def completion_response(request_id: str, model: str, results: list[RequestOutput],

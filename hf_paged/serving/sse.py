@@ -19,10 +19,9 @@ from fastapi.responses import StreamingResponse
 from ..engine.async_llm import RequestStream
 from ..errors import describe
 from ..outputs import RequestOutput
-from .protocol import (
-    chat_logprobs, completion_logprobs, echoed, error_body, joined_logprobs, piece_length,
-    scored_only, usage,
-)
+from .logprobs import (TextOffsets, chat_logprobs, completion_logprobs, echoed,
+                       joined_logprobs, scored_only)
+from .protocol import error_body, usage
 from .tools import marker
 
 
@@ -107,7 +106,7 @@ async def completion_events(server, body, rid, streams, echo=None):
     created, n = int(time.time()), body.n
     deltas = _Deltas()
     scoring = body.max_tokens == 0  # the prompt alone: the sampled token is dropped
-    offsets: dict[int, int] = {}  # per choice, the text offset of its next token
+    offsets: dict[int, TextOffsets] = {}  # per choice, its tokens' text offsets so far
     prompt_tokens = completion_tokens = cached = 0
     errors = []
     async with contextlib.aclosing(_merged(streams)) as merged:
@@ -133,9 +132,9 @@ async def completion_events(server, body, rid, streams, echo=None):
                     if echo is not None and first else ("", None)
                 lps = None
                 if c.logprobs is not None:  # text offsets go on from the last chunk's
-                    at = offsets.get(index, len(echo[i]) if echo is not None else 0)
+                    at = offsets.setdefault(index, TextOffsets(
+                        len(echo[i]) if echo is not None else 0))
                     lps = completion_logprobs(c, start, server.pieces, at)
-                    offsets[index] = at + sum(piece_length(t) for t in lps["tokens"])
                 choice = {"index": index, "text": head + text, "finish_reason": c.finish_reason,
                           "logprobs": joined_logprobs(head_lps, lps)}
                 yield _sse({"id": rid, "object": "text_completion", "created": created,

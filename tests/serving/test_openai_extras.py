@@ -237,3 +237,28 @@ def test_lm_eval_matches_its_own_hf_backend(tmp_path, backend):
         assert math.isclose(score, ref, abs_tol=1e-4), (score, ref)
         assert greedy == ref_greedy
     assert got_text == want_text
+
+
+def test_text_offsets_count_characters_split_over_tokens():
+    """A character whose bytes span tokens starts where its first byte's token is and
+    counts once, with the token completing it; offsets go on across stream chunks."""
+    from hf_paged.engine.detokenizer import TokenPieces
+    from hf_paged.serving.logprobs import TextOffsets, token_logprobs
+    from conftest import make_byte_tokenizer
+
+    tok = make_byte_tokenizer()
+    pieces = TokenPieces(tok)
+    text = "héllo wörld café 日本語 😀 naïve"
+    ids = tok(text)["input_ids"]
+    assert tok.decode(ids) == text and any(pieces.text(i).startswith("bytes:") for i in ids)
+    want = [len(tok.decode(ids[:i]).rstrip("\ufffd")) for i in range(len(ids))]
+    whole = token_logprobs(ids, [None] * len(ids), pieces, 0)["text_offset"]
+    assert whole == want
+    at, streamed = TextOffsets(), []
+    for first in range(0, len(ids), 3):  # chunks that cut characters apart
+        chunk = ids[first:first + 3]
+        streamed += token_logprobs(chunk, [None] * len(chunk), pieces, at)["text_offset"]
+    assert streamed == want
+    lone = [i for i in ids if pieces.text(i).startswith("bytes:")][0]  # a byte never completed
+    offsets = token_logprobs([lone] + ids[:2], [None] * 3, pieces, 0)["text_offset"]
+    assert offsets == [0, 1, 1 + len(pieces.text(ids[0]))]  # it stands for one "\ufffd"

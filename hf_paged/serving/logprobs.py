@@ -1,0 +1,108 @@
+"""Log-probabilities in the OpenAI API's shapes: the completions API's `tokens`,
+`token_logprobs`, `top_logprobs` and `text_offset` (prompt tokens too, with `echo`), and
+chat's `content` entries. A token is named by its text, or `bytes:\\x..` when it is only
+part of a character (`TokenPieces`)."""
+
+from __future__ import annotations
+
+import codecs
+
+from ..engine.detokenizer import TokenPieces
+from ..outputs import CompletionOutput, RequestOutput
+
+LOGPROB_FLOOR = -9999.0  # stands for -inf (JSON has no infinities), as vLLM sends it
+
+
+def _lp(value: float) -> float:
+    return max(value, LOGPROB_FLOOR)
+
+
+def completion_logprobs(out: CompletionOutput, start: int, pieces: TokenPieces,
+                        offset: int | TextOffsets) -> dict:
+    """Completions-API logprobs of tokens [start:] of a completion. Each position's
+    `top_logprobs` holds the chosen token under its own string, then the others; a token
+    whose string another one already has is keyed `token_id:N` (nothing collapses).
+    offset: where the tokens' text starts, or a stream's offsets so far."""
+    return token_logprobs(out.token_ids[start:], out.logprobs[start:], pieces, offset)
+
+
+class TextOffsets:
+    """`text_offset`s of tokens in turn: where each token's text starts. A token that is
+    only part of a character (a `bytes:` piece) adds nothing until the token completing it
+    adds the character; bytes that never make one are a replacement character each, as
+    the text has them."""
+
+    def __init__(self, start: int = 0):
+        self.at = start
+        self._bytes = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def next(self, token: int, piece: str, pieces: TokenPieces) -> int:
+        if piece.startswith("bytes:"):
+            at = self.at
+            self.at += len(self._bytes.decode(bytes(pieces.bytes(token))))
+            return at
+        self.at += len(self._bytes.decode(b"", final=True))  # (bytes left incomplete)
+        at = self.at
+        self.at += len(piece)
+        return at
+
+
+def token_logprobs(token_ids: list[int], entries: list, pieces: TokenPieces,
+                   offset: int | TextOffsets) -> dict:
+    """`completion_logprobs` of any tokens; an entry of None (a prompt's first token) has
+    null `token_logprobs` and `top_logprobs`."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    at = offset if isinstance(offset, TextOffsets) else TextOffsets(offset)
+    for token, entry in zip(token_ids, entries):
+        piece = pieces.text(token)
+        tokens.append(piece)
+        offsets.append(at.next(token, piece, pieces))
+        if entry is None:
+            token_lps.append(None)
+            tops.append(None)
+            continue
+        token_lps.append(_lp(entry[token]))
+        top = {piece: _lp(entry[token])}
+        for t, lp in sorted(entry.items(), key=lambda kv: -kv[1]):
+            if t != token:
+                key = pieces.text(t)
+                top[f"token_id:{t}" if key in top else key] = _lp(lp)
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def echoed(result: RequestOutput, prompt_text: str, pieces: TokenPieces,
+           logprobs: bool) -> tuple[str, dict | None]:
+    """The prompt as `echo` returns it: its text, and (if asked) its tokens' logprobs."""
+    if not logprobs:
+        return prompt_text, None
+    entries = result.prompt_logprobs or [None] * len(result.prompt_token_ids)
+    return prompt_text, token_logprobs(result.prompt_token_ids, entries, pieces, 0)
+
+
+def scored_only(out: CompletionOutput) -> CompletionOutput:
+    """A completion of `max_tokens=0`: the token the engine sampled is dropped."""
+    return CompletionOutput(out.index, finish_reason="length",
+                            logprobs=None if out.logprobs is None else [])
+
+
+def joined_logprobs(first: dict | None, second: dict | None) -> dict | None:
+    """Two logprobs objects back to back (the second's text offsets already count the
+    first's text)."""
+    if first is None or second is None:
+        return first or second
+    return {key: first[key] + second[key] for key in first}
+
+
+def chat_logprobs(out: CompletionOutput, start: int, pieces: TokenPieces, top: int) -> dict:
+    """Chat-API logprobs of tokens [start:] of a completion; `bytes` are each token's own."""
+    content = []
+    for token, entry in zip(out.token_ids[start:], out.logprobs[start:]):
+        ranked = sorted(entry.items(), key=lambda kv: -kv[1])[:top]
+        content.append({
+            "token": pieces.text(token), "logprob": _lp(entry[token]),
+            "bytes": pieces.bytes(token),
+            "top_logprobs": [{"token": pieces.text(t), "logprob": _lp(lp),
+                              "bytes": pieces.bytes(t)} for t, lp in ranked]})
+    return {"content": content}
