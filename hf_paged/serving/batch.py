@@ -124,7 +124,10 @@ async def _send(client, number: int, line: str) -> dict:
     except LineError as err:
         return _record(err.custom_id, None, {"code": err.code, "message": str(err)})
     try:
-        reply = await client.post(url, json=body)
+        # (json.dumps escapes a lone surrogate, which the server then refuses by name;
+        # httpx's own encoding fails on it)
+        reply = await client.post(url, content=json.dumps(body),
+                                  headers={"content-type": "application/json"})
     except Exception as err:  # noqa: BLE001 (one line's failure never ends the run)
         return _record(custom_id, None, {"code": "internal_error",
                                          "message": f"{type(err).__name__}: {err}"})
@@ -311,7 +314,7 @@ def _read(path: str) -> list[str]:
     # may hold raw).
     if path == "-":
         return list(sys.stdin)
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:  # (a byte-order mark is not line 1's)
         return list(f)
 
 

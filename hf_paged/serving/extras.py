@@ -12,11 +12,11 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..errors import APIError, InvalidRequestError
-from .protocol import ChatMessage, UnicodeBody
+from .protocol import ChatMessage, ChatTemplateOptions, UnicodeBody
 from .tools import check_tools
 
 
-class TokenizeRequest(UnicodeBody):
+class TokenizeRequest(UnicodeBody, ChatTemplateOptions):
     """vLLM's /tokenize: a prompt, or chat messages rendered by the chat template."""
 
     model_config = ConfigDict(extra="ignore")
@@ -24,7 +24,6 @@ class TokenizeRequest(UnicodeBody):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # (default: True for a prompt, False for messages)
-    add_generation_prompt: bool = True
     return_token_strs: bool = False
     tools: list[dict[str, Any]] | None = None  # rendered with the messages
 
@@ -104,8 +103,8 @@ def add_routes(app: FastAPI, server) -> None:
         if body.model is not None:
             server.adapter_for(body.model)
         if body.messages is not None:
-            ids = await server.chat_tokens(body.messages, body.add_generation_prompt,
-                                           bool(body.add_special_tokens), body.tools)
+            ids = await server.chat_tokens(body.messages, body, bool(body.add_special_tokens),
+                                           body.tools)
         else:
             tokenizer = server.need_tokenizer("prompt")
             special = body.add_special_tokens is not False

@@ -262,8 +262,40 @@ class ChatMessage(BaseModel):
         return message
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatTemplateOptions(BaseModel):
+    """How chat messages become a prompt (vLLM's fields, also on /tokenize)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last (assistant) message goes on, left open
+    chat_template_kwargs: dict[str, Any] | None = None  # variables for the template
+    chat_template: str | None = None  # refused: the server renders its model's own
+
+    @model_validator(mode="after")
+    def _template_options(self):
+        if self.chat_template is not None:
+            raise APIError(400, "chat_template is not accepted: the server renders its "
+                           "model's own chat template.", "chat_template")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise APIError(400, "continue_final_message goes on with the last message; set "
+                           "add_generation_prompt to false with it.", "continue_final_message")
+        taken = {"messages", "conversation", "tools", "documents", "tokenize", "chat_template",
+                 "add_generation_prompt", "continue_final_message", "return_dict"}
+        if taken & set(self.chat_template_kwargs or {}):
+            raise APIError(400, f"chat_template_kwargs cannot set "
+                           f"{sorted(taken & set(self.chat_template_kwargs))}.",
+                           "chat_template_kwargs")
+        return self
+
+    def template_kwargs(self) -> dict:
+        """Keywords of `apply_chat_template` besides the messages and tools."""
+        return dict(self.chat_template_kwargs or {},
+                    add_generation_prompt=self.add_generation_prompt,
+                    continue_final_message=self.continue_final_message)
+
+
+class ChatCompletionRequest(_Sampling, ChatTemplateOptions):
     messages: list[ChatMessage] = Field(min_length=1)
+    echo: bool = False  # (vLLM's: the last message before the answer; refused if true)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -273,6 +305,8 @@ class ChatCompletionRequest(_Sampling):
 
     def tool_mode(self, parser: str) -> ToolMode | None:
         """How answers become tool calls (None: they do not); APIError 400 for bad tools."""
+        if self.echo:
+            raise APIError(400, "echo is not supported for chat completions.", "echo")
         check_tools(self.tools, self.tool_choice)
         choice = self.tool_choice or ("auto" if self.tools else "none")
         if choice == "none":

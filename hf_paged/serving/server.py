@@ -38,8 +38,8 @@ from .extras import add_routes
 from .guard import RequestGuard, ServerLimits
 from .metrics import ServerMetrics
 from .protocol import (
-    APIError, ChatCompletionRequest, CompletionRequest, chat_response, completion_response,
-    new_id,
+    APIError, ChatCompletionRequest, ChatTemplateOptions, CompletionRequest, chat_response,
+    completion_response, new_id,
 )
 from .sse import EventStream, chat_events, completion_events
 from .tools import PARSERS, auto_parser, template_messages
@@ -140,11 +140,11 @@ class _Server:
             ids = ids[:-1]  # (an EOS or a stop token)
         return self.llm.tokenizer.decode(ids, skip_special_tokens=False)
 
-    async def chat_tokens(self, messages: list, add_generation_prompt: bool = True,
+    async def chat_tokens(self, messages: list, options: ChatTemplateOptions,
                           add_special_tokens: bool = False, tools: list | None = None
                           ) -> list[int]:
         """Chat messages (ChatMessage) rendered by the chat template (with `tools`, if
-        any), as token ids."""
+        any, and the request's template options), as token ids."""
         tokenizer = self.llm.tokenizer
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "The model's tokenizer has no chat template, so chat completions "
@@ -152,9 +152,8 @@ class _Server:
         messages = template_messages([m.as_template_input() for m in messages])
 
         def render():
-            text = tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                tokenize=False)
+            text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                 **options.template_kwargs())
             return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
         try:
@@ -367,6 +366,11 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
         data += [dict(entry, id=a, root=a, parent=server.model_name) for a in server.adapters]
         return {"object": "list", "data": data}
 
+    @app.get("/v1/models/{model:path}")  # (a served name may hold slashes: org/model)
+    async def model(model: str):
+        server.adapter_for(model)  # the 404 of an unknown one
+        return next(m for m in (await models())["data"] if m["id"] == model)
+
     add_routes(app, server)  # /tokenize, /detokenize, /tokenizer_info, runtime LoRA
 
     @app.post("/v1/completions")
@@ -406,7 +410,8 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
         top = body.logprob_count()
         tools = body.tool_mode(server.tool_parser)
         forced = body.forced_tool_schema(tools)
-        prompt = server.truncated(await server.chat_tokens(body.messages, tools=body.tools),
+        prompt = server.truncated(await server.chat_tokens(body.messages, body,
+                                                           tools=body.tools),
                                   body.truncate_prompt_tokens)
         max_tokens = body.max_completion_tokens or body.max_tokens or \
             server.default_max_tokens(len(prompt))

@@ -262,3 +262,35 @@ def test_text_offsets_count_characters_split_over_tokens():
     lone = [i for i in ids if pieces.text(i).startswith("bytes:")][0]  # a byte never completed
     offsets = token_logprobs([lone] + ids[:2], [None] * 3, pieces, 0)["text_offset"]
     assert offsets == [0, 1, 1 + len(pieces.text(ids[0]))]  # it stands for one "\ufffd"
+
+
+def test_chat_template_options_shape_the_prompt(served):
+    """vLLM's add_generation_prompt, continue_final_message and chat_template_kwargs reach
+    the template (chat and /tokenize alike); fields the server cannot honour are 400s."""
+    messages = [{"role": "user", "content": "w5 w6"}, {"role": "assistant", "content": "w7"}]
+    options = {"add_generation_prompt": False, "continue_final_message": True}
+    want = served.tok.apply_chat_template(messages, tokenize=True, **options)
+    want = list(want["input_ids"] if hasattr(want, "keys") else want)
+    plain = served.tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    assert len(want) < len(list(plain["input_ids"] if hasattr(plain, "keys") else plain))
+    got = served.http.post("/tokenize", json={"messages": messages, **options,
+                                              "chat_template_kwargs": {"unused": 1}}).json()
+    assert got["tokens"] == want
+    r = served.http.post("/v1/chat/completions", json={
+        "model": "tiny", "messages": messages, "max_tokens": 4, "temperature": 0, **options})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == len(want)
+    with torch.no_grad():
+        out = served.model.generate(torch.tensor([want]), max_new_tokens=4, do_sample=False,
+                                    pad_token_id=0)
+    assert r.json()["choices"][0]["message"]["content"] == \
+        served.tok.decode(out[0, len(want):].tolist(), skip_special_tokens=True)
+    for extra, param in [({"chat_template": "{{ messages }}"}, "chat_template"),
+                         ({"continue_final_message": True}, "continue_final_message"),
+                         ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+                         ({"echo": True}, "echo")]:
+        for path in ("/v1/chat/completions", "/tokenize"):
+            if param == "echo" and path == "/tokenize":
+                continue
+            r = served.http.post(path, json={"model": "tiny", "messages": messages, **extra})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, r.text)

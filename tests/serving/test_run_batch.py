@@ -83,6 +83,9 @@ def batch_file(model_name: str):
     request("stream-yes", "/v1/completions",
             {"model": model_name, "prompt": "w5", "stream": "yes"}, "error",
             "stream_not_supported", None)
+    # A lone surrogate in a prompt: the server's 400 naming the field, as over HTTP.
+    request("lone-prompt", "/v1/completions", {"model": model_name, "prompt": "w5 \ud800"},
+            "error", "invalid_request_error", 400)
     request("unknown-model", "/v1/completions", {"model": "nobody", "prompt": "w5"},
             "error", "model_not_found", 404)
     request("last", "/v1/completions", {"model": model_name, "prompt": PROMPTS[0],
@@ -146,7 +149,8 @@ def test_cli_run_batch(llama_and_tok, tmp_path):
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     lines, expect = batch_file(str(folder))
-    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    # (a byte-order mark, as some editors save files, is not part of line 1)
+    (tmp_path / "in.jsonl").write_text("\ufeff" + "\n".join(lines) + "\n", encoding="utf-8")
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     done = subprocess.run(
         [sys.executable, "-m", "hf_paged.serving.cli", "run-batch", "-i",
@@ -184,8 +188,8 @@ def test_a_request_that_fails_while_running_or_cannot_be_sent_is_an_error_line()
     import httpx
 
     class Client:
-        async def post(self, url, json):
-            if json["prompt"] == "boom":
+        async def post(self, url, content, headers):
+            if json.loads(content)["prompt"] == "boom":
                 raise RuntimeError("no route")
             return httpx.Response(200, json={
                 "id": "cmpl-1", "choices": [{"text": "", "finish_reason": "error"}],

@@ -80,6 +80,10 @@ def test_load_serve_unload_and_reload(served, adapters):
     assert http.post("/v1/load_lora_adapter", json={"lora_name": "b",
                                                     "lora_path": adapters["b"]}).status_code == 200
     assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["base", "a", "b"]
+    one = http.get("/v1/models/a").json()  # OpenAI's "retrieve model"
+    assert (one["id"], one["object"], one["parent"]) == ("a", "model", "base")
+    missing = http.get("/v1/models/c")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
     assert len({stock(PROMPT), stock(PROMPT, adapters["a"]), stock(PROMPT, adapters["b"])}) == 3
     assert text_of(served, "a") == stock(PROMPT, adapters["a"])
     assert text_of(served, "b") == stock(PROMPT, adapters["b"])

@@ -180,7 +180,8 @@ def test_a_huge_prompt_is_tokenized_off_the_event_loop(hostile):
 
 
 def test_metrics_and_docs_need_a_key(hostile):
-    for path in ("/metrics", "/docs", "/redoc", "/openapi.json", "/v1/models"):
+    for path in ("/metrics", "/docs", "/redoc", "/openapi.json", "/v1/models",
+                 "/v1/models/tiny"):
         assert httpx.get(hostile.url + path).status_code == 401, path
         assert httpx.get(hostile.url + path, headers=B).status_code == 200, path
     assert httpx.get(hostile.url + "/health").status_code == 200
