@@ -228,11 +228,13 @@ def load(args):
 @contextlib.contextmanager
 def refused_settings():
     """The engine refusing the model or a setting (an unsupported architecture, a KV budget
-    smaller than a block, ...) ends the command with its one-line reason."""
+    smaller than a block, a draft model that cannot be loaded, ...) ends the command with
+    its one-line reason."""
     try:
         yield
-    except (HFPagedError, ValueError) as err:
-        raise SystemExit(f"hf-paged: {err}") from err
+    except (HFPagedError, ValueError, OSError) as err:
+        raise SystemExit(f"hf-paged: {_first_line(err) if isinstance(err, OSError) else err}") \
+            from err
 
 
 def _first_line(err: BaseException) -> str:

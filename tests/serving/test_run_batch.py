@@ -284,7 +284,7 @@ def test_bad_paths_and_devices_are_one_line_errors_before_the_model_loads(
     assert not (tmp_path / "out.jsonl").exists()
 
 
-@pytest.mark.parametrize("case", ["adapter", "budget", "model"])
+@pytest.mark.parametrize("case", ["adapter", "budget", "model", "draft"])
 def test_what_cannot_load_or_serve_ends_with_one_line(tmp_path, model_folder, case):
     """An adapter folder that holds none, a KV budget under one block, a model the engine
     cannot serve: the reason, not a traceback."""
@@ -294,6 +294,9 @@ def test_what_cannot_load_or_serve_ends_with_one_line(tmp_path, model_folder, ca
         extra = ["--lora", f"a={tmp_path}"]
     elif case == "budget":
         extra = ["--kv-cache-bytes", "10"]
+    elif case == "draft":
+        extra = ["--speculative-config", json.dumps({
+            "method": "draft_model", "model": str(tmp_path / "none"), "num_speculative_tokens": 2})]
     else:
         from transformers import MambaConfig, MambaForCausalLM
 
@@ -306,4 +309,4 @@ def test_what_cannot_load_or_serve_ends_with_one_line(tmp_path, model_folder, ca
     message = exit_.value.code
     assert isinstance(message, str) and message.startswith("hf-paged: ") and "\n" not in message
     assert {"adapter": "cannot load --lora a=", "budget": "smaller than one KV block",
-            "model": "cannot serve this model"}[case] in message
+            "model": "cannot serve this model", "draft": "OSError: "}[case] in message
