@@ -20,8 +20,8 @@ import sys
 import torch
 
 from ..config import KV_CACHE_DTYPES
-from ..errors import HFPagedError
 from ..distributed.tensor_parallel import world_size
+from ..errors import HFPagedError
 
 
 def parser() -> argparse.ArgumentParser:
@@ -150,11 +150,9 @@ def _json_object(text: str) -> dict:
 
 
 def _device(text: str) -> str:
-    try:
-        torch.device(text)
-    except (RuntimeError, ValueError):
+    if not _is_device(text):
         raise argparse.ArgumentTypeError(
-            f"expected a device such as cpu, cuda or cuda:1; got {text!r}") from None
+            f"expected a device such as cpu, cuda or cuda:1; got {text!r}")
     return text
 
 
