@@ -241,13 +241,18 @@ class Scheduler:
         hits = [self.prefix.lookup(self._group_keys(keys, g))
                 for g in range(self.groups.num_groups)]
         found = min(min(len(h) for h in hits), seq.cacheable // self.block_size)
-        hits = [h[:found] for h in hits]
-        cached = found * self.block_size
-        chunk = min(seq.num_tokens - cached, budget)
-        # Blocks the first chunk needs beyond the hits (hits stop being evictable).
-        need = blocks_to_add(found, 0, cached + chunk, self.block_size) * len(hits)
-        hit_evictable = sum(1 for h in hits for b in h if self.pool.refcount(b) == 1)
-        if need + self._headroom(seq) > self._available() - hit_evictable - reserved:
+        # With nothing running to free blocks, a hit the pool cannot hold beside the first
+        # chunk (held whole, in sliding groups too) is dropped: the prompt runs anew.
+        for found in (found, 0) if found and not self.running else (found,):
+            hits = [h[:found] for h in hits]
+            cached = found * self.block_size
+            chunk = min(seq.num_tokens - cached, budget)
+            # Blocks the first chunk needs beyond the hits (hits stop being evictable).
+            need = blocks_to_add(found, 0, cached + chunk, self.block_size) * len(hits)
+            hit_evictable = sum(1 for h in hits for b in h if self.pool.refcount(b) == 1)
+            if need + self._headroom(seq) <= self._available() - hit_evictable - reserved:
+                break
+        else:
             return False
         row = self._free_rows.pop()
         seq.reserved_rows = [self._free_rows.pop() for _ in range(seq.forks)]

@@ -75,6 +75,26 @@ def test_engine_prefix_hits_cover_every_group(gemma3):
     assert again.outputs[0].token_ids == first == stock_greedy(gemma3, prompt, 10)
 
 
+@pytest.mark.parametrize("max_tokens", [1, 3])
+def test_a_prefix_hit_too_big_to_hold_beside_its_chunk_runs_anew(max_tokens):
+    """A hit is held whole in every group, sliding ones too: in a pool that holds the
+    cached prompt beside the new chunk only once the window has released blocks, the
+    extended prompt ran nowhere and the engine raised. With nothing running it now runs
+    without the hit."""
+    first = [25, 47, 6, 20, 51, 63, 69, 81, 20, 27, 63, 79, 52, 27, 10, 77, 70, 28, 46, 23, 48,
+             24, 44, 48, 75]
+    longer = first + [67, 59, 44, 47, 28, 10, 5, 44, 37, 45, 66, 80, 33, 17, 91, 67]
+    model = make_arch("exaone4")  # 3 sliding layers : 1 full, 4 groups
+    llm = hf_paged.LLM(model, block_size=5, num_blocks=8, max_num_batched_tokens=18)
+    assert llm.stats().num_blocks == 32  # (num_blocks per group)
+    assert -(-len(longer) // 5) * llm.engine.runner.groups.num_groups > 32  # (no window)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([first, longer], params)
+    assert [o.outputs[0].token_ids for o in outs] == \
+        [stock_greedy(model, p, max_tokens) for p in (first, longer)]
+    assert llm.stats().blocks_used == 0
+
+
 def test_engine_forks_share_every_group(gemma3):
     """n > 1 forks the prompt's blocks copy-on-write in each group; greedy siblings agree."""
     llm = hf_paged.LLM(gemma3, block_size=4, num_blocks=64, max_num_seqs=4)
