@@ -295,7 +295,7 @@ class ChatTemplateOptions(BaseModel):
 
 class ChatCompletionRequest(_Sampling, ChatTemplateOptions):
     messages: list[ChatMessage] = Field(min_length=1)
-    echo: bool = False  # (vLLM's: the last message before the answer; refused if true)
+    echo: bool = False  # vLLM's: the answer goes on from the last (assistant) message
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -305,8 +305,6 @@ class ChatCompletionRequest(_Sampling, ChatTemplateOptions):
 
     def tool_mode(self, parser: str) -> ToolMode | None:
         """How answers become tool calls (None: they do not); APIError 400 for bad tools."""
-        if self.echo:
-            raise APIError(400, "echo is not supported for chat completions.", "echo")
         check_tools(self.tools, self.tool_choice)
         choice = self.tool_choice or ("auto" if self.tools else "none")
         if choice == "none":
@@ -320,6 +318,13 @@ class ChatCompletionRequest(_Sampling, ChatTemplateOptions):
             raise APIError(400, f"tool_choice {mode.choice!r} constrains the answer already; "
                            f"drop {self.constraint_field}.", "tool_choice")
         return forced_schema(self.tools, mode.choice, mode.parallel)
+
+    def echoed(self) -> str:
+        """What `echo` puts before each answer: the last message's text when it is the
+        assistant's (whose answer goes on from it, as with continue_final_message)."""
+        last = self.messages[-1]
+        return last.as_template_input()["content"] if self.echo and last.role == "assistant" \
+            else ""
 
     def logprob_count(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -377,16 +382,18 @@ def completion_response(request_id: str, model: str, results: list[RequestOutput
 
 
 def chat_response(request_id: str, model: str, result: RequestOutput, pieces: TokenPieces,
-                  top: int, tools: ToolMode | None = None, raw_text=None) -> dict:
-    """tools: how answers become tool calls; raw_text(out): its text with special tokens."""
+                  top: int, tools: ToolMode | None = None, raw_text=None, echo: str = "") -> dict:
+    """tools: how answers become tool calls; raw_text(out): its text with special tokens;
+    echo: text before each answer's content."""
     choices = []
     for out in result.outputs:
-        message = {"role": "assistant", "content": out.text}
+        message = {"role": "assistant", "content": echo + out.text}
         finish = out.finish_reason
         if tools is not None and out.finished:
             content, calls = tools.answer(out.text, raw_text(out))
             if calls:
-                message = {"role": "assistant", "content": content,
+                message = {"role": "assistant",
+                           "content": echo + (content or "") if echo else content,
                            "tool_calls": [c.as_openai() for c in calls]}
                 finish = "tool_calls"
         choices.append({

@@ -431,6 +431,6 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
         if results is None:
             return Response(status_code=499)
         return await server.respond(chat_response, rid, body.model, results[0], server.pieces,
-                                    top or 0, tools, server.raw_text)
+                                    top or 0, tools, server.raw_text, body.echoed())
 
     return app

@@ -172,7 +172,8 @@ def _tool_choice(server, tools, c, sent: list, top: int) -> dict:
 
 async def chat_events(server, body, rid, stream, top, tools=None):
     """tools (a ToolMode): an answer that turns out to be a tool call is held back once
-    its marker shows, and sent as `tool_calls` deltas when it ends."""
+    its marker shows, and sent as `tool_calls` deltas when it ends. What `echo` puts
+    before an answer comes with its role."""
     head = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
             "model": body.model}
     deltas = _Deltas(len(marker(tools.parser)) - 1 if tools is not None else 0,
@@ -186,7 +187,7 @@ async def chat_events(server, body, rid, stream, top, tools=None):
             for c in out.outputs:
                 if c.index not in deltas.sent and c.index not in held:  # the role first
                     yield _sse(dict(head, choices=[{"index": c.index, "delta": {
-                        "role": "assistant", "content": ""}, "logprobs": None,
+                        "role": "assistant", "content": body.echoed()}, "logprobs": None,
                         "finish_reason": None}]))
                     deltas.sent.setdefault(c.index, [0, 0, False])
                 if tools is not None and (c.index in held or tools.holds(server.raw_text(c))):

@@ -285,12 +285,19 @@ def test_chat_template_options_shape_the_prompt(served):
                                     pad_token_id=0)
     assert r.json()["choices"][0]["message"]["content"] == \
         served.tok.decode(out[0, len(want):].tolist(), skip_special_tokens=True)
+    answer = r.json()["choices"][0]["message"]["content"]
+    body = {"model": "tiny", "messages": messages, "max_tokens": 4, "temperature": 0,
+            "echo": True, **options}  # vLLM's: the answer goes on from the last message
+    echoed = served.http.post("/v1/chat/completions", json=body).json()
+    assert echoed["choices"][0]["message"]["content"] == "w7" + answer
+    chunks = [json.loads(line[6:]) for line in served.http.post(
+        "/v1/chat/completions", json={**body, "stream": True}).text.splitlines()
+        if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks
+                   if c["choices"]) == "w7" + answer
     for extra, param in [({"chat_template": "{{ messages }}"}, "chat_template"),
                          ({"continue_final_message": True}, "continue_final_message"),
-                         ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
-                         ({"echo": True}, "echo")]:
+                         ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs")]:
         for path in ("/v1/chat/completions", "/tokenize"):
-            if param == "echo" and path == "/tokenize":
-                continue
             r = served.http.post(path, json={"model": "tiny", "messages": messages, **extra})
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, r.text)
