@@ -49,10 +49,10 @@ class DraftProposer:
                                   max_num_seqs=target.max_num_seqs,
                                   max_model_len=min(draft_len, target.max_model_len), **sized)
         self.vocab = target.base.get_output_embeddings().weight.shape[0]
-        draft_vocab = self.runner.base.get_output_embeddings().weight.shape[0]
-        if draft_vocab < self.vocab // 2:
+        self.draft_vocab = self.runner.base.get_input_embeddings().weight.shape[0]
+        if self.draft_vocab < self.vocab // 2:
             raise UnsupportedModelError(
-                f"the draft model's vocabulary ({draft_vocab}) is not the target's "
+                f"the draft model's vocabulary ({self.draft_vocab}) is not the target's "
                 f"({self.vocab}); a draft model must share the target's tokenizer.")
         self.tables = GroupedTables(self.runner.pool.blocks, self.runner.groups,
                                     target.max_num_seqs)
@@ -122,8 +122,11 @@ class DraftProposer:
         counts = [0] * self.tables.num_rows
         chosen = []
         free = self.runner.pool.blocks.num_free
+        narrow = self.draft_vocab < self.vocab  # (embeddings padded to another size)
         for seq, k in pairs:
             start = self._valid(seq)
+            if narrow and max(seq.tokens(start, seq.num_tokens)) >= self.draft_vocab:
+                continue  # a token the draft cannot embed: this sequence goes undrafted
             counts[seq.row] = seq.num_tokens + k - 1 - start
             if self.tables.blocks_needed(counts) > free:
                 counts[seq.row] = 0  # (its row keeps what it holds)

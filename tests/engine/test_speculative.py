@@ -206,6 +206,24 @@ def test_draft_model_greedy_equals_stock(same, tmp_path):
     assert s.spec_mean_accepted_length == 1 + s.spec_accepted_tokens / s.spec_verifications
 
 
+def test_a_draft_with_fewer_embeddings_leaves_out_tokens_it_cannot_embed():
+    """A draft whose vocabulary is padded to a smaller size than the target's (same
+    tokenizer) cannot embed the target's last ids: a sequence holding one goes undrafted
+    (it raised IndexError out of the step, failing every request), the others draft."""
+    model = make_model("llama_gqa")
+    draft = make_model("llama_gqa", seed=4, num_hidden_layers=1, vocab_size=VOCAB - 20)
+    low = [t for t in range(3, VOCAB - 20)]
+    prompts = [[5, 6, 7] * 4 + [5], [VOCAB - 3, VOCAB - 2] * 3, [low[-1], 4, 5] * 3]
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * len(prompts)
+    engine = LLMEngine(model, block_size=4, num_blocks=64,
+                       speculative_config=dict(method="draft_model", model=draft,
+                                               num_speculative_tokens=3, min_acceptance=0.0))
+    done = run_engine(engine, prompts, params)
+    for i, p in enumerate(prompts):
+        assert done[str(i)].outputs[0].token_ids == stock_greedy(model, p, 12)
+    assert engine.stats().spec_proposed_tokens > 0 and engine.stats().blocks_used == 0
+
+
 def test_structured_outputs_with_speculation_equal_the_plain_engine():
     """Each verified position is masked as its constraint stands after the drafts before it."""
     model = make_model("llama_gqa", vocab_size=320, eos_token_id=EOS)
