@@ -8,7 +8,6 @@ plain dicts in OpenAI's layout.
 
 from __future__ import annotations
 
-
 import time
 import uuid
 from typing import Any, Literal, Union
@@ -262,6 +261,12 @@ class ChatMessage(BaseModel):
         return message
 
 
+# apply_chat_template's own arguments, which chat_template_kwargs may not set
+_TEMPLATE_ARGUMENTS = frozenset({
+    "messages", "conversation", "tools", "documents", "tokenize", "chat_template",
+    "add_generation_prompt", "continue_final_message", "return_dict"})
+
+
 class ChatTemplateOptions(BaseModel):
     """How chat messages become a prompt (vLLM's fields, also on /tokenize)."""
 
@@ -278,11 +283,9 @@ class ChatTemplateOptions(BaseModel):
         if self.add_generation_prompt and self.continue_final_message:
             raise APIError(400, "continue_final_message goes on with the last message; set "
                            "add_generation_prompt to false with it.", "continue_final_message")
-        taken = {"messages", "conversation", "tools", "documents", "tokenize", "chat_template",
-                 "add_generation_prompt", "continue_final_message", "return_dict"}
-        if taken & set(self.chat_template_kwargs or {}):
-            raise APIError(400, f"chat_template_kwargs cannot set "
-                           f"{sorted(taken & set(self.chat_template_kwargs))}.",
+        taken = _TEMPLATE_ARGUMENTS.intersection(self.chat_template_kwargs or {})
+        if taken:
+            raise APIError(400, f"chat_template_kwargs cannot set {sorted(taken)}.",
                            "chat_template_kwargs")
         return self
 

@@ -23,6 +23,7 @@ import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -294,9 +295,8 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
     if owned:
         llm = AsyncLLM(model, tokenizer, max_unread_outputs=max_unread_outputs, **engine_options)
     limits = limits or ServerLimits()
-    if max_waiting_requests is not None:
-        limits.max_waiting_sequences = max_waiting_requests
-        limits.__post_init__()  # (checked again)
+    if max_waiting_requests is not None:  # (a checked copy: the caller's limits stay theirs)
+        limits = replace(limits, max_waiting_sequences=max_waiting_requests)
     keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     if any(not isinstance(k, str) or not k for k in keys):
         raise ValueError("API keys must be non-empty strings.")
