@@ -22,7 +22,6 @@ import logging
 import os
 import threading
 import time
-from dataclasses import replace
 
 import torch
 
@@ -38,7 +37,7 @@ from .detokenizer import IncrementalText
 from . import prompt_logprobs
 from .adapters import BASE, RuntimeAdapters, default_adapter
 from .output import InFlight, OutputProcessor
-from .request import Deadlines, EngineRequest, prompt_ids
+from .request import Deadlines, EngineRequest, prompt_ids, salted
 from .logits import StepLogits
 from .runner import DeviceStep, Forward, ModelRunner, engine_options, step_budget
 from .sampler import Sampler, bad_word_ids
@@ -183,11 +182,7 @@ class LLMEngine:
                                       "priority")
         params = (params or SamplingParams()).resolved(self.defaults)
         params.check_vocab(self.vocab_size)
-        if cache_salt is not None:
-            if params.cache_salt not in (None, cache_salt):
-                raise InvalidRequestError("cache_salt is given twice, with different values.",
-                                          "cache_salt")
-            params = replace(params, cache_salt=cache_salt)  # checked as SamplingParams'
+        params = salted(params, prompt, cache_salt)
         text, prompt = prompt_ids(prompt, params, self.tokenizer, self.vocab_size,
                                   self.scheduler.max_model_len)
         self.scheduler.check_fits(len(prompt), params.max_tokens, params.n)

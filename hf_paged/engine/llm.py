@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 import weakref
+from collections.abc import Mapping
 from dataclasses import replace
 
 from .engine import LLMEngine
@@ -91,27 +92,28 @@ class LLM:
     def stats(self):
         return self.engine.stats()
 
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
-        """prompts: a string, a list of token ids, or a list of either. A request that can
-        never run (too long for the model or the pool) comes back with finish_reason "error"
-        and `error` set, as does one that fails while running; the others run normally.
-        Malformed input raises InvalidRequestError before anything runs. If the call raises
-        (or is interrupted), none of its requests stays queued: the `LLM` serves the next
-        call as if this one had not happened. Calls from several threads run one after
-        another."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                        and isinstance(prompts[0], int)):
+                 use_tqdm: bool = True, priority: list[int] | None = None,
+                 adapter: str | list[str | None] | None = None) -> list[RequestOutput]:
+        """prompts: a string, a list of token ids, a prompt dict ({"prompt": text} or
+        {"prompt_token_ids": ids}, optionally with "cache_salt"), or a list of these.
+        adapter: the LoRA adapter of every prompt, or one per prompt (see
+        `LLMEngine.add_request`). A request that can never run (too long for the model or
+        the pool) comes back with finish_reason "error" and `error` set, as does one that
+        fails while running; the others run normally. Malformed input raises
+        InvalidRequestError before anything runs. If the call raises (or is interrupted),
+        none of its requests stays queued: the `LLM` serves the next call as if this one
+        had not happened. Calls from several threads run one after another."""
+        if isinstance(prompts, (str, Mapping)) or (isinstance(prompts, list) and prompts
+                                                   and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
-        if isinstance(sampling_params, list):
-            if len(sampling_params) != len(prompts):
-                raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts.")
-            params = sampling_params
-        else:
-            params = [sampling_params or SamplingParams()] * len(prompts)
-        if priority is not None and len(priority) != len(prompts):
-            raise ValueError(f"{len(priority)} priorities for {len(prompts)} prompts.")
+        params = _per_prompt("sampling params", sampling_params, prompts)
+        priority = _per_prompt("priorities", priority, prompts)
+        adapters = _per_prompt("adapters", adapter, prompts)
         batch = next(_batches)
         ids = [f"llm-{batch}-{i}" for i in range(len(prompts))]
         results: dict[str, RequestOutput] = {}
@@ -121,14 +123,36 @@ class LLM:
                                                                    .resolved(engine.defaults)))
                   for p in params]
         prepared = []
-        for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params)):
+        for rid, prompt, p, rank, name in zip(ids, prompts, params, priority, adapters):
             try:  # every request checked before any is queued
                 prepared.append(engine.prepare_request(rid, prompt, p,
-                                                       priority[i] if priority else 0))
+                                                       0 if rank is None else rank, name))
             except RequestRejectedError as err:
                 results[rid] = _rejected(rid, prompt, p, str(err))
         with self._lock:
             return self._run(ids, prepared, results, use_tqdm)
+
+    def chat(self, messages: list, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True, *, adapter: str | list[str | None] | None = None,
+             tools: list[dict] | None = None, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generates for one conversation (a list of {"role": ..., "content": ...} messages)
+        or a list of them: each is rendered by the tokenizer's chat template (or
+        `chat_template`, with `tools` and `chat_template_kwargs`), then runs as `generate`
+        runs its prompts; one RequestOutput per conversation, its `prompt` the rendered
+        text. continue_final_message: the last (assistant) message goes on, left open
+        (with add_generation_prompt=False)."""
+        if messages and isinstance(messages[0], Mapping):
+            messages = [messages]
+        options = dict(chat_template_kwargs or {}, add_generation_prompt=add_generation_prompt,
+                       continue_final_message=continue_final_message,
+                       chat_template=chat_template)
+        prompts = []
+        for conversation in messages:
+            text, ids = render_chat(self.tokenizer, conversation, tools, **options)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm, adapter=adapter)
 
     def _run(self, ids: list[str], prepared: list, results: dict,
              use_tqdm: bool) -> list[RequestOutput]:
@@ -187,9 +211,43 @@ def _keep_workers(llm: LLM):
     return weakref.finalize(llm, end)
 
 
+def render_chat(tokenizer, messages: list, tools: list | None = None,
+                add_special_tokens: bool = False, **template_kwargs) -> tuple[str, list[int]]:
+    """Chat messages as the tokenizer's chat template renders them -> (text, token ids).
+    The template writes the special tokens (BOS) itself, so tokenizing adds none.
+    A message's content given as OpenAI's text parts is joined into one string."""
+    if tokenizer is None or not (template_kwargs.get("chat_template")
+                                 or getattr(tokenizer, "chat_template", None)):
+        raise ValueError("chat needs a tokenizer with a chat template (or a chat_template); "
+                         "the model's has none.")
+    if template_kwargs.get("chat_template") is None:
+        template_kwargs.pop("chat_template", None)
+    text = tokenizer.apply_chat_template([_text_parts_joined(m) for m in messages], tools=tools,
+                                         tokenize=False, **template_kwargs)
+    return text, tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+
+def _text_parts_joined(message):
+    content = message.get("content") if isinstance(message, Mapping) else None
+    if isinstance(content, list) and content and all(
+            isinstance(p, Mapping) and p.get("type") == "text" for p in content):
+        return dict(message, content="".join(str(p.get("text", "")) for p in content))
+    return message
+
+
+def _per_prompt(what: str, value, prompts: list) -> list:
+    """`value` for each prompt: a list of one per prompt, or one for all."""
+    if not isinstance(value, list):
+        return [value] * len(prompts)
+    if len(value) != len(prompts):
+        raise ValueError(f"{len(value)} {what} for {len(prompts)} prompts.")
+    return value
+
+
 def _rejected(request_id, prompt, params, error) -> RequestOutput:
-    text = prompt if isinstance(prompt, str) else None
-    ids = [] if isinstance(prompt, str) else list(prompt)
+    text, ids = (None, prompt) if not isinstance(prompt, Mapping) else \
+        (prompt.get("prompt"), prompt.get("prompt_token_ids"))
+    text, ids = (ids, []) if isinstance(ids, str) else (text, list(ids or []))
     return RequestOutput(request_id, text, ids,
                          [CompletionOutput(i, finish_reason="error") for i in range(params.n)],
                          finished=True, error=error)

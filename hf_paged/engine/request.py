@@ -11,7 +11,8 @@ import heapq
 import itertools
 import logging
 import weakref
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -27,14 +28,21 @@ logger = logging.getLogger("hf_paged")
 def prompt_ids(prompt, params: SamplingParams, tokenizer, vocab_size: int,
                context: int) -> tuple[str | None, list[int]]:
     """(the prompt's text or None, its token ids: tokenized if text, checked, its last
-    `params.truncate_prompt_tokens` kept (-1: `context`))."""
+    `params.truncate_prompt_tokens` kept (-1: `context`)). `prompt`: text, token ids, or
+    a dict as vLLM takes one (`prompt_fields`)."""
     text = None
+    if isinstance(prompt, Mapping):
+        text, prompt, _ = prompt_fields(prompt)
     if isinstance(prompt, str):
         if tokenizer is None:
             raise InvalidRequestError("A text prompt needs a tokenizer; pass token ids, or "
                                       "give the engine a tokenizer.", "prompt")
         text, prompt = prompt, tokenizer(prompt)["input_ids"]
-    prompt = list(prompt)
+    try:
+        prompt = list(prompt)
+    except TypeError:
+        raise InvalidRequestError(f"a prompt is text, a list of token ids or a prompt dict; "
+                                  f"got {type(prompt).__name__}.", "prompt") from None
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         raise InvalidRequestError("prompt token ids must be integers.", "prompt")
     bad = [t for t in prompt if not 0 <= t < vocab_size]
@@ -42,6 +50,46 @@ def prompt_ids(prompt, params: SamplingParams, tokenizer, vocab_size: int,
         raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size}); "
                                   f"got {bad[:5]}.", "prompt")
     return text, truncated(prompt, params.truncate_prompt_tokens, context)
+
+
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+
+
+def prompt_fields(prompt: Mapping) -> tuple[str | None, str | list[int], str | None]:
+    """A prompt dict, vLLM's TextPrompt / TokensPrompt: {"prompt": text} or
+    {"prompt_token_ids": ids} (with "prompt", the text reported for them), and an optional
+    "cache_salt" -> (the text reported, the text or ids to run, the salt)."""
+    other = sorted(set(prompt) - set(PROMPT_KEYS))
+    if other:
+        raise InvalidRequestError(f"a prompt dict takes {list(PROMPT_KEYS)}; got {other} "
+                                  "(text-only models).", "prompt")
+    text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+    if text is not None and not isinstance(text, str):
+        raise InvalidRequestError(f"a prompt dict's \"prompt\" is text; got "
+                                  f"{type(text).__name__}.", "prompt")
+    if ids is None:
+        if text is None:
+            raise InvalidRequestError('a prompt dict needs "prompt" (text) or '
+                                      '"prompt_token_ids".', "prompt")
+        return text, text, prompt.get("cache_salt")
+    if isinstance(ids, str):
+        raise InvalidRequestError('"prompt_token_ids" is a list of token ids; got text.',
+                                  "prompt")
+    return text, ids, prompt.get("cache_salt")
+
+
+def salted(params: SamplingParams, prompt, cache_salt: str | None) -> SamplingParams:
+    """`params` with the request's prefix-cache salt, which may also come as an argument of
+    its own or in a prompt dict: given more than once, the values must agree."""
+    given = {s for s in (params.cache_salt, cache_salt,
+                         prompt.get("cache_salt") if isinstance(prompt, Mapping) else None)
+             if s is not None}
+    if len(given) > 1:
+        raise InvalidRequestError("cache_salt is given twice, with different values.",
+                                  "cache_salt")
+    if given and params.cache_salt is None:
+        params = replace(params, cache_salt=given.pop())  # checked as SamplingParams'
+    return params
 
 
 def truncated(ids: list[int], keep: int | None, context: int) -> list[int]:

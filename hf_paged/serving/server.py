@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.async_llm import AsyncLLM, RequestStream
 from ..engine.detokenizer import TokenPieces
+from ..engine.llm import render_chat
 from ..engine import BASE, truncate_prompt
 from ..errors import InvalidRequestError, RequestRejectedError, describe
 from ..sampling_params import StructuredOutputsParams
@@ -153,9 +154,8 @@ class _Server:
         messages = template_messages([m.as_template_input() for m in messages])
 
         def render():
-            text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                 **options.template_kwargs())
-            return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+            return render_chat(tokenizer, messages, tools, add_special_tokens,
+                               **options.template_kwargs())[1]
 
         try:
             return await self.off_loop(render)

@@ -1,0 +1,124 @@
+"""`LLM` as vLLM users call it: prompt dicts (TextPrompt / TokensPrompt), `chat()` over the
+tokenizer's chat template, an adapter per prompt, `get_tokenizer()`. Tokens are compared
+with stock `generate` on the same ids."""
+
+from __future__ import annotations
+
+import pytest
+
+from hf_paged import LLM, InvalidRequestError, SamplingParams
+from conftest import make_tokenizer
+from test_engine import long_model, stock_greedy, two_adapter_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+# Renders each message's role and content; the generation prompt opens an assistant turn.
+TEMPLATE = ("{{ bos_token }} {% for m in messages %}w{{ 10 if m['role'] == 'user' else 11 }} "
+            "{{ m['content'] }} </s> {% endfor %}{% if tools %}w12 {% endif %}"
+            "{% if add_generation_prompt %}w13 {% endif %}{% if flag %}w14 {% endif %}")
+
+
+@pytest.fixture(scope="module")
+def llm():
+    tok = make_tokenizer()
+    tok.chat_template = TEMPLATE
+    return LLM(long_model("llama_gqa"), tok, block_size=4, num_blocks=200)
+
+
+def test_prompt_dicts_run_like_their_text_and_ids(llm):
+    tok, model = llm.get_tokenizer(), long_model("llama_gqa")
+    ids = tok("w5 w6 w7")["input_ids"]
+    ref = stock_greedy(model, ids, 5)
+    outs = llm.generate([{"prompt": "w5 w6 w7"}, {"prompt_token_ids": ids},
+                         {"prompt_token_ids": ids, "prompt": "shown", "cache_salt": "s"}],
+                        GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [ref] * 3
+    assert [o.prompt for o in outs] == ["w5 w6 w7", None, "shown"]
+    assert all(o.prompt_token_ids == ids for o in outs)
+    assert outs[2].num_cached_tokens == 0  # its own salt: no other prompt's blocks
+    single = llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)
+    assert len(single) == 1 and single[0].outputs[0].token_ids == ref
+
+
+@pytest.mark.parametrize("prompt, match", [
+    ({"prompt_token_ids": [5], "multi_modal_data": {}}, "multi_modal_data"),
+    ({"cache_salt": "b"}, "needs"),
+    ({"prompt": 5}, "text"),
+    ({"prompt_token_ids": "w5 w6"}, "list of token ids"),
+    ({"prompt_token_ids": [5, "x"]}, "integers"),
+    ({"prompt_token_ids": [5], "cache_salt": "a"}, "twice"),
+    (7, "a prompt is text"),
+])
+def test_bad_prompt_dicts_are_named_and_queue_nothing(llm, prompt, match):
+    params = SamplingParams(max_tokens=2, cache_salt="b")
+    with pytest.raises(InvalidRequestError, match=match) as err:
+        llm.generate([[5, 6], prompt], params, use_tqdm=False)
+    assert err.value.param in ("prompt", "cache_salt")
+    stats = llm.stats()
+    assert stats.waiting == stats.running == stats.blocks_used == 0
+
+
+def test_chat_renders_the_template_and_generates_like_stock(llm):
+    tok, model = llm.get_tokenizer(), long_model("llama_gqa")
+    first = [{"role": "user", "content": "w5 w6"}]
+    second = [{"role": "user", "content": "w7"}, {"role": "assistant", "content": "w8 w9"},
+              {"role": "user", "content": [{"type": "text", "text": "w20 "},
+                                           {"type": "text", "text": "w21"}]}]
+    outs = llm.chat([first, second], GREEDY, use_tqdm=False)
+    for out, conversation in zip(outs, (first, second)):
+        joined = [dict(m, content="w20 w21") if isinstance(m["content"], list) else m
+                  for m in conversation]
+        text = tok.apply_chat_template(joined, tokenize=False, add_generation_prompt=True)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert out.prompt == text and out.prompt_token_ids == ids
+        assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1
+        assert out.outputs[0].token_ids == stock_greedy(model, ids, 5)
+    one = llm.chat(first, GREEDY, use_tqdm=False)  # one conversation: one output
+    assert len(one) == 1 and one[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+
+
+def test_chat_options_reach_the_template(llm):
+    tok = llm.get_tokenizer()
+    messages = [{"role": "user", "content": "w5"}, {"role": "assistant", "content": "w6"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    out = llm.chat(messages, GREEDY, use_tqdm=False, tools=tools,
+                   chat_template_kwargs={"flag": True})[0]
+    assert out.prompt_token_ids == tok(out.prompt, add_special_tokens=False)["input_ids"]
+    assert out.prompt.split()[-3:] == ["w12", "w13", "w14"]
+    # the assistant's turn left open: the text ends with its content
+    out = llm.chat(messages, GREEDY, use_tqdm=False, add_generation_prompt=False,
+                   continue_final_message=True)[0]
+    assert out.prompt.split()[-2:] == ["w11", "w6"]
+    assert out.prompt_token_ids == tok(out.prompt, add_special_tokens=False)["input_ids"]
+    own = llm.chat(messages, GREEDY, use_tqdm=False, chat_template="{{ messages[0]['content'] }}")
+    assert own[0].prompt == "w5"
+
+
+def test_chat_without_a_template_is_a_clear_error():
+    llm = LLM(long_model("llama_gqa"), make_tokenizer(), block_size=4, num_blocks=50)
+    with pytest.raises(ValueError, match="chat template"):
+        llm.chat([{"role": "user", "content": "w5"}], GREEDY, use_tqdm=False)
+    assert llm.stats().waiting == 0
+
+
+def test_an_adapter_per_prompt():
+    from hf_paged.engine import BASE
+
+    model = two_adapter_model("a", "b")
+    prompt = list(range(3, 20))
+    refs = {}
+    for name in ("a", "b"):
+        model.set_adapter(name)
+        refs[name] = stock_greedy(model, prompt, 5)
+    with model.disable_adapter():
+        refs[BASE] = stock_greedy(model, prompt, 5)
+    model.set_adapter("a")
+    llm = LLM(model, block_size=4, num_blocks=200)
+    outs = llm.generate([prompt] * 3, GREEDY, use_tqdm=False, adapter=["b", BASE, None])
+    assert [o.outputs[0].token_ids for o in outs] == [refs["b"], refs[BASE], refs["a"]]
+    every = llm.generate([prompt] * 2, GREEDY, use_tqdm=False, adapter="b")
+    assert [o.outputs[0].token_ids for o in every] == [refs["b"]] * 2
+    with pytest.raises(ValueError, match="2 adapters for 3 prompts"):
+        llm.generate([prompt] * 3, GREEDY, use_tqdm=False, adapter=["a", "b"])
+    with pytest.raises(InvalidRequestError, match="unknown adapter"):
+        llm.generate([prompt] * 2, GREEDY, use_tqdm=False, adapter=[None, "c"])
+    assert llm.stats().waiting == llm.stats().running == 0
