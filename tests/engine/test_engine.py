@@ -305,18 +305,26 @@ def two_adapter_model(first: str, second: str):
     return model.eval()
 
 
+def adapter_refs(model, prompt, max_tokens) -> dict:
+    """Stock greedy tokens of a two_adapter_model under "a", "b" and BASE ("a" left active)."""
+    from hf_paged.engine import BASE
+
+    refs = {}
+    for name in ("a", "b"):
+        model.set_adapter(name)
+        refs[name] = stock_greedy(model, prompt, max_tokens)
+    with model.disable_adapter():
+        refs[BASE] = stock_greedy(model, prompt, max_tokens)
+    model.set_adapter("a")
+    return refs
+
+
 def test_adapters_batched_apart_and_prefix_cache_kept_apart():
     from hf_paged.engine import BASE
 
     model = two_adapter_model("a", "b")
     prompt = list(range(3, 43))  # 10 full blocks of 4
-    refs = {}
-    for name in ("a", "b"):
-        model.set_adapter(name)
-        refs[name] = stock_greedy(model, prompt, 6)
-    with model.disable_adapter():
-        refs[BASE] = stock_greedy(model, prompt, 6)
-    model.set_adapter("a")
+    refs = adapter_refs(model, prompt, 6)
     assert len({tuple(r) for r in refs.values()}) == 3
     engine = LLMEngine(model, block_size=4, num_blocks=200)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

@@ -8,7 +8,7 @@ import pytest
 
 from hf_paged import LLM, InvalidRequestError, SamplingParams
 from conftest import make_tokenizer
-from test_engine import long_model, stock_greedy, two_adapter_model
+from test_engine import adapter_refs, long_model, stock_greedy, two_adapter_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 # Renders each message's role and content; the generation prompt opens an assistant turn.
@@ -105,13 +105,7 @@ def test_an_adapter_per_prompt():
 
     model = two_adapter_model("a", "b")
     prompt = list(range(3, 20))
-    refs = {}
-    for name in ("a", "b"):
-        model.set_adapter(name)
-        refs[name] = stock_greedy(model, prompt, 5)
-    with model.disable_adapter():
-        refs[BASE] = stock_greedy(model, prompt, 5)
-    model.set_adapter("a")
+    refs = adapter_refs(model, prompt, 5)
     llm = LLM(model, block_size=4, num_blocks=200)
     outs = llm.generate([prompt] * 3, GREEDY, use_tqdm=False, adapter=["b", BASE, None])
     assert [o.outputs[0].token_ids for o in outs] == [refs["b"], refs[BASE], refs["a"]]
