@@ -29,6 +29,28 @@ def _positive_int(name: str, value: Any, allow_none: bool) -> int | None:
     return number
 
 
+def positive(name: str, value, default: int | None = None) -> int:
+    """An engine option that is a positive integer (`default` when None; 0 is refused)."""
+    value = default if value is None else value
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer; got {value!r}.")
+    return value
+
+
+def fraction(name: str, value) -> float:
+    """An engine option that is a number in (0, 1]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"{name} must be a number in (0, 1]; got {value!r}.")
+    return value
+
+
+def flag(name: str, value) -> bool:
+    """An engine option that is True or False."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False; got {value!r}.")
+    return value
+
+
 @dataclass(frozen=True)
 class PagedCacheConfig:
     """Settings of one paged cache: `generate(..., cache_config={...})` takes them as a dict

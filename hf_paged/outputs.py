@@ -5,6 +5,43 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 
+class Logprob(float):
+    """A token's log-probability: a float that also reads as vLLM's `Logprob`, with
+    `.logprob` (the value), `.rank` (1 for the most likely token; ties rank alike low, as
+    vLLM counts) and `.decoded_token` (the token's own text, decoded on access; None
+    without a tokenizer)."""
+
+    __slots__ = ("rank", "_token", "_tokenizer")
+
+    def __new__(cls, value: float, rank: int | None = None, token: int | None = None,
+                tokenizer=None):
+        self = super().__new__(cls, value)
+        self.rank, self._token, self._tokenizer = rank, token, tokenizer
+        return self
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    @property
+    def decoded_token(self) -> str | None:
+        if self._tokenizer is None or self._token is None:
+            return None
+        return self._tokenizer.decode([self._token])
+
+    def __reduce__(self):  # (a copy keeps the value and rank, not the tokenizer)
+        return Logprob, (float(self), self.rank)
+
+
+def logprob_entries(ids: list[int], values: list[float], token: int, value: float,
+                    rank: int, tokenizer=None) -> dict[int, Logprob]:
+    """{token id: Logprob} of the most likely `ids` (ranks 1, 2, ...) and of the `token`
+    chosen (its own `rank`)."""
+    entry = {t: Logprob(v, r, t, tokenizer) for r, (t, v) in enumerate(zip(ids, values), 1)}
+    entry[token] = Logprob(value, rank, token, tokenizer)
+    return entry
+
+
 @dataclass
 class CompletionOutput:
     """One of a request's `n` completions.
@@ -13,8 +50,8 @@ class CompletionOutput:
     text:          their text (empty without a tokenizer); a stop string is cut off
     finish_reason: None while running, else "stop", "length", "abort" or "error"
     stop_reason:   the stop string or token id that ended it, if any
-    logprobs:      per generated token, {token id: log-probability} of the `logprobs` most
-                   likely tokens and the sampled one, when asked for
+    logprobs:      per generated token, {token id: log-probability (a `Logprob`)} of the
+                   `logprobs` most likely tokens and the sampled one, when asked for
     """
 
     index: int

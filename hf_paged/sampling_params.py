@@ -181,7 +181,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         ids = list(self.stop_token_ids or [])
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        if not all(_is_int(t) for t in ids):
             raise InvalidRequestError(f"SamplingParams.stop_token_ids must be integers; got "
                                       f"{ids!r:.200}.", "stop_token_ids")
         self.stop_token_ids = [int(t) for t in ids]

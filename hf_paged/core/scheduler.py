@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import time
 
 from .block_pool import BlockPool
 from .block_table import FREED, blocks_to_add
@@ -263,7 +264,7 @@ class Scheduler:
             self.recomputed_tokens += max(seq.lost_tokens - cached, 0)
             seq.lost_tokens = 0
         if seq.preemptions == 0:  # its first admission
-            seq.cached_tokens = cached
+            seq.cached_tokens, seq.first_scheduled = cached, time.monotonic()
             self.prefix.queried_tokens += len(seq.prompt)
             self.prefix.hit_tokens += cached
         return True

@@ -44,6 +44,7 @@ class Sequence:
     preemptions: int = 0
     lost_tokens: int = 0  # computed tokens dropped by its last recompute preemption
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    first_scheduled: float | None = None  # time.monotonic() of its first admission
     finish_reason: str | None = None
     adapter: str | None = None  # the PEFT adapter that runs it (None: the model as it is)
     pending: int = 0  # 1: a sampled token not appended yet (async scheduling)

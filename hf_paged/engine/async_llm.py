@@ -110,12 +110,11 @@ class AsyncLLM:
     request is aborted with an error saying so (a client that stopped reading)."""
 
     def __init__(self, model, tokenizer=None, *, max_unread_outputs: int = 256,
-                 **engine_options):
-        if isinstance(model, (str, os.PathLike)):
-            from .llm import load_model
+                 dtype="auto", **engine_options):
+        from .llm import model_and_tokenizer
 
-            model, found = load_model(model)
-            tokenizer = tokenizer if tokenizer is not None else found
+        model, tokenizer = model_and_tokenizer("AsyncLLM", model, tokenizer, dtype,
+                                               engine_options)
         if isinstance(max_unread_outputs, bool) or not isinstance(max_unread_outputs, int) \
                 or max_unread_outputs < 1:
             raise ValueError(f"max_unread_outputs must be a positive integer; got "

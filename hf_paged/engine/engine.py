@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from ..config import flag
 from ..core.prefix_cache import namespace
 from ..core.scheduler import Scheduler, Step
 from ..core.sequence import Sequence, SeqStatus
@@ -94,6 +95,7 @@ class LLMEngine:
                  compile: bool | str = False, admission_headroom: float = 1.0,
                  async_scheduling: bool = False, speculative_config=None,
                  kv_cache_dtype: str = "auto", cuda_graphs: bool | None = None):
+        flag("enable_prefix_caching", enable_prefix_caching)
         self.runner = runner = ModelRunner(
             model, block_size=block_size, num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes,
             gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
@@ -122,7 +124,7 @@ class LLMEngine:
             async_scheduling = False
         self.async_scheduling = async_scheduling
         self._in_flight: InFlight | None = None  # the last step's tokens, not landed yet
-        self.sampler = Sampler()
+        self.sampler = Sampler(tokenizer)
         self.vocab_size = base.get_output_embeddings().weight.shape[0]
         # incremental_text: decode every step (servers stream text), else only finished
         # completions; finished_only: outputs of finished requests only (LLM.generate).
@@ -390,7 +392,8 @@ class LLMEngine:
             lambda meta: check_isolation(self.scheduler, self.block_size, items, meta)
         logits = self.runner.forward(f, check)
         if f.prompt_spans:
-            prompt_logprobs.record(f.prompt_spans, logits[len(f.last):], self.requests)
+            prompt_logprobs.record(f.prompt_spans, logits[len(f.last):], self.requests,
+                                   self.tokenizer)
             logits = logits[:len(f.last)]
         return logits
 

@@ -13,6 +13,7 @@ import os
 import threading
 import weakref
 from collections.abc import Mapping
+from numbers import Integral
 from dataclasses import replace
 
 from .engine import LLMEngine
@@ -32,8 +33,11 @@ def load_model(path, dtype="auto", device=None, tensor_parallel: bool = False,
     tensor_parallel: under torchrun, split the model over the ranks (tp_plan="auto").
     device_map: spread its layers over devices ("auto", "balanced", or a dict, as
     Transformers takes it); the KV cache follows the layers."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
+    local = os.path.expanduser(str(path))
+    if local.startswith(("/", "./", "../", "~")) and not os.path.isdir(local):
+        raise FileNotFoundError(f"no model folder at {str(path)!r}.")
     given = [n for n, v in (("device", device), ("device_map", device_map),
                             ("tensor_parallel", tensor_parallel)) if v]
     if len(given) > 1:
@@ -46,14 +50,45 @@ def load_model(path, dtype="auto", device=None, tensor_parallel: bool = False,
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     if device is not None:
         model = model.to(device)
+    return model.eval(), load_tokenizer(path, required=False)
+
+
+def load_tokenizer(path, required: bool = True):
+    """The tokenizer saved in folder `path`; None where there is none and it is not
+    `required` (requests must then send token ids)."""
+    from transformers import AutoTokenizer
+
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, TypeError) as err:
-        if any(os.path.exists(os.path.join(str(path), name)) for name in _TOKENIZER_FILES):
+        if required or any(os.path.exists(os.path.join(str(path), name))
+                           for name in _TOKENIZER_FILES):
             raise ValueError(f"The tokenizer in {path} could not be loaded: {err}") from err
         logger.warning("hf-paged: %s has no tokenizer; requests must send token ids.", path)
-        tokenizer = None
-    return model.eval(), tokenizer
+        return None
+
+
+def model_and_tokenizer(front_end: str, model, tokenizer, dtype, options: dict):
+    """What `LLM` and `AsyncLLM` serve: `model` and `tokenizer` as given, each loaded if it
+    is a folder (the model in `dtype`, "auto": as saved). Options the engine does not take
+    are refused first, before anything loads."""
+    import inspect
+
+    known = [n for n in inspect.signature(LLMEngine.__init__).parameters
+             if n not in ("self", "model", "tokenizer")]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise TypeError(f"{front_end}() got unknown options {unknown}; the engine takes "
+                        f"{known} (and dtype, for a model loaded from a folder).")
+    if isinstance(model, (str, os.PathLike)):
+        model, found = load_model(model, dtype=dtype)
+        tokenizer = tokenizer if tokenizer is not None else found
+    elif dtype != "auto":
+        raise ValueError("dtype applies to a model loaded from a folder; convert a loaded "
+                         "model with model.to(dtype).")
+    if isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer = load_tokenizer(tokenizer)
+    return model, tokenizer
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -63,16 +98,15 @@ class LLM:
     """Offline generation: `generate()` runs a list of prompts through the engine together
     and returns one `RequestOutput` per prompt, in order.
 
-    model: a loaded Llama / Mistral / Falcon model (or a PEFT LoRA model on one), or the
-    path of a local folder to load it (and its tokenizer) from. Engine options: see
+    model: a loaded causal LM (or a PEFT LoRA model on one), or the path of a local folder
+    to load it (and its tokenizer) from, in `dtype`; tokenizer: one, or its folder.
+    Engine options: see
     `LLMEngine` (block_size, num_blocks / kv_cache_bytes, max_num_seqs,
     max_num_batched_tokens, enable_prefix_caching, preemption_mode, swap_space_bytes, ...).
     """
 
-    def __init__(self, model, tokenizer=None, **engine_options):
-        if isinstance(model, (str, os.PathLike)):
-            model, found = load_model(model)
-            tokenizer = tokenizer if tokenizer is not None else found
+    def __init__(self, model, tokenizer=None, *, dtype="auto", **engine_options):
+        model, tokenizer = model_and_tokenizer("LLM", model, tokenizer, dtype, engine_options)
         self.engine = LLMEngine(model, tokenizer, **engine_options)
         self._lock = threading.Lock()  # one call steps the engine at a time
         self._end = _keep_workers(self) if self.engine.tp_size > 1 else None
@@ -108,7 +142,7 @@ class LLM:
         none of its requests stays queued: the `LLM` serves the next call as if this one
         had not happened. Calls from several threads run one after another."""
         if isinstance(prompts, (str, Mapping)) or (isinstance(prompts, list) and prompts
-                                                   and isinstance(prompts[0], int)):
+                                                   and isinstance(prompts[0], Integral)):
             prompts = [prompts]
         prompts = list(prompts)
         params = _per_prompt("sampling params", sampling_params, prompts)
@@ -237,7 +271,7 @@ def _text_parts_joined(message):
 
 def _per_prompt(what: str, value, prompts: list) -> list:
     """`value` for each prompt: a list of one per prompt, or one for all."""
-    if not isinstance(value, list):
+    if not isinstance(value, (list, tuple)):
         return [value] * len(prompts)
     if len(value) != len(prompts):
         raise ValueError(f"{len(value)} {what} for {len(prompts)} prompts.")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from .request import EngineRequest
+from ..outputs import logprob_entries
 
 
 def start(request: EngineRequest) -> int | None:
@@ -23,16 +24,18 @@ def start(request: EngineRequest) -> int | None:
     return 0
 
 
-def record(spans: list[tuple], logits: torch.Tensor, requests: dict[str, EngineRequest]) -> None:
+def record(spans: list[tuple], logits: torch.Tensor, requests: dict[str, EngineRequest],
+           tokenizer=None) -> None:
     """logits [P, V]: rows of the positions of `spans` ((sequence, first position, count)
     each, back to back). Fills the requests' `prompt_logprobs` and moves each sequence's
     `prompt_logits_from` on. Raises ValueError (changing nothing) if a row is NaN, so that
     the engine's bisection ends that request alone."""
     logprobs = torch.log_softmax(logits.float(), -1)
     targets = [t for seq, first, count in spans for t in seq.prompt[first + 1:first + 1 + count]]
-    chosen = logprobs.gather(1, torch.tensor(targets, device=logits.device)[:, None])[:, 0]
+    chosen = logprobs.gather(1, torch.tensor(targets, device=logits.device)[:, None])
     if torch.isnan(chosen).any():
         raise ValueError("the model's logits of a prompt position are not a number (NaN)")
+    ranks, chosen = (logprobs >= chosen).sum(1).tolist(), chosen[:, 0]
     top_k = max(requests[seq.request_id].params.prompt_logprobs for seq, _, _ in spans)
     values, indices = ([], []) if top_k == 0 else \
         (t.tolist() for t in logprobs.topk(min(top_k, logprobs.shape[1]), -1))
@@ -42,9 +45,9 @@ def record(spans: list[tuple], logits: torch.Tensor, requests: dict[str, EngineR
         request = requests[seq.request_id]
         k = request.params.prompt_logprobs
         for p in range(first, first + count):
-            entry = dict(zip(indices[row][:k], values[row][:k])) if k else {}
-            entry[seq.prompt[p + 1]] = chosen[row]
-            request.prompt_logprobs[p + 1] = entry
+            request.prompt_logprobs[p + 1] = logprob_entries(
+                indices[row][:k] if k else [], values[row][:k] if k else [], seq.prompt[p + 1],
+                chosen[row], ranks[row], tokenizer)
             row += 1
         done = first + count
         seq.prompt_logits_from = None if done >= len(seq.prompt) - 1 else done

@@ -12,6 +12,7 @@ import itertools
 import logging
 import weakref
 from collections.abc import Mapping
+from numbers import Integral
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -31,6 +32,10 @@ def prompt_ids(prompt, params: SamplingParams, tokenizer, vocab_size: int,
     `params.truncate_prompt_tokens` kept (-1: `context`)). `prompt`: text, token ids, or
     a dict as vLLM takes one (`prompt_fields`)."""
     text = None
+    if params.stop and tokenizer is None:
+        raise InvalidRequestError("stop strings are looked for in the text, which needs a "
+                                  "tokenizer: give the engine one, or use stop_token_ids.",
+                                  "stop")
     if isinstance(prompt, Mapping):
         text, prompt, _ = prompt_fields(prompt)
     if isinstance(prompt, str):
@@ -43,8 +48,10 @@ def prompt_ids(prompt, params: SamplingParams, tokenizer, vocab_size: int,
     except TypeError:
         raise InvalidRequestError(f"a prompt is text, a list of token ids or a prompt dict; "
                                   f"got {type(prompt).__name__}.", "prompt") from None
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        raise InvalidRequestError("prompt token ids must be integers.", "prompt")
+    if not all(type(t) is int for t in prompt):  # (numpy's integers too)
+        if not all(isinstance(t, Integral) and not isinstance(t, bool) for t in prompt):
+            raise InvalidRequestError("prompt token ids must be integers.", "prompt")
+        prompt = [int(t) for t in prompt]
     bad = [t for t in prompt if not 0 <= t < vocab_size]
     if bad:
         raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size}); "
@@ -256,11 +263,11 @@ class EngineRequest:
         prompt_logprobs = None  # (a delta stream's come with its first output)
         if self.prompt_logprobs is not None and (first or not delta):
             prompt_logprobs = list(self.prompt_logprobs)
-        cached = self.seqs[0].cached_tokens if self.seqs else 0
+        seq = self.seqs[0] if self.seqs else None
         m = self.metrics
         return RequestOutput(self.request_id, self.prompt, self.prompt_ids, completions,
-                             self.finished, self.error, cached,
-                             RequestMetrics(m.arrival_time, m.first_scheduled_time,
+                             self.finished, self.error, seq.cached_tokens if seq else 0,
+                             RequestMetrics(m.arrival_time, seq and seq.first_scheduled,
                                             m.first_token_time, m.finished_time),
                              prompt_logprobs)
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx.experimental import _config as fx_config
 
+from ..config import flag, fraction, positive
 from ..core.scheduler import Scheduler
 from ..distributed import tensor_parallel as tp
 from ..distributed.placement import input_device, logits_index_device, model_placement
@@ -172,13 +173,6 @@ def unwrap(model):
     return model, base, list(config)
 
 
-def positive(name: str, value, default: int | None = None) -> int:
-    value = default if value is None else value  # (0 is refused, not taken for unset)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer; got {value!r}.")
-    return value
-
-
 class ModelRunner:
     """The KV pools, the device block table and the model's forwards of one rank."""
 
@@ -232,6 +226,7 @@ class ModelRunner:
         per_block = slots * per_layer
         if num_blocks is not None and self.groups.is_hybrid:  # counted in blocks of all layers
             num_blocks = positive("num_blocks", num_blocks) * num_layers // slots
+        fraction("gpu_memory_utilization", gpu_memory_utilization)
         blocks = self._pool_blocks(num_blocks, kv_cache_bytes, gpu_memory_utilization,
                                    per_layer, placement)
         self.control = None
@@ -434,8 +429,7 @@ def step_budget(runner: ModelRunner, max_num_batched_tokens: int | None,
     checked: the same check on every tensor-parallel rank, so all fail alike."""
     tokens = positive("max_num_batched_tokens", max_num_batched_tokens,
                       8192 if runner.on_cuda else 2048)
-    if not isinstance(async_scheduling, bool):
-        raise ValueError(f"async_scheduling must be True or False; got {async_scheduling!r}.")
+    flag("async_scheduling", async_scheduling)
     if async_scheduling and runner.tp_size > 1:
         raise ValueError("async_scheduling keeps a step's tokens on the device of one process; "
                          "under tensor parallelism every rank needs them. Use "

@@ -21,6 +21,7 @@ import torch
 
 from ..errors import InvalidRequestError, describe
 from ..kernels import cpu_ops
+from ..outputs import logprob_entries
 from ..sampling_params import SamplingParams
 from .structured import Matcher, mask_rows
 
@@ -93,8 +94,9 @@ class Sampled:
     and logprobs to the host, waiting only for the sampling (copies queued right after it)."""
 
     def __init__(self, tokens: torch.Tensor, valid: torch.Tensor | None, raw, rows, want,
-                 done: tuple | None = None):
+                 done: tuple | None = None, tokenizer=None):
         self.tokens, self._rows, self._want, self._done = tokens, rows, want, done
+        self.tokenizer = tokenizer  # (the logprobs' decoded_token)
         if done is not None:  # sampled row by row, already on the host
             return
         self._event, self._on_host = None, not want and tokens.device.type == "cpu"
@@ -107,7 +109,8 @@ class Sampled:
             lp = raw[idx]
             k = min(max(rows[i].params.logprobs for i in want), lp.shape[1])
             top = lp.topk(max(k, 1), -1)
-            host += [top.values, top.indices, lp.gather(1, tokens[idx][:, None])[:, 0]]
+            chosen = lp.gather(1, tokens[idx][:, None])
+            host += [top.values, top.indices, chosen[:, 0], (lp >= chosen).sum(1)]
         # Non-blocking copies: a later wait covers them and nothing queued after them.
         self._host = [t.to("cpu", non_blocking=True) for t in host]
         if tokens.is_cuda:
@@ -127,17 +130,20 @@ class Sampled:
         logprobs: list = [None] * len(rows)
         token_logprobs: list = [None] * len(rows)
         if self._want:
-            values, indices, chosen = (t.tolist() for t in self._host[1:])
+            values, indices, chosen, ranks = (t.tolist() for t in self._host[1:])
             for j, i in enumerate(self._want):
                 n = rows[i].params.logprobs
-                entry = dict(zip(indices[j][:n], values[j][:n]))
-                entry[token_list[i]] = chosen[j]
-                logprobs[i], token_logprobs[i] = entry, chosen[j]
+                logprobs[i] = logprob_entries(indices[j][:n], values[j][:n], token_list[i],
+                                              chosen[j], ranks[j], self.tokenizer)
+                token_logprobs[i] = chosen[j]
         result = SampleResult(token_list, logprobs, token_logprobs, failed)
         return result, {j: failure(rows[j]) for j in failed}
 
 
 class Sampler:
+    def __init__(self, tokenizer=None):
+        self.tokenizer = tokenizer  # (what the logprobs' decoded_token decodes with)
+
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow],
                  noise: torch.Tensor | None = None) -> SampleResult:
         """logits [S, V] (any float dtype) -> one token per row. noise: the rows'
@@ -171,7 +177,7 @@ class Sampler:
             tokens = self._draw(logits, scores, noise, greedy_rows)
             valid = torch.where(torch.tensor(greedy_rows, device=logits.device), _valid(logits),
                                 _valid(scores))
-        return Sampled(tokens, valid, raw, rows, want_logprobs)
+        return Sampled(tokens, valid, raw, rows, want_logprobs, tokenizer=self.tokenizer)
 
     # -- processors -----------------------------------------------------------------------
     def sample_isolated(self, logits: torch.Tensor, rows: list[SampleRow]) -> Sampled:

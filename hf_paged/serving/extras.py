@@ -86,6 +86,12 @@ def add_routes(app: FastAPI, server) -> None:
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed "
                                  "successfully.")
 
+    @app.get("/version")
+    async def version():
+        from .. import __version__
+
+        return {"version": __version__}
+
     @app.get("/tokenizer_info")
     async def tokenizer_info():
         """vLLM's: what a client needs to tokenize as the server does (lm-evaluation-harness

@@ -25,7 +25,9 @@ from ..errors import HFPagedError
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hf-paged serve", description=__doc__.split("\n")[0])
+    # No abbreviations: vLLM's --swap-space would be taken for --swap-space-bytes.
+    p = argparse.ArgumentParser(prog="hf-paged serve", description=__doc__.split("\n")[0],
+                                allow_abbrev=False)
     p.add_argument("model", help="a local model folder (or a Hub id, where the Hub is reachable)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
     p.add_argument("--port", type=_ranged(int, 0, 65535), default=8000, help="port (8000)")
@@ -44,6 +46,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", default="auto",
                    choices=["auto", "hermes", "llama3_json", "mistral"],
                    help="the format of the model's tool calls (auto: from its chat template)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted as vLLM's: tool_choice \"auto\" is always served")
     s = p.add_argument_group("security and limits")
     s.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every path but /health; "
@@ -90,7 +94,11 @@ def parser() -> argparse.ArgumentParser:
                    help="tokens per step (2048 CPU, 8192 CUDA)")
     e.add_argument("--max-model-len", type=_ranged(int, 1), default=None,
                    help="longest sequence (the model's max_position_embeddings)")
-    e.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    caching = e.add_mutually_exclusive_group()
+    caching.add_argument("--no-prefix-caching", action="store_true",
+                         help="turn prefix caching off")
+    caching.add_argument("--enable-prefix-caching", action="store_true",
+                         help="prefix caching on (the default, as in vLLM)")
     e.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
                    help="when blocks run out: recompute later, or swap to a CPU pool")
     e.add_argument("--admission-headroom", type=_ranged(float, 0), default=1.0,

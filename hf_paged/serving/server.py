@@ -88,6 +88,13 @@ class _Server:
                        f"{[self.model_name] + self.adapters}.", "model", "not_found_error",
                        "model_not_found")
 
+    def adapter_of(self, body) -> str | None:
+        """The engine adapter of a request body's `model` (none named: the served model, as
+        vLLM takes it)."""
+        if body.model is None:
+            body.model = self.model_name
+        return self.adapter_for(body.model)
+
     def check_stops(self, stops: list[str], field: str = "stop") -> None:
         """The limits on stop strings (and on bad words, `field` "bad_words")."""
         limits = self.limits
@@ -361,7 +368,8 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
 
     @app.get("/v1/models")
     async def models():
-        entry = dict(object="model", created=server.started, owned_by="hf-paged")
+        entry = dict(object="model", created=server.started, owned_by="hf-paged",
+                     max_model_len=llm.max_model_len)
         data = [dict(entry, id=server.model_name, root=server.model_name, parent=None)]
         data += [dict(entry, id=a, root=a, parent=server.model_name) for a in server.adapters]
         return {"object": "list", "data": data}
@@ -376,7 +384,7 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         server.check_open()
-        adapter = server.adapter_for(body.model)
+        adapter = server.adapter_of(body)
         server.check_stops(body.stops())
         server.check_stops(body.bad_words or [], "bad_words")
         params = body.sampling_params(body.engine_max_tokens, body.logprobs,
@@ -404,7 +412,7 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         server.check_open()
-        adapter = server.adapter_for(body.model)
+        adapter = server.adapter_of(body)
         server.check_stops(body.stops())
         server.check_stops(body.bad_words or [], "bad_words")
         top = body.logprob_count()

@@ -4,8 +4,11 @@ with stock `generate` on the same ids."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
 
+import hf_paged
 from hf_paged import LLM, InvalidRequestError, SamplingParams
 from conftest import make_tokenizer
 from test_engine import adapter_refs, long_model, stock_greedy, two_adapter_model
@@ -116,3 +119,76 @@ def test_an_adapter_per_prompt():
     with pytest.raises(InvalidRequestError, match="unknown adapter"):
         llm.generate([prompt] * 2, GREEDY, use_tqdm=False, adapter=[None, "c"])
     assert llm.stats().waiting == llm.stats().running == 0
+
+
+def test_folders_dtype_and_options_as_vllm_users_pass_them(tmp_path):
+    model, tok = long_model("llama_gqa"), make_tokenizer()
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "t")
+    llm = LLM(str(tmp_path / "m"), tokenizer=str(tmp_path / "t"), dtype="bfloat16",
+              block_size=4, num_blocks=50)
+    assert llm.engine.dtype is torch.bfloat16
+    assert llm.get_tokenizer()("w5 w6")["input_ids"] == tok("w5 w6")["input_ids"]
+    out = llm.generate("w5 w6", SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 2
+    with pytest.raises(TypeError, match=r"LLM\(\) got unknown options \['enforce_eager'\]"):
+        LLM(str(tmp_path / "nowhere"), enforce_eager=True)  # refused before loading
+    with pytest.raises(FileNotFoundError, match="no model folder"):
+        LLM(str(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match="dtype applies to a model loaded from a folder"):
+        LLM(model, dtype="float16")
+    with pytest.raises(ValueError, match="could not be loaded"):
+        LLM(model, tokenizer=str(tmp_path / "m"))  # a folder without a tokenizer
+    with pytest.raises(TypeError, match=r"AsyncLLM\(\) got unknown options \['seed'\]"):
+        hf_paged.AsyncLLM(model, seed=0)
+    for option, value in [("gpu_memory_utilization", 1.5), ("gpu_memory_utilization", 0),
+                          ("enable_prefix_caching", "yes")]:
+        with pytest.raises(ValueError, match=option):
+            LLM(model, **{option: value})
+
+
+def test_sequences_numpy_ids_and_what_needs_a_tokenizer(llm):
+    model = long_model("llama_gqa")
+    ids = np.array([5, 6, 7])
+    ref = stock_greedy(model, [5, 6, 7], 5)
+    outs = llm.generate(list(ids), (GREEDY,), use_tqdm=False)  # one prompt, a tuple of params
+    assert len(outs) == 1 and outs[0].outputs[0].token_ids == ref
+    assert outs[0].prompt_token_ids == [5, 6, 7]
+    outs = llm.generate([ids, ids[:2]], GREEDY, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == ref and outs[1].prompt_token_ids == [5, 6]
+    stop = llm.generate([[5, 6, 7]], SamplingParams(
+        temperature=0, max_tokens=5, stop_token_ids=[np.int64(ref[1])]), use_tqdm=False)[0]
+    assert stop.outputs[0].token_ids == ref[:2] and stop.outputs[0].finish_reason == "stop"
+    metrics = stop.metrics
+    assert metrics.arrival_time <= metrics.first_scheduled_time <= metrics.first_token_time
+    bare = LLM(model, block_size=4, num_blocks=50)
+    with pytest.raises(InvalidRequestError, match="needs a tokenizer") as err:
+        bare.generate([[5, 6]], SamplingParams(max_tokens=2, stop=["x"]), use_tqdm=False)
+    assert err.value.param == "stop"
+
+
+def test_logprobs_read_as_vllms_logprob_objects(llm):
+    """Each entry is a float that also has vLLM's `.logprob`, `.rank` and `.decoded_token`;
+    ranks as vLLM counts them (how many tokens are at least as likely), checked against one
+    stock forward."""
+    tok, model = llm.get_tokenizer(), long_model("llama_gqa")
+    prompt = [5, 6, 7, 8]
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=4, logprobs=2, prompt_logprobs=1)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    ids = prompt + out.outputs[0].token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    positions = [(p, ids[p + 1], out.prompt_logprobs[p + 1]) for p in range(len(prompt) - 1)]
+    positions += [(len(prompt) - 1 + i, t, e) for i, (t, e) in
+                  enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs))]
+    for position, token, entry in positions:
+        row = ref[position]
+        chosen = entry[token]
+        assert isinstance(chosen, float) and chosen.logprob == float(chosen)
+        assert chosen.logprob == pytest.approx(row[token].item(), abs=1e-4)
+        assert chosen.rank == int((row >= row[token] - 1e-6).sum())
+        assert chosen.decoded_token == tok.decode([token])
+        best = min(entry, key=lambda t: entry[t].rank)
+        assert entry[best].rank == 1 and best == int(row.argmax())
+    bare = LLM(model, block_size=4, num_blocks=50).generate([prompt], params, use_tqdm=False)[0]
+    assert bare.outputs[0].logprobs[0][bare.outputs[0].token_ids[0]].decoded_token is None

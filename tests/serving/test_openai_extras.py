@@ -301,3 +301,34 @@ def test_chat_template_options_shape_the_prompt(served):
         for path in ("/v1/chat/completions", "/tokenize"):
             r = served.http.post(path, json={"model": "tiny", "messages": messages, **extra})
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, r.text)
+
+
+def test_vllm_conveniences_model_optional_version_and_context(served):
+    """A request naming no model runs on the served one (vLLM's leniency); /version and the
+    models' max_model_len answer as vLLM's do."""
+    body = {"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0}
+    named = served.http.post("/v1/completions", json=dict(body, model="tiny")).json()
+    unnamed = served.http.post("/v1/completions", json=body)
+    assert unnamed.status_code == 200, unnamed.text
+    assert unnamed.json()["model"] == "tiny"
+    assert unnamed.json()["choices"][0]["text"] == named["choices"][0]["text"]
+    chat = served.http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "w5"}], "max_tokens": 2})
+    assert chat.status_code == 200 and chat.json()["model"] == "tiny"
+    import hf_paged
+
+    assert served.http.get("/version").json() == {"version": hf_paged.__version__}
+    models = served.http.get("/v1/models").json()["data"]
+    assert [m["max_model_len"] for m in models] == [512]
+    assert served.http.get("/v1/models/tiny").json()["max_model_len"] == 512
+
+
+def test_flags_are_never_abbreviated_and_vllms_switches_are_taken():
+    from hf_paged.serving.serve import parser
+
+    with pytest.raises(SystemExit):  # (it was --swap-space-bytes 4)
+        parser().parse_args(["m", "--swap-space", "4"])
+    args = parser().parse_args(["m", "--enable-prefix-caching", "--enable-auto-tool-choice"])
+    assert not args.no_prefix_caching
+    with pytest.raises(SystemExit):
+        parser().parse_args(["m", "--enable-prefix-caching", "--no-prefix-caching"])
