@@ -166,6 +166,28 @@ class AsyncLLM:
     def is_alive(self) -> bool:
         return self._thread.is_alive() and not self._dead
 
+    # vLLM's AsyncLLM names
+    is_running = is_alive
+
+    @property
+    def errored(self) -> bool:
+        return not self.is_alive
+
+    async def check_health(self) -> None:
+        """Raises EngineDeadError once the engine has stopped."""
+        if not self.is_alive:
+            raise EngineDeadError("the engine has stopped.")
+
+    async def get_tokenizer(self):
+        return self.tokenizer
+
+    async def reset_prefix_cache(self) -> bool:
+        """Drops every cached prefix block between steps: True, or False while any request
+        runs or waits."""
+        from .llm import reset_prefix_cache
+
+        return await self.call(reset_prefix_cache)
+
     def stats(self):
         """The engine's counters (read without waiting for a step; at most a step old)."""
         return self.engine.stats()

@@ -129,6 +129,21 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The settings of a request that sets none: the model's generation_config, then
+        vLLM's defaults."""
+        return SamplingParams().resolved(self.engine.defaults)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drops every cached prefix block (to time runs from cold): True, or False while a
+        call runs (its requests hold blocks)."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            return reset_prefix_cache(self.engine)
+        finally:
+            self._lock.release()
+
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: list[int] | None = None,
                  adapter: str | list[str | None] | None = None) -> list[RequestOutput]:
@@ -243,6 +258,16 @@ def _keep_workers(llm: LLM):
 
     threading.Thread(target=ping, name="hf-paged-heartbeat", daemon=True).start()
     return weakref.finalize(llm, end)
+
+
+def reset_prefix_cache(engine: LLMEngine) -> bool:
+    """Drops the engine's cached prefix blocks: True, or False (nothing dropped) while any
+    request runs or waits."""
+    scheduler = engine.scheduler
+    if scheduler.has_work:
+        return False
+    scheduler.prefix.clear()
+    return True
 
 
 def render_chat(tokenizer, messages: list, tools: list | None = None,

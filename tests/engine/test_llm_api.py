@@ -192,3 +192,47 @@ def test_logprobs_read_as_vllms_logprob_objects(llm):
         assert entry[best].rank == 1 and best == int(row.argmax())
     bare = LLM(model, block_size=4, num_blocks=50).generate([prompt], params, use_tqdm=False)[0]
     assert bare.outputs[0].logprobs[0][bare.outputs[0].token_ids[0]].decoded_token is None
+
+
+def test_default_params_and_prefix_cache_reset(tmp_path):
+    model = long_model("llama_gqa")
+    model.generation_config.temperature = 0.7
+    try:
+        llm = LLM(model, block_size=4, num_blocks=60)
+        defaults = llm.get_default_sampling_params()
+    finally:
+        model.generation_config.temperature = None
+    assert defaults.temperature == 0.7 and defaults.max_tokens == 16
+    prompt = list(range(3, 23))
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    llm.generate([prompt], params, use_tqdm=False)
+    assert llm.generate([prompt], params, use_tqdm=False)[0].num_cached_tokens == 16
+    assert llm.stats().blocks_cached > 0
+    assert llm.reset_prefix_cache() is True
+    assert llm.stats().blocks_cached == 0 and llm.stats().blocks_free == 60
+    assert llm.generate([prompt], params, use_tqdm=False)[0].num_cached_tokens == 0
+
+
+def test_async_llm_speaks_vllms_names():
+    import asyncio
+
+    async def main():
+        llm = hf_paged.AsyncLLM(long_model("llama_gqa"), make_tokenizer(), block_size=4,
+                                num_blocks=60)
+        try:
+            assert llm.is_running and not llm.errored
+            await llm.check_health()
+            assert (await llm.get_tokenizer()) is llm.tokenizer
+            params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+            async for _ in llm.generate(list(range(3, 23)), params, "r0"):
+                pass
+            assert llm.stats().blocks_cached > 0
+            assert await llm.reset_prefix_cache() is True
+            assert llm.stats().blocks_cached == 0
+        finally:
+            llm.shutdown()
+        assert not llm.is_running and llm.errored
+        with pytest.raises(hf_paged.EngineDeadError):
+            await llm.check_health()
+
+    asyncio.run(main())
