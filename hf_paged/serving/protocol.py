@@ -85,7 +85,7 @@ class _Sampling(UnicodeBody):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str | None = None  # None: the served model
+    model: str
     n: int = Field(1, ge=1, le=64)
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
@@ -398,7 +398,7 @@ def chat_response(request_id: str, model: str, result: RequestOutput, pieces: To
                 message = {"role": "assistant",
                            "content": echo + (content or "") if echo else content,
                            "tool_calls": [c.as_openai() for c in calls]}
-                finish = tools.finish_reason
+                finish = "tool_calls"
         choices.append({
             "index": out.index, "message": message,
             "logprobs": chat_logprobs(out, 0, pieces, top) if out.logprobs is not None else None,

@@ -88,13 +88,6 @@ class _Server:
                        f"{[self.model_name] + self.adapters}.", "model", "not_found_error",
                        "model_not_found")
 
-    def adapter_of(self, body) -> str | None:
-        """The engine adapter of a request body's `model` (none named: the served model, as
-        vLLM takes it)."""
-        if body.model is None:
-            body.model = self.model_name
-        return self.adapter_for(body.model)
-
     def check_stops(self, stops: list[str], field: str = "stop") -> None:
         """The limits on stop strings (and on bad words, `field` "bad_words")."""
         limits = self.limits
@@ -384,7 +377,7 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         server.check_open()
-        adapter = server.adapter_of(body)
+        adapter = server.adapter_for(body.model)
         server.check_stops(body.stops())
         server.check_stops(body.bad_words or [], "bad_words")
         params = body.sampling_params(body.engine_max_tokens, body.logprobs,
@@ -412,7 +405,7 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         server.check_open()
-        adapter = server.adapter_of(body)
+        adapter = server.adapter_for(body.model)
         server.check_stops(body.stops())
         server.check_stops(body.bad_words or [], "bad_words")
         top = body.logprob_count()

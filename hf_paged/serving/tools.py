@@ -208,12 +208,6 @@ class ToolMode:
     def forced(self) -> bool:
         return self.choice != "auto"
 
-    @property
-    def finish_reason(self) -> str:
-        """Of an answer that is a call: "stop" where a named function was forced (OpenAI's
-        and vLLM's), else "tool_calls"."""
-        return "stop" if isinstance(self.choice, dict) else "tool_calls"
-
     def answer(self, text: str, raw: str) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) of a finished answer: `text` as the client would see it, `raw`
         decoded with special tokens (its EOS left out)."""
