@@ -88,9 +88,9 @@ def add_routes(app: FastAPI, server) -> None:
 
     @app.get("/version")
     async def version():
-        from .. import __version__
+        from importlib.metadata import version as installed
 
-        return {"version": __version__}
+        return {"version": installed("hf-paged")}
 
     @app.get("/tokenizer_info")
     async def tokenizer_info():
