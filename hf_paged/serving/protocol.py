@@ -151,6 +151,9 @@ class _Sampling(UnicodeBody):
             return None
         (field, fields), = sources.items()
         known = {"json", "regex", "choice", "grammar", "json_object"}
+        if fields and not known.intersection(fields):  # (other vLLM fields are let pass)
+            raise APIError(400, f"{field}: give one of {sorted(known)}; got {sorted(fields)}.",
+                           field)
         try:
             return StructuredOutputsParams(**{k: v for k, v in fields.items() if k in known})
         except InvalidRequestError as err:

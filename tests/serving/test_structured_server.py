@@ -127,6 +127,7 @@ def test_streamed_json_adds_up(served):
         "name": "x", "schema": {"type": "object", "properties": 3}}}}, "response_format"),
     ({"structured_outputs": {"regex": "(a"}}, "structured_outputs"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"structured_outputs": {"jsn": {}}}, "structured_outputs"),
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
     ({"guided_grammar": "root ::= undefined_rule"}, "guided_grammar"),
 ])
@@ -135,5 +136,7 @@ def test_bad_constraints_are_400s(served, body, param):
                                                        "max_tokens": 5, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+    if "jsn" in str(body):  # the unknown name is named
+        assert "jsn" in r.json()["error"]["message"]
     ok = served.client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3)
     assert ok.choices[0].finish_reason in ("stop", "length")
