@@ -74,10 +74,11 @@ def model_and_tokenizer(front_end: str, model, tokenizer, dtype, options: dict):
     are refused first, before anything loads."""
     import inspect
 
-    known = [n for n in inspect.signature(LLMEngine.__init__).parameters
-             if n not in ("self", "model", "tokenizer")]
+    parameters = inspect.signature(LLMEngine.__init__).parameters
+    known = [n for n, p in parameters.items() if n not in ("self", "model", "tokenizer")
+             and p.kind is p.KEYWORD_ONLY]
     unknown = sorted(set(options) - set(known))
-    if unknown:
+    if unknown and not any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
         raise TypeError(f"{front_end}() got unknown options {unknown}; the engine takes "
                         f"{known} (and dtype, for a model loaded from a folder).")
     if isinstance(model, (str, os.PathLike)):
