@@ -103,6 +103,13 @@ class RequestStream:
             self._llm._post("abort", (self.request_id, self))
 
 
+class _Posted:
+    """Awaitable at once (what `AsyncLLM.abort` returns)."""
+
+    def __await__(self):
+        return iter(())
+
+
 class AsyncLLM:
     """Engine options as `LLMEngine`'s. Outputs carry the text so far at every step.
 
@@ -245,10 +252,13 @@ class AsyncLLM:
         finally:
             stream.abort()
 
-    def abort(self, request_id: str) -> None:
-        """Ends the request at the next step boundary; its stream gets a last output with
-        finish_reason "abort". Safe from any thread."""
-        self._post("abort", (request_id, None))
+    def abort(self, request_id: str | list[str]) -> "_Posted":
+        """Ends the request (or each of a list) at the next step boundary; its stream gets
+        a last output with finish_reason "abort". Safe from any thread. What it returns
+        may be awaited, as vLLM's `await llm.abort(id)` does: the abort is posted already."""
+        for one in [request_id] if isinstance(request_id, str) else list(request_id):
+            self._post("abort", (one, None))
+        return _Posted()
 
     def abort_all(self, message: str) -> None:
         """Ends every request now in the engine with finish_reason "error" and `message`

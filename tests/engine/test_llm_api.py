@@ -229,6 +229,13 @@ def test_async_llm_speaks_vllms_names():
             assert llm.stats().blocks_cached > 0
             assert await llm.reset_prefix_cache() is True
             assert llm.stats().blocks_cached == 0
+            long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+            streams = [llm.add([5, 6, 7], long, f"a{i}") for i in range(3)]
+            await llm.abort("a0")  # vLLM's spelling: awaited, one id or several
+            llm.abort(["a1", "a2"])
+            finals = [[out async for out in s][-1] for s in streams]
+            assert [f.outputs[0].finish_reason for f in finals] == ["abort"] * 3
+            assert all(len(f.outputs[0].token_ids) < 200 for f in finals)
         finally:
             llm.shutdown()
         assert not llm.is_running and llm.errored
