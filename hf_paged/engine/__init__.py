@@ -6,19 +6,22 @@ from ..errors import IsolationError, RequestRejectedError  # noqa: F401  (0.2's 
 from .engine import BASE, EngineStats, LLMEngine, engine_options, step_budget
 from .request import truncated as truncate_prompt
 from .runner import ModelRunner
+from .speculative import Speculator
 
 
 def run_worker(model, **options) -> None:
     """A tensor-parallel rank above 0: builds only the model runner (from LLMEngine
-    `options`, the scheduler's checked as rank 0 checks them) and runs the steps rank 0
-    broadcasts until it stops."""
+    `options`, the others checked as rank 0 checks them, so that an option rank 0 refuses
+    every rank refuses) and runs the steps rank 0 broadcasts until it stops."""
     runner_options, scheduler_options = engine_options(options)
     runner = ModelRunner(model, **runner_options,
                          max_num_batched_tokens=scheduler_options.get("max_num_batched_tokens"))
     step_budget(runner, scheduler_options.get("max_num_batched_tokens"),
                 runner_options.get("preemption_mode", "recompute"),
                 scheduler_options.get("admission_headroom", 1.0),
-                scheduler_options.get("async_scheduling", False))
+                scheduler_options.get("async_scheduling", False),
+                scheduler_options.get("enable_prefix_caching", True))
+    Speculator.build(scheduler_options.get("speculative_config"), runner)  # (checked only)
     runner.worker_loop()
 
 

@@ -36,10 +36,10 @@ def load_draft(model, dtype: torch.dtype, device: torch.device):
 
 class DraftProposer:
     def __init__(self, config, target: ModelRunner):
-        model = load_draft(config.model, target.dtype, target.device)
         if target.tp_size > 1 or not target.pool.placement.is_single:
             raise ValueError("the draft_model method runs on one device; this model is split "
                              "(tensor parallelism or device_map). Use the ngram method.")
+        model = load_draft(config.model, target.dtype, target.device)
         draft_len = getattr(model.config.get_text_config(decoder=True),
                             "max_position_embeddings", target.max_model_len)
         sized = ({"kv_cache_bytes": config.draft_kv_cache_bytes}

@@ -25,7 +25,6 @@ import time
 
 import torch
 
-from ..config import flag
 from ..core.prefix_cache import namespace
 from ..core.scheduler import Scheduler, Step
 from ..core.sequence import Sequence, SeqStatus
@@ -95,7 +94,6 @@ class LLMEngine:
                  compile: bool | str = False, admission_headroom: float = 1.0,
                  async_scheduling: bool = False, speculative_config=None,
                  kv_cache_dtype: str = "auto", cuda_graphs: bool | None = None):
-        flag("enable_prefix_caching", enable_prefix_caching)
         self.runner = runner = ModelRunner(
             model, block_size=block_size, num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes,
             gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
@@ -110,7 +108,8 @@ class LLMEngine:
         self.block_size, self.max_model_len = runner.block_size, runner.max_model_len
         self.max_num_seqs = runner.max_num_seqs
         self.max_num_batched_tokens = step_budget(runner, max_num_batched_tokens, preemption_mode,
-                                                  admission_headroom, async_scheduling)
+                                                  admission_headroom, async_scheduling,
+                                                  enable_prefix_caching)
         self.scheduler = Scheduler(self.pool.blocks, self.max_num_seqs,
                                    self.max_num_batched_tokens, self.max_model_len,
                                    None, enable_prefix_caching, preemption_mode,

@@ -424,12 +424,13 @@ class ModelRunner:
 
 def step_budget(runner: ModelRunner, max_num_batched_tokens: int | None,
                 preemption_mode: str = "recompute", admission_headroom: float = 1.0,
-                async_scheduling: bool = False) -> int:
+                async_scheduling: bool = False, enable_prefix_caching: bool = True) -> int:
     """Tokens per step (default 8192 on CUDA, 2048 elsewhere), with the scheduler's options
     checked: the same check on every tensor-parallel rank, so all fail alike."""
     tokens = positive("max_num_batched_tokens", max_num_batched_tokens,
                       8192 if runner.on_cuda else 2048)
     flag("async_scheduling", async_scheduling)
+    flag("enable_prefix_caching", enable_prefix_caching)
     if async_scheduling and runner.tp_size > 1:
         raise ValueError("async_scheduling keeps a step's tokens on the device of one process; "
                          "under tensor parallelism every rank needs them. Use "

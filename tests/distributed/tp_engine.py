@@ -3,7 +3,8 @@
 The engine on a model loaded with tp_plan="auto": rank 0 schedules and samples, every rank
 runs the forwards. Rank 0 writes the token ids of each request to argv[2] (JSON).
 With argv[3] == "die", rank 1 exits abruptly at its third step; with "fail", rank 0's third
-forward raises (after the step was broadcast)."""
+forward raises (after the step was broadcast); with "refuse", every rank is first given each
+of REFUSED (each rank writes what it raised: rank 1 to argv[2] + ".1"), then OPTIONS."""
 
 import json
 import os
@@ -16,11 +17,30 @@ import torch.distributed as dist
 warnings.simplefilter("ignore")
 
 from hf_paged import LLM, SamplingParams  # noqa: E402
-from hf_paged.engine import ModelRunner, engine_options  # noqa: E402
+from hf_paged.engine import ModelRunner, engine_options, run_worker  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 OPTIONS = dict(block_size=4, num_blocks=20, max_num_seqs=4, max_num_batched_tokens=16,
                admission_headroom=0)  # admit eagerly: preempt often
+
+
+# Options that rank 0 refuses, checked on every rank alike (a rank that took one would wait
+# for steps while rank 0 went on to other collectives).
+REFUSED = [dict(OPTIONS, speculative_config={"method": "bogus"}),
+           dict(OPTIONS, speculative_config={"method": "draft_model", "model": "/nowhere",
+                                             "num_speculative_tokens": 2}),
+           dict(OPTIONS, enable_prefix_caching="yes")]
+
+
+def refusals(build) -> list[str]:
+    errors = []
+    for options in REFUSED:
+        try:
+            build(options)
+            errors.append("accepted")
+        except ValueError as err:
+            errors.append(str(err))
+    return errors
 
 
 def prompts():
@@ -31,7 +51,9 @@ def main():
     folder, out_path = sys.argv[1], sys.argv[2]
     model = AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto",
                                                  dtype=torch.float32).eval()
+    refuse = sys.argv[3:] == ["refuse"]
     if dist.get_rank() == 0:
+        refused = refusals(lambda options: LLM(model, **options)) if refuse else []
         llm = LLM(model, **OPTIONS)
         if sys.argv[3:] == ["fail"]:
             forwards = [0]
@@ -54,8 +76,11 @@ def main():
             json.dump({"greedy": [o.outputs[0].token_ids for o in greedy],
                        "sampled": [[c.token_ids for c in o.outputs] for o in sampled],
                        "preemptions": stats.num_preemptions,
-                       "kv_heads": llm.engine.pool.num_kv_heads}, f)
+                       "kv_heads": llm.engine.pool.num_kv_heads, "refused": refused}, f)
     else:
+        if refuse:
+            with open(out_path + ".1", "w") as f:
+                json.dump(refusals(lambda options: run_worker(model, **options)), f)
         # Ranks above 0 build only the model runner (no scheduler, no requests).
         runner = ModelRunner(model, **engine_options(OPTIONS)[0])
         if sys.argv[3:] == ["die"]:
