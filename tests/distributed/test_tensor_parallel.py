@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +27,17 @@ def torchrun(script: str, *args, nproc: int = 2, timeout: int = 300, check: bool
     env = dict(os.environ, PYTHONPATH=str(HERE.parents[1]), **CPU_ONLY)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
            f"--master-port={free_port()}", str(HERE / script), *map(str, args)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    # A session of its own: a run past its timeout takes its ranks down with it (killing
+    # torchrun alone would leave them waiting in their collectives).
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, start_new_session=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    done = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     if check:
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
