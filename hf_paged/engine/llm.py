@@ -17,6 +17,7 @@ from numbers import Integral
 from dataclasses import replace
 
 from .engine import LLMEngine
+from .request import prompt_fields
 from ..distributed import tensor_parallel as tp
 from ..errors import HFPagedError
 from ..outputs import CompletionOutput, RequestOutput
@@ -35,8 +36,7 @@ def load_model(path, dtype="auto", device=None, tensor_parallel: bool = False,
     Transformers takes it); the KV cache follows the layers."""
     from transformers import AutoModelForCausalLM
 
-    local = os.path.expanduser(str(path))
-    if local.startswith(("/", "./", "../", "~")) and not os.path.isdir(local):
+    if folder_missing(path):
         raise FileNotFoundError(f"no model folder at {str(path)!r}.")
     given = [n for n, v in (("device", device), ("device_map", device_map),
                             ("tensor_parallel", tensor_parallel)) if v]
@@ -51,6 +51,13 @@ def load_model(path, dtype="auto", device=None, tensor_parallel: bool = False,
     if device is not None:
         model = model.to(device)
     return model.eval(), load_tokenizer(path, required=False)
+
+
+def folder_missing(path) -> bool:
+    """`path` is written as a local path (/, ./, ../, ~) and no folder is there: told
+    apart before from_pretrained would take it for a Hub id."""
+    local = os.path.expanduser(str(path))
+    return local.startswith(("/", "./", "../", "~")) and not os.path.isdir(local)
 
 
 def load_tokenizer(path, required: bool = True):
@@ -196,11 +203,11 @@ class LLM:
         if messages and isinstance(messages[0], Mapping):
             messages = [messages]
         options = dict(chat_template_kwargs or {}, add_generation_prompt=add_generation_prompt,
-                       continue_final_message=continue_final_message,
-                       chat_template=chat_template)
+                       continue_final_message=continue_final_message)
         prompts = []
         for conversation in messages:
-            text, ids = render_chat(self.tokenizer, conversation, tools, **options)
+            text, ids = render_chat(self.tokenizer, conversation, tools,
+                                    chat_template=chat_template, **options)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm, adapter=adapter)
 
@@ -272,18 +279,17 @@ def reset_prefix_cache(engine: LLMEngine) -> bool:
 
 
 def render_chat(tokenizer, messages: list, tools: list | None = None,
-                add_special_tokens: bool = False, **template_kwargs) -> tuple[str, list[int]]:
-    """Chat messages as the tokenizer's chat template renders them -> (text, token ids).
-    The template writes the special tokens (BOS) itself, so tokenizing adds none.
-    A message's content given as OpenAI's text parts is joined into one string."""
-    if tokenizer is None or not (template_kwargs.get("chat_template")
-                                 or getattr(tokenizer, "chat_template", None)):
+                add_special_tokens: bool = False, chat_template: str | None = None,
+                **template_kwargs) -> tuple[str, list[int]]:
+    """Chat messages as the tokenizer's chat template (or `chat_template`) renders them ->
+    (text, token ids). The template writes the special tokens (BOS) itself, so tokenizing
+    adds none. A message's content given as OpenAI's text parts is joined into one string."""
+    if tokenizer is None or not (chat_template or getattr(tokenizer, "chat_template", None)):
         raise ValueError("chat needs a tokenizer with a chat template (or a chat_template); "
                          "the model's has none.")
-    if template_kwargs.get("chat_template") is None:
-        template_kwargs.pop("chat_template", None)
     text = tokenizer.apply_chat_template([_text_parts_joined(m) for m in messages], tools=tools,
-                                         tokenize=False, **template_kwargs)
+                                         chat_template=chat_template, tokenize=False,
+                                         **template_kwargs)
     return text, tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
 
@@ -305,9 +311,8 @@ def _per_prompt(what: str, value, prompts: list) -> list:
 
 
 def _rejected(request_id, prompt, params, error) -> RequestOutput:
-    text, ids = (None, prompt) if not isinstance(prompt, Mapping) else \
-        (prompt.get("prompt"), prompt.get("prompt_token_ids"))
-    text, ids = (ids, []) if isinstance(ids, str) else (text, list(ids or []))
+    text, run = prompt_fields(prompt) if isinstance(prompt, Mapping) else (None, prompt)
+    text, ids = (run, []) if isinstance(run, str) else (text, list(run))
     return RequestOutput(request_id, text, ids,
                          [CompletionOutput(i, finish_reason="error") for i in range(params.n)],
                          finished=True, error=error)

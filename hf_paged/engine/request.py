@@ -30,14 +30,15 @@ def prompt_ids(prompt, params: SamplingParams, tokenizer, vocab_size: int,
                context: int) -> tuple[str | None, list[int]]:
     """(the prompt's text or None, its token ids: tokenized if text, checked, its last
     `params.truncate_prompt_tokens` kept (-1: `context`)). `prompt`: text, token ids, or
-    a dict as vLLM takes one (`prompt_fields`)."""
+    a dict as vLLM takes one (`prompt_fields`). What needs a tokenizer (a text prompt, stop
+    strings) is refused without one."""
     text = None
     if params.stop and tokenizer is None:
         raise InvalidRequestError("stop strings are looked for in the text, which needs a "
                                   "tokenizer: give the engine one, or use stop_token_ids.",
                                   "stop")
     if isinstance(prompt, Mapping):
-        text, prompt, _ = prompt_fields(prompt)
+        text, prompt = prompt_fields(prompt)
     if isinstance(prompt, str):
         if tokenizer is None:
             raise InvalidRequestError("A text prompt needs a tokenizer; pass token ids, or "
@@ -62,10 +63,10 @@ def prompt_ids(prompt, params: SamplingParams, tokenizer, vocab_size: int,
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 
 
-def prompt_fields(prompt: Mapping) -> tuple[str | None, str | list[int], str | None]:
+def prompt_fields(prompt: Mapping) -> tuple[str | None, str | list[int]]:
     """A prompt dict, vLLM's TextPrompt / TokensPrompt: {"prompt": text} or
     {"prompt_token_ids": ids} (with "prompt", the text reported for them), and an optional
-    "cache_salt" -> (the text reported, the text or ids to run, the salt)."""
+    "cache_salt" (`salted` reads it) -> (the text reported, the text or ids to run)."""
     other = sorted(set(prompt) - set(PROMPT_KEYS))
     if other:
         raise InvalidRequestError(f"a prompt dict takes {list(PROMPT_KEYS)}; got {other} "
@@ -78,11 +79,11 @@ def prompt_fields(prompt: Mapping) -> tuple[str | None, str | list[int], str | N
         if text is None:
             raise InvalidRequestError('a prompt dict needs "prompt" (text) or '
                                       '"prompt_token_ids".', "prompt")
-        return text, text, prompt.get("cache_salt")
+        return text, text
     if isinstance(ids, str):
         raise InvalidRequestError('"prompt_token_ids" is a list of token ids; got text.',
                                   "prompt")
-    return text, ids, prompt.get("cache_salt")
+    return text, ids
 
 
 def salted(params: SamplingParams, prompt, cache_salt: str | None) -> SamplingParams:

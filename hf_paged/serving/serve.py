@@ -197,21 +197,21 @@ def load(args):
     """The model to serve (with its adapters) and its tokenizer; under torchrun, this
     rank's share of a model split by tensor parallelism. A model or adapter that cannot be
     loaded ends the command with one line saying why."""
-    from ..engine.llm import load_model
+    from ..engine.llm import folder_missing, load_model
 
     if args.device_map is not None and (args.device is not None or world_size() > 1):
         raise SystemExit("--device-map spreads the model of one process over devices; it "
                          "cannot be combined with --device or with torchrun (tensor "
                          "parallelism).")
-    local = os.path.expanduser(args.model)
-    if local.startswith(("/", "./", "../", "~")) and not os.path.isdir(local):
+    if folder_missing(args.model):
         raise SystemExit(f"hf-paged: no model folder at {args.model!r}.")
     try:
         model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device,
                                       tensor_parallel=world_size() > 1,
                                       device_map=args.device_map)
     except (OSError, ValueError, KeyError, RuntimeError) as err:
-        where = "" if os.path.isdir(local) else " (no such folder here; as a Hub id)"
+        where = "" if os.path.isdir(os.path.expanduser(args.model)) else \
+            " (no such folder here; as a Hub id)"
         raise SystemExit(f"hf-paged: cannot load the model {args.model!r}{where}: "
                          f"{_first_line(err)}") from err
     for i, spec in enumerate(args.lora):
