@@ -6,10 +6,12 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import re
 import types
 import weakref
 
 import torch
+from torch.nn.modules import module as module_hooks
 
 logger = logging.getLogger("hf_paged")
 
@@ -38,17 +40,22 @@ def compile_forward(model, backend: str, variant: tuple = ()):
     its own. Dynamo's recompile limit is raised process-wide to `RECOMPILE_LIMIT` (it is
     one setting, read when a graph is added).
 
-    Dynamo re-checks a compiled function's guards before every call; those on the model's
-    parameters and buffers (a tensor match and five dynamic-shape checks per weight, about
-    ten per layer) are left out: the engine holds the same tensors for its life and refuses
-    adapter changes under compile. Dynamo keeps graphs and guards per code object, and
+    Dynamo re-checks a compiled function's guards before every call, some 500 for a small
+    model, which cost as much as the rest of a small decode step's host work. Only those on
+    the inputs (ids, positions, the metadata: what tells one step's graph from another's)
+    and the ambient state (grad mode, torch's global settings, the relations of symbolic
+    sizes) are kept. Those on the model (its weights, modules, hooks, plain attributes and
+    config) and on Transformers' globals are left out, as vLLM leaves out every guard: the
+    engine holds the model unchanged for its life (an adapter change is refused under
+    compile), and the entry point is keyed by what they would have checked as it is when
+    the engine starts (`model_state`). Dynamo keeps graphs and guards per code object, and
     every model of a class shares its forward's, so the entry point is a code object of
-    this model's own (and of its weights' shapes, dtypes and devices as they are now):
-    engines on the same model share its graphs, and no other model ever finds graphs
-    whose guards no longer look at the weights.
+    this model's own: engines on the same, unchanged model share its graphs; a model
+    changed between engines (a hook added, an attribute or its config set, its weights
+    resized) gets graphs of its own, and no other model ever finds graphs whose guards do
+    not look at it.
     """
-    tensors = itertools.chain(model.named_parameters(), model.named_buffers())
-    key = (backend, variant, tuple((n, tuple(t.shape), t.dtype, t.device) for n, t in tensors))
+    key = (backend, variant, model_state(model))
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))  # (older torch: the latter)
@@ -60,14 +67,37 @@ def compile_forward(model, backend: str, variant: tuple = ()):
         own = types.FunctionType(forward.__code__.replace(), forward.__globals__, "forward",
                                  None, forward.__closure__)
         compiled[key] = torch.compile(own, fullgraph=True, dynamic=True, backend=backend,
-                                      options={"guard_filter_fn": not_on_weights})
+                                      options={"guard_filter_fn": on_inputs})
     return functools.partial(compiled[key], model)
 
 
-def not_on_weights(entries) -> list[bool]:
-    """Keeps every guard but those on a parameter or buffer (by the guard's source name);
-    inputs, metadata, modules' structure and attributes, and globals stay guarded."""
-    return ["._parameters[" not in e.name and "._buffers[" not in e.name for e in entries]
+def model_state(model) -> tuple:
+    """What the guards `on_inputs` leaves out would check, as it is now: each weight's
+    name, shape, dtype and device; each module's class, hooks and plain attributes (the
+    `training` flag, a layer's scaling, ...); the config; the process-wide module hooks."""
+    tensors = itertools.chain(model.named_parameters(), model.named_buffers())
+    weights = tuple((n, tuple(t.shape), t.dtype, t.device) for n, t in tensors)
+    modules = tuple(
+        (name, type(m), tuple(len(h) for h in (m._forward_hooks, m._forward_pre_hooks)),
+         tuple(sorted((k, v) for k, v in vars(m).items() if isinstance(v, _PLAIN))))
+        for name, m in model.named_modules())
+    config = getattr(model, "config", None)
+    global_hooks = tuple(len(h) for h in (module_hooks._global_forward_hooks,
+                                          module_hooks._global_forward_pre_hooks))
+    return weights, modules, None if config is None else repr(config.to_dict()), global_hooks
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def on_inputs(entries) -> list[bool]:
+    """Keeps the guards on the forward's inputs and the ambient ones (unnamed: grad mode,
+    global state, symbolic sizes); leaves out those on the model and on globals."""
+    return [e.name == "" or (_INPUT.match(e.name) is not None and "G[" not in e.name)
+            for e in entries]
+
+
+_INPUT = re.compile(r"(L\[')?inputs\b")  # (torch 2.13 names it inputs[..], older L['inputs'][..])
 
 
 def run_eagerly(runner, err: BaseException) -> None:

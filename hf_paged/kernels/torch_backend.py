@@ -85,6 +85,10 @@ class TorchBackend(Backend):
         others with theirs (`mask`). The padded layout in and out."""
         buckets, others = split
         rows, heads, q_len, dim = query.shape
+        if buckets is None:  # every row a fresh prompt as long as the layout: in place
+            blocks = meta.block_tables[:, :cdiv(q_len, meta.block_size)]
+            return reference.paged_attention(query, k_cache, v_cache, blocks, None, scale,
+                                             workspace)
         out = query.new_zeros(rows * q_len, heads, reference.value_dim(v_cache))
         for index, cols, src, dest in buckets:
             part = query.index_select(0, index)
@@ -196,8 +200,8 @@ def causal_rows(meta: ForwardMetadata, sliding_window: int | None):
     25%, as `length_groups`), as ([n] rows, [n, L] columns of each row's tokens in the
     padded layout, left-aligned, the last repeated on the right; [m] of the bucket's
     outputs and their [m] flat places in the padded output), plus (rows, block columns)
-    of the other rows or None. None when no row qualifies or the host lengths are unknown;
-    built once per forward."""
+    of the other rows or None; (None, None) when every row qualifies and fills the layout.
+    None when no row qualifies or the host lengths are unknown; built once per forward."""
     key = ("causal", sliding_window)
     if key in meta.scratch:
         return meta.scratch[key]
@@ -217,6 +221,8 @@ def _causal_split(meta: ForwardMetadata, fresh: list[int], lens: list[int],
                   counts: list[int]):
     device = meta.block_tables.device
     q_len = meta.query_pos.shape[1]
+    if len(fresh) == len(lens) and min(counts) == q_len:  # (a batch of equal prompts)
+        return None, None
     by_size: dict[int, list[int]] = {}
     for r in fresh:
         by_size.setdefault(int(math.log(counts[r], 1.25)), []).append(r)

@@ -314,23 +314,59 @@ def test_requests_naming_lora_adapters_run_eagerly_in_a_compiled_engine():
     assert results[0] == results[1]
 
 
-def test_the_compiled_forward_guards_its_inputs_not_the_weights():
-    """The guards a compiled forward re-checks every call leave out the model's parameters
-    and buffers (tensors the engine holds for its life; an adapter change is refused under
-    compile) and keep everything else: inputs, metadata, modules, attributes, globals."""
+def test_the_compiled_forward_guards_its_inputs_not_the_model():
+    """The guards a compiled forward re-checks every call keep the inputs (ids, positions,
+    the metadata: what tells one step's graph from another's) and the ambient state
+    (unnamed: grad mode, global settings, symbolic sizes); those on the model (weights,
+    modules, attributes) and on globals are left out (the entry point's key holds them)."""
     from types import SimpleNamespace
 
-    from hf_paged.engine.compiled import not_on_weights
+    from hf_paged.engine.compiled import on_inputs
 
-    names = ["L['self']._modules['model']._modules['norm']._parameters['weight']",
-             "L['self']._modules['model']._modules['rotary_emb']._buffers['inv_freq']",
-             "L['kwargs']['input_ids']",
-             "L['kwargs']['past_key_values'].meta.seq_lens",
-             "L['self']._modules['model']._modules['layers']._modules['0']._modules['mlp']",
-             "L['self']._modules['model']._modules['norm'].variance_epsilon",
-             "G['__import_torch'].compiler"]
-    kept = not_on_weights([SimpleNamespace(name=n) for n in names])
-    assert kept == [False, False, True, True, True, True, True]
+    names = ["module._modules['model']._modules['norm']._parameters['weight']",
+             "L['module']._modules['model']._modules['rotary_emb']._buffers['inv_freq']",
+             "inputs['input_ids']", "L['inputs']['input_ids']",
+             "inputs['past_key_values'].meta.seq_lens",
+             "module._modules['model']._modules['layers']._modules['0']._modules['mlp']",
+             "module._modules['model']._modules['norm'].variance_epsilon",
+             "G['__import_torch'].compiler", "",
+             "dict(type(module._modules['model']).__dict__)['forward']"]
+    kept = on_inputs([SimpleNamespace(name=n) for n in names])
+    assert kept == [False, False, True, True, True, False, False, False, True, False]
+
+
+def test_a_model_changed_between_compiled_engines_gets_graphs_of_its_own():
+    """The guards leave the model out, so the entry point is keyed by its state when an
+    engine starts: an engine built after a forward hook is added, or after a module's
+    attribute is set, must trace anew (and give the eager tokens of the changed model), not
+    run the graphs an earlier engine traced before the change."""
+    from conftest import make_model
+
+    model = make_model("llama_gqa")
+    prompts = random_prompts(7, 3, 3, 10)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    def tokens(compile):
+        engine = LLMEngine(model, block_size=4, num_blocks=60, max_num_seqs=4,
+                           compile=compile)
+        done = run_engine(engine, prompts, [params] * len(prompts))
+        assert compile is False or engine.runner.compile_error is None
+        return [done[str(i)].outputs[0].token_ids for i in range(len(prompts))]
+
+    first = tokens(CAPTURE)
+    assert first == tokens(False)
+    forced = 7  # a hook on the head makes every greedy token this one
+    hook = model.lm_head.register_forward_hook(
+        lambda module, args, out: out.index_fill(-1, torch.tensor([forced]), 1e4))
+    before = graphs()
+    hooked = tokens(CAPTURE)
+    assert hooked == tokens(False) == [[forced] * 4] * len(prompts)
+    assert graphs() > before
+    hook.remove()
+    for layer in model.model.layers:  # the residual stream outweighs what the layers add
+        layer.input_layernorm.variance_epsilon = layer.post_attention_layernorm.variance_epsilon = 1e4
+    scaled = tokens(CAPTURE)
+    assert scaled == tokens(False) and scaled != first
 
 
 @pytest.mark.parametrize("backend", [CAPTURE, pytest.param("inductor", marks=pytest.mark.slow)])

@@ -333,6 +333,7 @@ def test_torch_backend_length_buckets_equal_one_padded_batch(window, alibi):
     ([0, 0, 0, 0, 0], [2, 17, 40, 3, 120]),   # prompts only, several length buckets
     ([0, 5, 0, 30, 0], [60, 9, 1, 4, 8]),     # with chunk continuations and a 1-token row
     ([3, 9], [5, 2]),                         # no fresh prompt: the masked path alone
+    ([0, 0, 0], [13, 13, 13]),                # equal prompts filling the layout: in place
 ])
 def test_torch_backend_causal_prompts_equal_the_masked_batch(dtype, window, ctx, new):
     """Rows that start their sequences attend causally without a mask, left-aligned in
@@ -352,11 +353,13 @@ def test_torch_backend_causal_prompts_equal_the_masked_batch(dtype, window, ctx,
     fresh = any(c == 0 and n > 1 and (window is None or n <= window)
                 for c, n in zip(ctx, new))
     assert (causal_rows(split, window) is not None) == fresh
+    in_place = fresh and min(new) == max(new) and not any(ctx)
+    assert (causal_rows(split, window) == (None, None)) == in_place
     assert causal_rows(plain, window) is None
     q = torch.randn(len(lengths), 4, max(new), 16).to(dtype)
     a = TorchBackend().attention(q, k, v, plain, 0.25, window)
     b = TorchBackend().attention(q, k, v, split, 0.25, window)
-    assert torch.all(b[~plain.is_query] == 0)
+    assert plain.is_query is None or torch.all(b[~plain.is_query] == 0)
     torch.testing.assert_close(b.float(), a.float(), **TOLERANCE[dtype])
 
 
