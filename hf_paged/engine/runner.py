@@ -37,7 +37,7 @@ from ..kv.placement import group_layers
 from ..kv import quant
 from ..kv.pool import KVPool, block_bytes
 from ..utils import cdiv
-from .adapters import forward_adapter
+from .adapters import as_given, forward_adapter
 from .compiled import COMPILE_ERRORS, compile_forward, run_eagerly
 from .graphs import DecodeGraphs, wants_graphs
 
@@ -260,6 +260,7 @@ class ModelRunner:
         self.access = PoolAccess(self.pool, backend, num_heads, spec.windows, spec.latent,
                                  attention_features(base), self.groups)
         self.compiled = self._compile(compile)  # None: eager forwards
+        self.traced_adapter = as_given(self)  # the one a compiled forward's graphs hold
         self.device_table = DeviceBlockTable(self.max_num_seqs,
                                              cdiv(self.max_model_len, self.block_size),
                                              self.kv_device, self.groups.num_groups,

@@ -314,6 +314,36 @@ def test_requests_naming_lora_adapters_run_eagerly_in_a_compiled_engine():
     assert results[0] == results[1]
 
 
+def test_set_adapter_under_a_compiled_engine_runs_the_new_active_adapter():
+    """A compiled forward's graphs hold the PEFT adapter that was active when they were
+    traced (their guards leave the model out): after `set_adapter` the engine must not run
+    requests of the newly active adapter through them, and every request keeps the eager
+    tokens of the adapter it names."""
+    from test_engine import two_adapter_model
+
+    model = two_adapter_model("a", "b")
+    model.set_adapter("a")
+    prompts = random_prompts(3, 4, 2, 12)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    names = ["a", "b", "a", "b"]
+
+    def tokens(engine):
+        for i, (p, name) in enumerate(zip(prompts, names)):
+            engine.add_request(str(i), p, params, adapter=name)
+        done = run_engine(engine, [], [])
+        assert all(done[str(i)].error is None for i in range(len(prompts)))
+        return [done[str(i)].outputs[0].token_ids for i in range(len(prompts))]
+
+    engines = [LLMEngine(model, block_size=4, num_blocks=120, max_num_seqs=6,
+                         enable_prefix_caching=False, compile=compile)
+               for compile in (False, CAPTURE)]
+    before = [tokens(e) for e in engines]
+    assert before[0] == before[1]
+    model.set_adapter("b")
+    after = [tokens(e) for e in engines]
+    assert after[0] == after[1] == before[0]
+
+
 def test_the_compiled_forward_guards_its_inputs_not_the_model():
     """The guards a compiled forward re-checks every call keep the inputs (ids, positions,
     the metadata: what tells one step's graph from another's) and the ambient state
