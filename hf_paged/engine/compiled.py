@@ -3,6 +3,7 @@ that leave the model's weights out, in a code object of the model's own."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
@@ -11,6 +12,7 @@ import types
 import weakref
 
 import torch
+from torch.fx.experimental import _config as fx_config
 from torch.nn.modules import module as module_hooks
 
 logger = logging.getLogger("hf_paged")
@@ -98,6 +100,21 @@ def on_inputs(entries) -> list[bool]:
 
 
 _INPUT = re.compile(r"(L\[')?inputs\b")  # (torch 2.13 names it inputs[..], older L['inputs'][..])
+
+
+@contextlib.contextmanager
+def symbolic_sizes():
+    """How a compiled forward's shapes are traced: a size of 1 or one equal to another
+    (1 decode row, a pool as large as the step) is as symbolic as any other, so that step
+    sizes do not each compile a graph of their own (a few cover every step: decodes only,
+    prompt chunks only, both). Entered around every compiled call (any call may trace),
+    so set and restored by hand: `fx_config.patch` costs twice as much."""
+    old = fx_config.backed_size_oblivious, fx_config.use_duck_shape
+    fx_config.backed_size_oblivious, fx_config.use_duck_shape = True, False
+    try:
+        yield
+    finally:
+        fx_config.backed_size_oblivious, fx_config.use_duck_shape = old
 
 
 def run_eagerly(runner, err: BaseException) -> None:

@@ -16,7 +16,6 @@ import os
 from dataclasses import dataclass, field
 
 import torch
-from torch.fx.experimental import _config as fx_config
 
 from ..config import flag, fraction, positive
 from ..core.scheduler import Scheduler
@@ -38,7 +37,7 @@ from ..kv import quant
 from ..kv.pool import KVPool, block_bytes
 from ..utils import cdiv
 from .adapters import as_given, forward_adapter
-from .compiled import COMPILE_ERRORS, compile_forward, run_eagerly
+from .compiled import COMPILE_ERRORS, compile_forward, run_eagerly, symbolic_sizes
 from .graphs import DecodeGraphs, wants_graphs
 
 logger = logging.getLogger("hf_paged")
@@ -404,13 +403,8 @@ class ModelRunner:
         return out.logits[0]
 
     def _tracing(self):
-        """How a compiled forward's shapes are traced: a size of 1 or one equal to another
-        (1 decode row, a pool as large as the step) is as symbolic as any other, so that
-        step sizes do not each compile a graph of their own (a few cover every step:
-        decodes only, prompt chunks only, both)."""
-        if self.compiled is None:
-            return contextlib.nullcontext()
-        return fx_config.patch(backed_size_oblivious=True, use_duck_shape=False)
+        """How a compiled forward's shapes are traced (`symbolic_sizes`)."""
+        return contextlib.nullcontext() if self.compiled is None else symbolic_sizes()
 
     # -- tensor parallelism ------------------------------------------------------------------
     def broadcast(self, message) -> None:
