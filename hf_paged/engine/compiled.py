@@ -76,12 +76,13 @@ def compile_forward(model, backend: str, variant: tuple = ()):
 def model_state(model) -> tuple:
     """What the guards `on_inputs` leaves out would check, as it is now: each weight's
     name, shape, dtype and device; each module's class, hooks and plain attributes (the
-    `training` flag, a layer's scaling, ...); the config; the process-wide module hooks."""
+    `training` flag, a layer's scaling, PEFT's active adapters: `_plain`); the config; the
+    process-wide module hooks."""
     tensors = itertools.chain(model.named_parameters(), model.named_buffers())
     weights = tuple((n, tuple(t.shape), t.dtype, t.device) for n, t in tensors)
     modules = tuple(
         (name, type(m), tuple(len(h) for h in (m._forward_hooks, m._forward_pre_hooks)),
-         tuple(sorted((k, v) for k, v in vars(m).items() if isinstance(v, _PLAIN))))
+         tuple(sorted((k, p) for k, v in vars(m).items() if (p := _plain(v)) is not _SKIP)))
         for name, m in model.named_modules())
     config = getattr(model, "config", None)
     global_hooks = tuple(len(h) for h in (module_hooks._global_forward_hooks,
@@ -90,6 +91,25 @@ def model_state(model) -> tuple:
 
 
 _PLAIN = (bool, int, float, str, type(None))
+_SKIP = object()
+
+
+def _plain(value, depth: int = 0):
+    """A hashable copy of a plain value: a number, string or None, or a list, tuple, set or
+    dict of them (PEFT's active adapters are a list); `_SKIP` for anything else."""
+    if isinstance(value, _PLAIN):
+        return value
+    if depth > 3 or not isinstance(value, (list, tuple, set, frozenset, dict)):
+        return _SKIP
+    if isinstance(value, dict):
+        items = [(_plain(k, depth + 1), _plain(v, depth + 1)) for k, v in value.items()]
+        flat = [x for item in items for x in item]
+    else:
+        items = flat = [_plain(v, depth + 1) for v in value]
+    if any(x is _SKIP for x in flat):
+        return _SKIP
+    unordered = isinstance(value, (set, frozenset, dict))
+    return type(value).__name__, frozenset(items) if unordered else tuple(items)
 
 
 def on_inputs(entries) -> list[bool]:

@@ -342,6 +342,12 @@ def test_set_adapter_under_a_compiled_engine_runs_the_new_active_adapter():
     model.set_adapter("b")
     after = [tokens(e) for e in engines]
     assert after[0] == after[1] == before[0]
+    # An engine built now keys its graphs by "b" active (a list on PEFT's layers), and
+    # runs it compiled: not with the graphs traced while "a" was active.
+    fresh = LLMEngine(model, block_size=4, num_blocks=120, max_num_seqs=6,
+                      enable_prefix_caching=False, compile=CAPTURE)
+    assert fresh.runner.traced_adapter == "b"
+    assert tokens(fresh) == before[0]
 
 
 def test_the_compiled_forward_guards_its_inputs_not_the_model():
@@ -363,6 +369,33 @@ def test_the_compiled_forward_guards_its_inputs_not_the_model():
              "dict(type(module._modules['model']).__dict__)['forward']"]
     kept = on_inputs([SimpleNamespace(name=n) for n in names])
     assert kept == [False, False, True, True, True, False, False, False, True, False]
+
+
+def test_the_entry_points_key_sees_what_the_dropped_guards_saw():
+    """`model_state`, the compiled entry point's key, changes with a module's plain
+    attribute, a list or dict of plain values on it (PEFT's active adapters), a hook, the
+    config and the training flag; the same model, unchanged, gives the same key."""
+    from conftest import make_model
+
+    from hf_paged.engine.compiled import model_state
+
+    model = make_model("llama_gqa")
+    attention = model.model.layers[0].self_attn
+    seen = {model_state(model)}
+    assert model_state(model) in seen
+    changes = [lambda: setattr(attention, "tags", ["a"]),
+               lambda: attention.tags.append("b"),
+               lambda: setattr(attention, "table", {"a": 1}),
+               lambda: attention.table.update(a=2),
+               lambda: setattr(attention, "scaling", attention.scaling * 2),
+               lambda: attention.register_forward_pre_hook(lambda *args: None),
+               lambda: setattr(model.config, "rms_norm_eps", 1e-3),
+               lambda: model.train()]
+    for change in changes:
+        change()
+        state = model_state(model)
+        assert state not in seen
+        seen.add(state)
 
 
 def test_a_model_changed_between_compiled_engines_gets_graphs_of_its_own():
