@@ -1,5 +1,5 @@
 """The engine's forward under torch.compile: fullgraph, dynamic token counts, and guards
-that leave the model's weights out, in a code object of the model's own."""
+on the inputs only, in a code object of the model's own keyed by the model's state."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from torch.nn.modules import module as module_hooks
 
 logger = logging.getLogger("hf_paged")
 
-# model -> {(backend, variant, its weights' names, shapes, dtypes, devices): entry point}.
+# model -> {(backend, variant, `model_state`): entry point}.
 # The entry points take the model as an argument: none keeps it alive.
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
