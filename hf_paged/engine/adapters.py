@@ -40,15 +40,10 @@ def as_given(runner) -> str | None:
 
 def forward_adapter(runner, adapter: str | None) -> str | None:
     """What a forward of `adapter`'s requests asks the model for: None to call it as it is
-    (compiled, where it is), or an adapter name for PEFT to pick per row. A compiled
-    forward's graphs hold the adapter active when the engine started (their guards leave
-    the model out): after a `set_adapter`, the newly active one is named per row."""
+    (compiled, where it is), or an adapter name for PEFT to pick per row."""
     if adapter is None and runner.none_means_base:  # (admitted before the model was wrapped)
         adapter = BASE
-    given = as_given(runner)
-    if adapter is None or adapter != given:
-        return adapter
-    return None if runner.compiled is None or given == runner.traced_adapter else adapter
+    return None if adapter is not None and adapter == as_given(runner) else adapter
 
 
 class RuntimeAdapters:

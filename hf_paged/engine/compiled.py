@@ -34,7 +34,7 @@ COMPILE_ERRORS = tuple(e for e in (torch._dynamo.exc.TorchDynamoException,
                        if e is not None)
 
 
-def compile_forward(model, backend: str, variant: tuple = ()):
+def compile_forward(model, backend: str, variant: tuple = (), model_guards: bool = False):
     """`model(**inputs)` compiled with `backend` (fullgraph, dynamic shapes).
 
     variant: what else the traced graphs depend on (the engine's pool dtype, block size
@@ -55,9 +55,11 @@ def compile_forward(model, backend: str, variant: tuple = ()):
     this model's own: engines on the same, unchanged model share its graphs; a model
     changed between engines (a hook added, an attribute or its config set, its weights
     resized) gets graphs of its own, and no other model ever finds graphs whose guards do
-    not look at it.
+    not look at it. model_guards: keep the guards on the model too (not its weights), for
+    a model changed in place while it serves (a PEFT model's adapters are switched,
+    disabled, merged).
     """
-    key = (backend, variant, model_state(model))
+    key = (backend, variant, model_state(model), model_guards)
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))  # (older torch: the latter)
@@ -69,7 +71,8 @@ def compile_forward(model, backend: str, variant: tuple = ()):
         own = types.FunctionType(forward.__code__.replace(), forward.__globals__, "forward",
                                  None, forward.__closure__)
         compiled[key] = torch.compile(own, fullgraph=True, dynamic=True, backend=backend,
-                                      options={"guard_filter_fn": on_inputs})
+                                      options={"guard_filter_fn": not_on_weights
+                                               if model_guards else on_inputs})
     return functools.partial(compiled[key], model)
 
 
@@ -110,6 +113,12 @@ def _plain(value, depth: int = 0):
         return _SKIP
     unordered = isinstance(value, (set, frozenset, dict))
     return type(value).__name__, frozenset(items) if unordered else tuple(items)
+
+
+def not_on_weights(entries) -> list[bool]:
+    """Keeps every guard but those on a parameter or buffer (the engine holds the same
+    tensors for its life and refuses adapter loads under compile)."""
+    return ["._parameters[" not in e.name and "._buffers[" not in e.name for e in entries]
 
 
 def on_inputs(entries) -> list[bool]:

@@ -36,7 +36,7 @@ from ..kv.placement import group_layers
 from ..kv import quant
 from ..kv.pool import KVPool, block_bytes
 from ..utils import cdiv
-from .adapters import as_given, forward_adapter
+from .adapters import forward_adapter
 from .compiled import COMPILE_ERRORS, compile_forward, run_eagerly, symbolic_sizes
 from .graphs import DecodeGraphs, wants_graphs
 
@@ -259,7 +259,6 @@ class ModelRunner:
         self.access = PoolAccess(self.pool, backend, num_heads, spec.windows, spec.latent,
                                  attention_features(base), self.groups)
         self.compiled = self._compile(compile)  # None: eager forwards
-        self.traced_adapter = as_given(self)  # the one a compiled forward's graphs hold
         self.device_table = DeviceBlockTable(self.max_num_seqs,
                                              cdiv(self.max_model_len, self.block_size),
                                              self.kv_device, self.groups.num_groups,
@@ -281,7 +280,9 @@ class ModelRunner:
         backend = "inductor" if compile is True else compile
         variant = (self.pool.dtype, self.pool.kv_dtype, self.block_size,
                    *(b.name for b in self.access.backends))
-        return compile_forward(self.model, backend, variant)
+        # A PEFT model's adapters are switched, disabled or merged in place while it
+        # serves: its graphs keep the guards on the model.
+        return compile_forward(self.model, backend, variant, model_guards=bool(self.adapters))
 
     def _pool_blocks(self, num_blocks, kv_cache_bytes, utilization, per_layer,
                      placement) -> int:
