@@ -116,8 +116,9 @@ def _plain(value, depth: int = 0):
 
 
 def not_on_weights(entries) -> list[bool]:
-    """Keeps every guard but those on a parameter or buffer (the engine holds the same
-    tensors for its life and refuses adapter loads under compile)."""
+    """Keeps every guard but those on a parameter or buffer: the filter of a model changed
+    in place while it serves (`model_guards`), whose weights the engine still holds for its
+    life (adapter loads are refused under compile)."""
     return ["._parameters[" not in e.name and "._buffers[" not in e.name for e in entries]
 
 
