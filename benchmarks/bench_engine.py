@@ -381,6 +381,8 @@ def main():
                         help="model and KV dtype (float32)")
     parser.add_argument("--model-size", default="168m", choices=["168m", "7b"],
                         help="random Llama shape: ~168M (hidden 1024, 8 layers) or Llama-7B-like")
+    parser.add_argument("--max-num-batched-tokens", type=int,
+                        help="the engine rows' token budget per step (the engine's default)")
     parser.add_argument("--out", help="also write the rows as JSON here")
     for flag, text in (
             ("--python-calls", "only count Python calls per sequence per decode step outside "
@@ -483,20 +485,23 @@ def main():
         methods = [m for m in ("engine", *policies, "engine, torch attention",
                                "transformers-cb") if m.split(",")[0] in methods]
         args.no_prefix_section = True
+    engine_options = dict(overlap)
+    if args.max_num_batched_tokens:
+        engine_options["max_num_batched_tokens"] = args.max_num_batched_tokens
     runners = {
-        "engine": lambda: run_engine(model, requests, budget, args.block_size, **overlap),
+        "engine": lambda: run_engine(model, requests, budget, args.block_size, **engine_options),
         "engine, no headroom": lambda: run_engine(model, requests, budget, args.block_size,
-                                                  admission_headroom=0, **overlap),
+                                                  admission_headroom=0, **engine_options),
         "engine, swap": lambda: run_engine(model, requests, budget, args.block_size,
-                                           preemption_mode="swap", **overlap),
+                                           preemption_mode="swap", **engine_options),
         # The same bytes hold 4x the tokens of float32 (not token for token the same).
         "engine, int8 KV": lambda: run_engine(model, requests, budget, args.block_size,
-                                              kv_cache_dtype="int8", **overlap),
+                                              kv_cache_dtype="int8", **engine_options),
         "engine, torch attention": lambda: run_engine(model, requests, budget, args.block_size,
-                                                      backend="torch", **overlap),
+                                                      backend="torch", **engine_options),
         # (GPU) decode steps replayed from CUDA graphs of the eager forward.
         "engine-cuda-graphs": lambda: run_engine(model, requests, budget, args.block_size,
-                                                 cuda_graphs=True, **overlap),
+                                                 cuda_graphs=True, **engine_options),
         "transformers-cb": lambda: run_transformers_cb(model, requests, budget, args.block_size),
         "static-dynamic": lambda: run_static(model, requests, budget, args.block_size, False),
         "static-paged": lambda: run_static(model, requests, budget, args.block_size, True),
