@@ -46,6 +46,22 @@ def forward_adapter(runner, adapter: str | None) -> str | None:
     return None if adapter is not None and adapter == as_given(runner) else adapter
 
 
+def drop_row_hooks(model) -> None:
+    """After a forward naming adapters per row raised: PEFT hands the names to its layers
+    through pre-hooks that it removes after the forward, but not when the forward raises (a
+    merged adapter, ...). Left in place, they would run the failed forward's adapters in
+    every later forward of the model."""
+    from peft.tuners.lora import model as lora
+
+    stale = {getattr(lora, name, None) for name in (
+        "_adapter_names_pre_forward_hook", "_alora_offsets_pre_forward_hook")} - {None}
+    for module in model.modules():
+        hooks = module._forward_pre_hooks
+        for key in [k for k, h in hooks.items() if getattr(h, "func", None) in stale]:
+            del hooks[key]
+            module._forward_pre_hooks_with_kwargs.pop(key, None)
+
+
 class RuntimeAdapters:
     """The engine's adapters, changeable at runtime."""
 

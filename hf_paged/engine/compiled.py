@@ -57,7 +57,7 @@ def compile_forward(model, backend: str, variant: tuple = (), model_guards: bool
     resized) gets graphs of its own, and no other model ever finds graphs whose guards do
     not look at it. model_guards: keep the guards on the model too (not its weights), for
     a model changed in place while it serves (a PEFT model's adapters are switched,
-    disabled, merged).
+    disabled, merged); its calls then guard hooks too (`symbolic_sizes(hook_guards=True)`).
     """
     key = (backend, variant, model_state(model), model_guards)
     config = torch._dynamo.config
@@ -133,18 +133,25 @@ _INPUT = re.compile(r"(L\[')?inputs\b")  # (torch 2.13 names it inputs[..], olde
 
 
 @contextlib.contextmanager
-def symbolic_sizes():
+def symbolic_sizes(hook_guards: bool = False):
     """How a compiled forward's shapes are traced: a size of 1 or one equal to another
     (1 decode row, a pool as large as the step) is as symbolic as any other, so that step
     sizes do not each compile a graph of their own (a few cover every step: decodes only,
     prompt chunks only, both). Entered around every compiled call (any call may trace),
-    so set and restored by hand: `fx_config.patch` costs twice as much."""
+    so set and restored by hand: `fx_config.patch` costs twice as much.
+    hook_guards: the graphs traced also guard the modules' hooks, which Dynamo leaves
+    unguarded by default (a `model_guards` model's hooks change while it serves)."""
+    dynamo = torch._dynamo.config
     old = fx_config.backed_size_oblivious, fx_config.use_duck_shape
     fx_config.backed_size_oblivious, fx_config.use_duck_shape = True, False
+    if hook_guards:
+        skipped, dynamo.skip_nnmodule_hook_guards = dynamo.skip_nnmodule_hook_guards, False
     try:
         yield
     finally:
         fx_config.backed_size_oblivious, fx_config.use_duck_shape = old
+        if hook_guards:
+            dynamo.skip_nnmodule_hook_guards = skipped
 
 
 def run_eagerly(runner, err: BaseException) -> None:

@@ -36,7 +36,7 @@ from ..kv.placement import group_layers
 from ..kv import quant
 from ..kv.pool import KVPool, block_bytes
 from ..utils import cdiv
-from .adapters import forward_adapter
+from .adapters import drop_row_hooks, forward_adapter
 from .compiled import COMPILE_ERRORS, compile_forward, run_eagerly, symbolic_sizes
 from .graphs import DecodeGraphs, wants_graphs
 
@@ -398,14 +398,20 @@ class ModelRunner:
             model = self.compiled
         paged_kv = self.access.forward(metas[0], group_metas=metas)
         with torch.inference_mode(), paged_attention(self.base), self._tracing():
-            out = model(input_ids=ids[None], position_ids=positions[None],
-                        past_key_values=paged_kv, use_cache=True, logits_to_keep=keep,
-                        **{KWARG: paged_kv}, **extra)
+            try:
+                out = model(input_ids=ids[None], position_ids=positions[None],
+                            past_key_values=paged_kv, use_cache=True, logits_to_keep=keep,
+                            **{KWARG: paged_kv}, **extra)
+            except BaseException:
+                if extra:
+                    drop_row_hooks(model)
+                raise
         return out.logits[0]
 
     def _tracing(self):
         """How a compiled forward's shapes are traced (`symbolic_sizes`)."""
-        return contextlib.nullcontext() if self.compiled is None else symbolic_sizes()
+        return contextlib.nullcontext() if self.compiled is None else \
+            symbolic_sizes(hook_guards=bool(self.adapters))
 
     # -- tensor parallelism ------------------------------------------------------------------
     def broadcast(self, message) -> None:

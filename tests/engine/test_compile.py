@@ -347,6 +347,36 @@ def test_set_adapter_under_a_compiled_engine_runs_the_new_active_adapter():
     assert tokens(fresh) == before[0]
 
 
+def test_a_hook_added_to_a_peft_model_while_it_serves_reaches_its_compiled_forward():
+    """A PEFT model's graphs follow it as it changes in place, hooks included (Dynamo leaves
+    module hooks unguarded by default): after a hook forcing token 7 on the head, the
+    compiled engine gives the eager engine's sevens, and after it is removed, the tokens of
+    before."""
+    from test_engine import two_adapter_model
+
+    model = two_adapter_model("a", "b")
+    prompt = random_prompts(5, 1, 6, 6)[0]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    engines = [LLMEngine(model, block_size=4, num_blocks=60, enable_prefix_caching=False,
+                         compile=compile) for compile in (False, CAPTURE)]
+
+    def tokens():
+        result = []
+        for engine in engines:
+            engine.add_request("r", prompt, params)
+            result.append(run_engine(engine, [], [])["r"].outputs[0].token_ids)
+        return result
+
+    before = tokens()
+    assert before[0] == before[1] and before[0] != [7] * 5
+    head = model.base_model.model.lm_head
+    hook = head.register_forward_hook(lambda m, a, out: out.index_fill(-1, torch.tensor([7]), 1e4))
+    assert tokens() == [[7] * 5] * 2
+    hook.remove()
+    assert tokens() == before
+    assert engines[1].runner.compiled is not None  # (compiled all along)
+
+
 def test_the_compiled_forward_guards_its_inputs_not_the_model():
     """The guards a compiled forward re-checks every call keep the inputs (ids, positions,
     the metadata: what tells one step's graph from another's) and the ambient state

@@ -341,3 +341,22 @@ def test_adapters_batched_apart_and_prefix_cache_kept_apart():
     assert engine.stats().prefix_cache_hit_tokens == before + 72
     with pytest.raises(ValueError, match="unknown adapter"):
         engine.add_request("x", prompt, params, adapter="c")
+
+
+def test_a_forward_failing_inside_peft_leaves_no_adapter_behind():
+    """PEFT passes a forward's per-row adapters to its layers through pre-hooks that it
+    removes after the forward, but not when the forward raises (here: adapter "b" named while
+    the model's adapters are merged). Left in place, they ran "b" in every later forward:
+    the failed request fails alone, and the next requests run their own adapters."""
+    model = two_adapter_model("a", "b")
+    prompt = [5, 17, 33, 40, 8, 61, 22]
+    refs = adapter_refs(model, prompt, 6)
+    llm = LLM(model, block_size=4, num_blocks=100)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    model.merge_adapter()
+    failed = llm.generate([prompt], params, use_tqdm=False, adapter=["b"])[0]
+    assert failed.error is not None and "merged" in failed.error
+    model.unmerge_adapter()
+    assert sum(len(m._forward_pre_hooks) for m in model.modules()) == 0
+    outs = llm.generate([prompt] * 2, params, use_tqdm=False, adapter=[None, "b"])
+    assert [o.outputs[0].token_ids for o in outs] == [refs["a"], refs["b"]]
