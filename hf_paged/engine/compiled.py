@@ -3,7 +3,6 @@ on the inputs only, in a code object of the model's own keyed by the model's sta
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import logging
@@ -57,7 +56,7 @@ def compile_forward(model, backend: str, variant: tuple = (), model_guards: bool
     resized) gets graphs of its own, and no other model ever finds graphs whose guards do
     not look at it. model_guards: keep the guards on the model too (not its weights), for
     a model changed in place while it serves (a PEFT model's adapters are switched,
-    disabled, merged); its calls then guard hooks too (`symbolic_sizes(hook_guards=True)`).
+    disabled, merged), whose graphs guard its modules' hooks too (`_traced`).
     """
     key = (backend, variant, model_state(model), model_guards)
     config = torch._dynamo.config
@@ -73,7 +72,7 @@ def compile_forward(model, backend: str, variant: tuple = (), model_guards: bool
         compiled[key] = torch.compile(own, fullgraph=True, dynamic=True, backend=backend,
                                       options={"guard_filter_fn": not_on_weights
                                                if model_guards else on_inputs})
-    return functools.partial(compiled[key], model)
+    return functools.partial(_traced, compiled[key], model, model_guards)
 
 
 def model_state(model) -> tuple:
@@ -132,22 +131,20 @@ def on_inputs(entries) -> list[bool]:
 _INPUT = re.compile(r"(L\[')?inputs\b")  # (torch 2.13 names it inputs[..], older L['inputs'][..])
 
 
-@contextlib.contextmanager
-def symbolic_sizes(hook_guards: bool = False):
-    """How a compiled forward's shapes are traced: a size of 1 or one equal to another
-    (1 decode row, a pool as large as the step) is as symbolic as any other, so that step
-    sizes do not each compile a graph of their own (a few cover every step: decodes only,
-    prompt chunks only, both). Entered around every compiled call (any call may trace),
-    so set and restored by hand: `fx_config.patch` costs twice as much.
-    hook_guards: the graphs traced also guard the modules' hooks, which Dynamo leaves
-    unguarded by default (a `model_guards` model's hooks change while it serves)."""
+def _traced(entry, model, hook_guards: bool, **inputs):
+    """`entry(model, **inputs)` with the settings its graphs are traced under: a size of 1
+    or one equal to another (1 decode row, a pool as large as the step) is as symbolic as
+    any other, so that step sizes do not each compile a graph of their own (a few cover
+    every step: decodes only, prompt chunks only, both); hook_guards: module hooks are
+    guarded too, which Dynamo leaves out by default. Any call may trace, so they are set
+    around every call, by hand: `fx_config.patch` costs twice as much."""
     dynamo = torch._dynamo.config
     old = fx_config.backed_size_oblivious, fx_config.use_duck_shape
     fx_config.backed_size_oblivious, fx_config.use_duck_shape = True, False
     if hook_guards:
         skipped, dynamo.skip_nnmodule_hook_guards = dynamo.skip_nnmodule_hook_guards, False
     try:
-        yield
+        return entry(model, **inputs)
     finally:
         fx_config.backed_size_oblivious, fx_config.use_duck_shape = old
         if hook_guards:

@@ -10,7 +10,6 @@ above 0 of a tensor-parallel group build only this (see distributed/tensor_paral
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
@@ -37,7 +36,7 @@ from ..kv import quant
 from ..kv.pool import KVPool, block_bytes
 from ..utils import cdiv
 from .adapters import drop_row_hooks, forward_adapter
-from .compiled import COMPILE_ERRORS, compile_forward, run_eagerly, symbolic_sizes
+from .compiled import COMPILE_ERRORS, compile_forward, run_eagerly
 from .graphs import DecodeGraphs, wants_graphs
 
 logger = logging.getLogger("hf_paged")
@@ -397,7 +396,7 @@ class ModelRunner:
         elif self.compiled is not None:
             model = self.compiled
         paged_kv = self.access.forward(metas[0], group_metas=metas)
-        with torch.inference_mode(), paged_attention(self.base), self._tracing():
+        with torch.inference_mode(), paged_attention(self.base):
             try:
                 out = model(input_ids=ids[None], position_ids=positions[None],
                             past_key_values=paged_kv, use_cache=True, logits_to_keep=keep,
@@ -407,11 +406,6 @@ class ModelRunner:
                     drop_row_hooks(model)
                 raise
         return out.logits[0]
-
-    def _tracing(self):
-        """How a compiled forward's shapes are traced (`symbolic_sizes`)."""
-        return contextlib.nullcontext() if self.compiled is None else \
-            symbolic_sizes(hook_guards=bool(self.adapters))
 
     # -- tensor parallelism ------------------------------------------------------------------
     def broadcast(self, message) -> None:
