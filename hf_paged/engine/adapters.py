@@ -1,8 +1,9 @@
 """LoRA adapters loaded and unloaded while the engine runs (vLLM's runtime LoRA updates).
 
 `load` adds a PEFT LoRA adapter from a folder: into the PEFT model the engine serves, or,
-for a plain model, by wrapping it in one (requests without an adapter then keep running on
-the base model). `unload` is two-phased: the adapter first stops taking new requests; it
+for a plain model, by wrapping the engine's own copy of its modules (sharing its weights)
+in one: requests without an adapter keep running on the base model, and so does the
+caller's model object, which PEFT never touches. `unload` is two-phased: the adapter first stops taking new requests; it
 is deleted, and its prefix-cache blocks dropped (a later adapter of the same name must not
 find them), only once no request of it is left. Everything here runs between steps on the
 engine's thread; a forward never sees an adapter change under it.
@@ -10,7 +11,12 @@ engine's thread; a forward never sees an adapter change under it.
 
 from __future__ import annotations
 
+import copy
+import functools
 import os
+import types
+
+import torch
 
 from ..core.prefix_cache import namespace
 from ..errors import InvalidRequestError, UnsupportedModelError
@@ -105,8 +111,13 @@ class RuntimeAdapters:
             if hasattr(runner.model, "load_adapter") and hasattr(runner.model, "peft_config"):
                 runner.model.load_adapter(path, adapter_name=name)
             else:  # a plain model: wrapped, its requests without an adapter stay on the base
-                runner.model = PeftModel.from_pretrained(runner.model, path, adapter_name=name)
-                runner.model.eval()
+                trainable = [(p, p.requires_grad) for p in runner.model.parameters()]
+                try:  # (PEFT freezes every base parameter: shared with the caller's model)
+                    runner.model = PeftModel.from_pretrained(
+                        private_copy(runner.model), path, adapter_name=name).eval()
+                finally:
+                    for parameter, flag in trainable:
+                        parameter.requires_grad_(flag)
                 runner.none_means_base = True
             runner.adapters.append(name)
             check_side_by_side(runner)
@@ -145,7 +156,8 @@ class RuntimeAdapters:
         if not runner.model.peft_config:
             # The last one: back to the plain model. (PEFT keeps the deleted adapter as the
             # active one, and every forward after a later load then fails on its name.)
-            runner.model = runner.model.base_model.unload().eval()
+            runner.model = runner.base if runner.none_means_base else \
+                runner.model.base_model.unload().eval()
             runner.none_means_base = False
             self.engine.model = runner.model
         for adapter in (name, None):  # every salt of it; None: blocks of the sum of several
@@ -163,8 +175,6 @@ def check_side_by_side(runner) -> None:
     PEFT cannot run some adapters beside others: a DoRA adapter named per row, or an
     adapter beside one with `modules_to_save`. Refused when loaded, they would fail every
     request of theirs instead."""
-    import torch
-
     ids = torch.zeros(1, 1, dtype=torch.long, device=runner.device)
     for adapter in [default_adapter(runner), *runner.adapters]:
         name = forward_adapter(runner, adapter)
@@ -180,6 +190,41 @@ def check_side_by_side(runner) -> None:
                 "per request only if it is LoRA without DoRA and no adapter loaded beside it "
                 "has modules_to_save. Serve it apart, or load it first (the first adapter "
                 "runs unnamed).") from err
+
+
+def private_copy(model):
+    """A copy of `model`'s module tree for PEFT to put adapter layers into: new module
+    objects sharing every parameter, buffer and config with `model`. Each copy's dicts,
+    lists and sets are copied, with references to modules of the tree turned into the
+    copies' and methods and partials bound to a module (accelerate's device hooks) rebound
+    to its copy."""
+    copies = {id(m): object.__new__(type(m)) for m in model.modules()}
+
+    def mapped(value, module):
+        if isinstance(value, (dict, list, set)):
+            container = copy.copy(value)  # (its own type: OrderedDict, defaultdict, ...)
+            container.clear()
+            if isinstance(value, dict):
+                container.update((k, mapped(v, module)) for k, v in value.items())
+            elif isinstance(value, set):
+                container.update(mapped(v, module) for v in value)
+            else:
+                container.extend(mapped(v, module) for v in value)
+            return container
+        if isinstance(value, torch.nn.Module):
+            return copies.get(id(value), value)
+        if isinstance(value, types.MethodType) and value.__self__ is module:
+            return types.MethodType(value.__func__, copies[id(module)])
+        if isinstance(value, functools.partial) and value.args and value.args[0] is module:
+            bound = functools.partial(value.func, copies[id(module)], *value.args[1:],
+                                      **value.keywords)
+            return functools.update_wrapper(bound, value)
+        return value
+
+    for module in model.modules():
+        copies[id(module)].__dict__.update(
+            (key, mapped(value, module)) for key, value in module.__dict__.items())
+    return copies[id(model)]
 
 
 def _snapshot(model) -> list:

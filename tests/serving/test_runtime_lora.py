@@ -280,3 +280,50 @@ def test_adapters_peft_cannot_run_side_by_side_are_refused(adapters, first, seco
         engine.lora.load(name, adapters[name])
     for name in (second, first):
         assert engine_text(engine, name, name) == stock(PROMPT, adapters[name])
+
+
+def test_a_runtime_adapter_stays_out_of_the_callers_model(adapters):
+    """An adapter loaded at runtime into an engine serving a plain model goes into the
+    engine's own copy of the model's modules (sharing its weights): the caller's model
+    object, which it may still call itself or give to another engine, keeps running the base
+    model, with its parameters' settings as they were."""
+    model = make_model("llama_gqa")
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        before = model(ids).logits
+    trainable = [p.requires_grad for p in model.parameters()]
+    modules = dict(model.named_modules())
+    engine = LLMEngine(model, block_size=4, num_blocks=200)
+    other = LLMEngine(model, block_size=4, num_blocks=200)
+    engine.lora.load("a", adapters["a"])
+    assert dict(model.named_modules()) == modules  # no PEFT layer put in
+    assert [p.requires_grad for p in model.parameters()] == trainable
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
+    assert engine_text(engine, "a") == stock(PROMPT, adapters["a"])
+    assert engine_text(engine) == stock(PROMPT)
+    assert engine_text(other) == stock(PROMPT)
+    engine.lora.load("b", adapters["b"])
+    assert engine_text(engine, "b") == stock(PROMPT, adapters["b"])
+    for name in ("a", "b"):
+        engine.lora.begin_unload(name)
+        engine.lora.finish_unload(name)
+    assert engine.runner.model is model and dict(model.named_modules()) == modules
+    assert engine_text(engine) == stock(PROMPT)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
+
+
+def test_a_runtime_adapter_runs_in_a_model_with_device_hooks(adapters):
+    """accelerate's device hooks (a `device_map` model) bind each hooked module's forward to
+    the module: the engine's copy rebinds them to the copy, so its adapter layers run."""
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    model = make_model("llama_gqa")
+    for module in (model, model.model, *model.model.layers):
+        add_hook_to_module(module, AlignDevicesHook(execution_device="cpu", io_same_device=True))
+    engine = LLMEngine(model, block_size=4, num_blocks=200)
+    engine.lora.load("a", adapters["a"])
+    assert engine_text(engine, "a") == stock(PROMPT, adapters["a"])
+    assert engine_text(engine) == stock(PROMPT)
+    assert model.forward.args[0] is model and model.forward.__wrapped__.__self__ is model
