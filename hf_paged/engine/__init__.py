@@ -16,12 +16,12 @@ def run_worker(model, **options) -> None:
     runner_options, scheduler_options = engine_options(options)
     runner = ModelRunner(model, **runner_options,
                          max_num_batched_tokens=scheduler_options.get("max_num_batched_tokens"))
-    step_budget(runner, scheduler_options.get("max_num_batched_tokens"),
-                runner_options.get("preemption_mode", "recompute"),
-                scheduler_options.get("admission_headroom", 1.0),
-                scheduler_options.get("async_scheduling", False),
-                scheduler_options.get("enable_prefix_caching", True))
-    Speculator.build(scheduler_options.get("speculative_config"), runner)  # (checked only)
+    budget = step_budget(runner, scheduler_options.get("max_num_batched_tokens"),
+                         runner_options.get("preemption_mode", "recompute"),
+                         scheduler_options.get("admission_headroom", 1.0),
+                         scheduler_options.get("async_scheduling", False),
+                         scheduler_options.get("enable_prefix_caching", True))
+    Speculator.build(scheduler_options.get("speculative_config"), runner, budget)  # (checked)
     runner.worker_loop()
 
 

@@ -5,7 +5,9 @@ The draft keeps, per block-table row of the target, the K/V of the tokens it has
 Before each step it catches up on the tokens the target kept since (one packed forward over
 all speculating sequences, the newest token included, whose logits give the first draft),
 then runs k - 1 one-token forwards for the other drafts. Next time, its K/V is trusted up to
-the first draft the target did not keep; the rest of its row is given back.
+the first draft the target did not keep; the rest of its row is given back. A catch-up
+forward keeps to the step's token budget, as the target's forwards do: a long prompt is
+caught up on in chunks over several steps, and its sequence drafts once it has caught up.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def load_draft(model, dtype: torch.dtype, device: torch.device):
 
 
 class DraftProposer:
-    def __init__(self, config, target: ModelRunner):
+    def __init__(self, config, target: ModelRunner, budget: int):
         if target.tp_size > 1 or not target.pool.placement.is_single:
             raise ValueError("the draft_model method runs on one device; this model is split "
                              "(tensor parallelism or device_map). Use the ngram method.")
@@ -56,6 +58,7 @@ class DraftProposer:
                 f"({self.vocab}); a draft model must share the target's tokenizer.")
         self.tables = GroupedTables(self.runner.pool.blocks, self.runner.groups,
                                     target.max_num_seqs)
+        self.budget = budget  # tokens per catch-up forward
         rows = target.max_num_seqs
         self.owner: list[int | None] = [None] * rows  # seq_id whose K/V a row holds
         self.base: list[int] = [0] * rows  # tokens known before its last drafts
@@ -72,15 +75,21 @@ class DraftProposer:
         if not chosen:
             return [[] for _ in seqs]
         f = Forward(None)  # catching up, through the newest token (its logits: draft 1)
-        for seq, _, start in chosen:
+        for seq, _, start, end in chosen:
             f.rows.append(seq.row)
             f.context.append(start)
-            f.counts.append(seq.num_tokens - start)
-            f.ids += seq.tokens(start, seq.num_tokens)
-            f.positions += range(start, seq.num_tokens)
+            f.counts.append(end - start)
+            f.ids += seq.tokens(start, end)
+            f.positions += range(start, end)
             f.last.append(len(f.ids) - 1)
-        drafts = [[t] for t in self._greedy(f)]
-        for j in range(1, max(k for _, k, _ in chosen)):  # then a token at a time
+        caught_up = []  # (sequence, k, its first draft)
+        for (seq, k, _, end), first in zip(chosen, self._greedy(f)):
+            if end == seq.num_tokens:
+                caught_up.append((seq, k, first))
+            else:  # a chunk of its catch-up: no draft yet
+                self.base[seq.row], self.drafted[seq.row] = end, []
+        chosen, drafts = caught_up, [[first] for _, _, first in caught_up]
+        for j in range(1, max((k for _, k, _ in chosen), default=0)):  # a token at a time
             going = [i for i, (_, k, _) in enumerate(chosen) if k > j]
             f = Forward(None)
             for i in going:
@@ -117,21 +126,26 @@ class DraftProposer:
         return valid
 
     def _fit(self, pairs: list) -> list[tuple]:
-        """(sequence, k, tokens its row holds) for those whose catch-up and drafts fit in
+        """(sequence, k, tokens its row holds, tokens it will hold after the catch-up) for
+        those whose catch-up (whole, or the chunk the token budget leaves) and drafts fit in
         the draft's pool now; room is made for them."""
         counts = [0] * self.tables.num_rows
         chosen = []
-        free = self.runner.pool.blocks.num_free
+        free, budget = self.runner.pool.blocks.num_free, self.budget
         narrow = self.draft_vocab < self.vocab  # (embeddings padded to another size)
         for seq, k in pairs:
+            if budget == 0:
+                break
             start = self._valid(seq)
-            if narrow and max(seq.tokens(start, seq.num_tokens)) >= self.draft_vocab:
+            end = min(seq.num_tokens, start + budget)
+            if narrow and max(seq.tokens(start, end)) >= self.draft_vocab:
                 continue  # a token the draft cannot embed: this sequence goes undrafted
-            counts[seq.row] = seq.num_tokens + k - 1 - start
+            counts[seq.row] = end - start + (k - 1 if end == seq.num_tokens else 0)
             if self.tables.blocks_needed(counts) > free:
                 counts[seq.row] = 0  # (its row keeps what it holds)
                 continue
-            chosen.append((seq, k, start))
+            budget -= end - start
+            chosen.append((seq, k, start, end))
         plan = self.tables.append(counts)
         assert not plan.copies  # rows never share blocks here: nothing to copy on write
         self.runner.device_table.apply(plan.entries)

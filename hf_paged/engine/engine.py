@@ -115,7 +115,8 @@ class LLMEngine:
                                    None, enable_prefix_caching, preemption_mode,
                                    None if self.cpu_pool is None else self.cpu_pool.blocks,
                                    runner.groups, admission_headroom)
-        self.speculator = Speculator.build(speculative_config, runner)
+        self.speculator = Speculator.build(speculative_config, runner,
+                                           self.max_num_batched_tokens)
         if async_scheduling and self.speculator is not None:
             # Proposals follow each step's tokens, so the host must see them first.
             logger.warning("hf-paged: speculative decoding plans each step after the last "

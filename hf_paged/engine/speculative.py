@@ -29,15 +29,21 @@ When speculation stops paying it stands down:
   as the latest sequence to fail was;
 - engine-wide: while more than `disable_by_batch_size` sequences run, nothing is proposed
   (a step that large is compute-bound: verifying k more tokens each costs more than it saves).
+
+Drafts are guesses, so no request fails for want of one: where a proposal raises (a draft
+model's forward failing on some sequence's tokens), the sequences it fails on alone are
+found by halves and decode without speculation from then on; the others draft as before.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from ..core.sequence import Sequence, SeqStatus
 from .sampler import SampleResult, SampleRow
 
+logger = logging.getLogger("hf_paged")
 METHODS = ("ngram", "draft_model")
 
 
@@ -150,10 +156,11 @@ class NgramProposer:
 class _Track:
     """A sequence's speculation state (opaque to the scheduler: `Sequence.speculation`)."""
 
-    __slots__ = ("average", "pause", "backoff", "seen", "indexed")
+    __slots__ = ("average", "pause", "backoff", "seen", "indexed", "failed")
 
     def __init__(self, average: float = 1.0, pause: int = 0, backoff: int = 4):
         self.average, self.pause, self.backoff = average, pause, backoff  # the turn-down rule's
+        self.failed = False  # its proposal raised: it speculates no more
         self.seen: dict[int, list[int]] = {}  # ngram: token -> its positions
         self.indexed = 0  # tokens entered in `seen`
 
@@ -181,15 +188,16 @@ class Speculator:
         self.recent, self.recent_backoff = 1.0, 4  # over all sequences: new ones start here
 
     @classmethod
-    def build(cls, value, runner) -> "Speculator | None":
-        """The engine's speculator for a user's `speculative_config` (None: none)."""
+    def build(cls, value, runner, budget: int) -> "Speculator | None":
+        """The engine's speculator for a user's `speculative_config` (None: none); `budget`:
+        the step's token budget, which a draft model's forwards keep to as well."""
         config = SpeculativeConfig.of(value)
         if config is None:
             return None
         if config.method == "ngram":
             return cls(config, NgramProposer(config))
         from .draft import DraftProposer
-        return cls(config, DraftProposer(config, runner))
+        return cls(config, DraftProposer(config, runner, budget))
 
     def counters(self) -> dict[str, int]:
         return {"spec_proposed_tokens": self.proposed, "spec_accepted_tokens": self.accepted,
@@ -210,6 +218,8 @@ class Speculator:
                 state = seq.speculation = _Track(
                     self.recent, self.recent_backoff if failing else 0,
                     self.recent_backoff if failing else 4)
+            if state.failed:
+                continue
             if state.pause:
                 state.pause -= 1
                 continue
@@ -224,11 +234,27 @@ class Speculator:
                 ks.append(k)
         if not seqs:
             return
-        for seq, draft in zip(seqs, self.proposer.propose(seqs, ks, running)):
+        for seq, draft in zip(seqs, self._drafts(seqs, ks, running)):
             grammar = seq.sampling[0].grammar
             if grammar is not None and draft:  # only drafts its constraint allows
                 draft = draft[:grammar.allows(draft)]
             seq.draft[:] = draft
+
+    def _drafts(self, seqs: list[Sequence], ks: list[int], running) -> list[list[int]]:
+        """The proposer's drafts for `seqs`; where it raises, proposed again by halves, and a
+        sequence it fails on alone is marked to speculate no more."""
+        try:
+            return self.proposer.propose(seqs, ks, running)
+        except Exception as err:  # noqa: BLE001 (whatever the draft model raises)
+            if len(seqs) == 1:
+                seqs[0].speculation.failed = True
+                logger.warning("hf-paged: proposing drafts for sequence %s failed (%s: %s); it "
+                               "decodes without speculation.", seqs[0].seq_id,
+                               type(err).__name__, err)
+                return [[]]
+            half = len(seqs) // 2
+            return (self._drafts(seqs[:half], ks[:half], running)
+                    + self._drafts(seqs[half:], ks[half:], running))
 
     def expand(self, items: list, rows: list[SampleRow], owners: list[tuple],
                index: list[int]) -> Verification:

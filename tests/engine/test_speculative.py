@@ -224,6 +224,66 @@ def test_a_draft_with_fewer_embeddings_leaves_out_tokens_it_cannot_embed():
     assert engine.stats().spec_proposed_tokens > 0 and engine.stats().blocks_used == 0
 
 
+def test_a_draft_model_failing_on_one_sequence_fails_no_request(caplog):
+    """A draft model whose forward raises on one sequence's tokens failed the whole step, so
+    every request in flight. Now that sequence decodes without drafts, found by halves, and
+    the others draft as before; every request keeps its stock tokens."""
+    model = long_model("llama_gqa")
+    draft = make_model("llama_gqa", seed=4, num_hidden_layers=1, max_position_embeddings=1400)
+    inner = draft.forward
+
+    def forward(*args, input_ids=None, **kwargs):
+        if input_ids is not None and bool((input_ids == 77).any()):
+            raise RuntimeError("poisoned draft forward")
+        return inner(*args, input_ids=input_ids, **kwargs)
+
+    draft.forward = forward
+    prompts = [[t if t != 77 else 76 for t in p] for p in repetitive_prompts(3, 5)]
+    prompts.append([5, 6, 77, 5, 6, 77, 5, 6])
+    engine = LLMEngine(model, block_size=4, num_blocks=120,
+                       speculative_config=dict(method="draft_model", model=draft,
+                                               num_speculative_tokens=3, min_acceptance=0.0))
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    with caplog.at_level("WARNING", logger="hf_paged"):
+        done = run_engine(engine, prompts, params)
+    for i, p in enumerate(prompts):
+        assert done[str(i)].outputs[0].token_ids == stock_greedy(model, p, 10)
+        assert done[str(i)].outputs[0].finish_reason == "length"
+    assert "poisoned draft forward" in caplog.text
+    assert engine.stats().spec_proposed_tokens > 0 and engine.stats().blocks_used == 0
+
+
+def test_a_draft_model_catches_up_within_the_step_budget():
+    """A draft model caught up on a long prompt in one forward of all its tokens, whatever
+    max_num_batched_tokens said; now in chunks of the budget over several steps, after
+    which the sequence drafts (the target as its own draft: every draft kept)."""
+    model = long_model("llama_gqa")
+    engine = LLMEngine(model, block_size=4, num_blocks=200, max_num_batched_tokens=32,
+                       speculative_config=dict(method="draft_model", model=model,
+                                               num_speculative_tokens=3, min_acceptance=0.0))
+    proposer = engine.speculator.proposer
+    sizes, drafted, forward, propose = [], set(), proposer.runner.forward, proposer.propose
+
+    def counted(f, *args, **kwargs):
+        sizes.append(len(f.ids))
+        return forward(f, *args, **kwargs)
+
+    def noted(seqs, *args):
+        drafts = propose(seqs, *args)
+        drafted.update(len(seq.prompt) for seq, d in zip(seqs, drafts) if d)
+        return drafts
+
+    proposer.runner.forward, proposer.propose = counted, noted
+    prompts = random_prompts(7, 1, 150, 150) + random_prompts(8, 2, 5, 9)
+    done = run_engine(engine, prompts, SamplingParams(temperature=0, max_tokens=40,
+                                                      ignore_eos=True))
+    for i, p in enumerate(prompts):
+        assert done[str(i)].outputs[0].token_ids == stock_greedy(model, p, 40)
+    assert max(sizes) <= 32 and 150 in drafted
+    stats = engine.stats()
+    assert stats.spec_accepted_tokens == stats.spec_proposed_tokens > 0
+
+
 def test_structured_outputs_with_speculation_equal_the_plain_engine():
     """Each verified position is masked as its constraint stands after the drafts before it."""
     model = make_model("llama_gqa", vocab_size=320, eos_token_id=EOS)
