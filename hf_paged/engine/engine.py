@@ -314,8 +314,9 @@ class LLMEngine:
             self.output.land(in_flight, touched)
         for request_id, error in self._aborts.items():
             request = self.requests[request_id]
+            running = not request.finished  # (or its tokens that just landed ended it)
             self.output.end(request, "abort")
-            if error is not None:
+            if error is not None and running:
                 logger.warning("hf-paged: request %s aborted: %s", request_id, error)
                 request.error = error
             touched[request_id] = request

@@ -204,3 +204,29 @@ def test_forking_tokens_land_before_the_next_plan(mode):
             done = run_engine(engine, [], [], aborts=[("r", at)])
             kept.append([(c.token_ids, c.finish_reason) for c in done["r"].outputs])
         assert kept[0] == kept[1], at
+
+
+def test_an_abort_arriving_after_the_last_token_leaves_the_request_as_it_ended():
+    """An abort with a message, asked for while the request's last tokens are in flight:
+    those tokens land first and end it ("length"); it keeps that ending, without the abort's
+    error. Aborted at every step, each run ends either way, never with both."""
+    model = long_model("llama_gqa")
+    prompt = random_prompts(4, 1, 6, 6)[0]
+    ends = set()
+    for at in range(6):
+        engine = LLMEngine(model, block_size=4, num_blocks=64, async_scheduling=True)
+        engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=3,
+                                                       ignore_eos=True))
+        done = {}
+        for step in range(12):
+            if step == at:
+                engine.abort("r", "the client left")
+            done.update((o.request_id, o) for o in engine.step())
+            if not engine.has_unfinished_requests():
+                break
+        out = done["r"]
+        reason = out.outputs[0].finish_reason
+        assert (out.error == "the client left") == (reason == "abort"), (at, reason, out.error)
+        ends.add(reason)
+        assert engine.stats().blocks_used == 0
+    assert ends == {"abort", "length"}
