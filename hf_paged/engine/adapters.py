@@ -147,8 +147,12 @@ class RuntimeAdapters:
         return any(r.adapter in (name, None) and not r.finished
                    for r in self.engine.requests.values())
 
-    def finish_unload(self, name: str) -> None:
-        """Deletes `name` (no request of it left) and drops its prefix-cache blocks."""
+    def finish_unload(self, name: str) -> bool:
+        """Deletes `name` and drops its prefix-cache blocks, once no request of it is left:
+        False (nothing done) while one is. (Checked here, on the stepping thread, not only
+        before: a request prepared before `begin_unload` may be queued after a check.)"""
+        if self.in_use(name):
+            return False
         runner = self.engine.runner
         runner.model.delete_adapter(name)
         runner.adapters.remove(name)
@@ -162,6 +166,7 @@ class RuntimeAdapters:
             self.engine.model = runner.model
         for adapter in (name, None):  # every salt of it; None: blocks of the sum of several
             self.engine.scheduler.prefix.forget(namespace(adapter)[:-1])
+        return True
 
     @property
     def live(self) -> list[str]:

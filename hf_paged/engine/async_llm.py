@@ -285,9 +285,8 @@ class AsyncLLM:
     async def unload_adapter(self, name: str, poll_s: float = 0.05) -> None:
         """Stops `name` taking requests, waits for the ones it has, then deletes it."""
         await self.call(lambda engine: engine.lora.begin_unload(name))
-        while await self.call(lambda engine: engine.lora.in_use(name)):
+        while not await self.call(lambda engine: engine.lora.finish_unload(name)):
             await asyncio.sleep(poll_s)
-        await self.call(lambda engine: engine.lora.finish_unload(name))
 
     def _post(self, kind: str, payload, alive: bool = False) -> None:
         """alive: raise EngineDeadError rather than post what a dead engine would never

@@ -187,6 +187,26 @@ def test_requests_without_an_adapter_hold_the_active_one(adapters):
     assert TOKENIZER.decode(as_base.outputs[0].token_ids) == stock(long_prompt)
 
 
+def test_an_unload_waits_for_a_request_queued_after_it_began(adapters):
+    """A request prepared before `begin_unload` and queued after it (after the last check
+    that the adapter was idle, on a server) runs on its adapter: the unload deletes the
+    adapter only once that request is done (it ran the base model's tokens under the
+    adapter's name)."""
+    engine = LLMEngine(make_model("llama_gqa"), block_size=4, num_blocks=200)
+    engine.lora.load("a", adapters["a"])
+    late = engine.prepare_request("late", PROMPT, SamplingParams(temperature=0, max_tokens=6),
+                                  adapter="a")
+    engine.lora.begin_unload("a")
+    assert not engine.lora.in_use("a")
+    engine.add_prepared(late)
+    assert engine.lora.finish_unload("a") is False and engine.adapters == ["a"]
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o) for o in engine.step())
+    assert TOKENIZER.decode(done["late"].outputs[0].token_ids) == stock(PROMPT, adapters["a"])
+    assert engine.lora.finish_unload("a") is True and engine.adapters == []
+
+
 def test_a_request_prepared_before_its_adapter_was_unloaded_is_refused(adapters):
     """A request checked while its adapter was loaded and queued after the adapter was
     deleted fails by name: it would run the base model and cache blocks under the deleted
