@@ -169,6 +169,72 @@ def test_constraints_compile_once_and_bad_ones_are_refused():
         engine.step()
 
 
+@pytest.mark.parametrize("schema, rule", [
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
+    ({"type": "object", "properties": {"a": {"type": "array", "contains": {"const": 5}}}},
+     "'contains' is not enforced (at the root > properties > a)"),
+    ({"allOf": [{"type": "object", "required": ["a"], "properties": {"a": {}}},
+                {"type": "object", "required": ["b"], "properties": {"b": {}}}]},
+     "'allOf' of more than one"),
+    ({"type": "object", "properties": {"k": {"type": "string"}, "v": {"type": "integer"}},
+      "if": {"properties": {"k": {"const": "a"}}}, "then": {"properties": {"v": {"maximum": 0}}}},
+     "'if'"),
+    ({"not": {"type": "integer"}}, "'not'"),
+    ({"type": "string", "format": "email", "maxLength": 12}, "length beside a 'pattern' or"),
+    ({"type": "string", "pattern": "^a+$", "minLength": 3}, "length beside a 'pattern' or"),
+    ({"type": "number", "multipleOf": 0.5}, "multipleOf"),
+    ({"type": "object", "properties": {"n": {"minimum": 3}}}, "need 'type': 'integer'"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "z"]},
+     "['z']"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}},
+      "anyOf": [{"required": ["a"]}]}, "'anyOf' beside ['properties']"),
+    ({"$defs": {"i": {"type": "integer"}}, "type": "object",
+      "properties": {"a": {"$ref": "#/$defs/i", "minimum": 5}}}, "'$ref' beside ['minimum']"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+      "dependentRequired": {"a": ["b"]}}, "dependentRequired"),
+])
+def test_a_schema_rule_the_grammar_engine_would_not_enforce_is_refused(schema, rule):
+    """xgrammar compiles these without a word and its outputs then break them (a list with
+    duplicates under uniqueItems, a bare number under an allOf of objects, ...): each is
+    refused by name and place instead."""
+    model, tok = setup()
+    engine = LLMEngine(model, tok, block_size=4, num_blocks=64)
+    with pytest.raises(InvalidRequestError, match="the grammar engine would serve it "
+                       "unchecked") as err:
+        engine.add_request("bad", "hello", SamplingParams(structured_outputs=S(json=schema)))
+    assert rule in str(err.value) and err.value.param == "structured_outputs"
+    assert not engine.requests
+
+
+def test_schemas_of_enforced_rules_still_run():
+    """Pydantic's shapes (nullable anyOf beside annotations, $ref into $defs, type lists with
+    bounds), anyOf beside its type, an integer step, and keywords JSON Schema does not
+    define (ignored, as it says): compiled and kept, every completion valid."""
+    model, tok = setup()
+    schema = {"$defs": {"Item": {"properties": {"n": {"type": "integer", "multipleOf": 3,
+                                                      "minimum": 0, "maximum": 60}},
+                                 "required": ["n"], "title": "Item", "type": "object"}},
+              "type": "object", "title": "M", "x-vendor": {"a": 1},
+              "properties": {"items": {"type": "array", "items": {"$ref": "#/$defs/Item"},
+                                       "maxItems": 2, "uniqueItems": False},
+                             "tag": {"anyOf": [{"type": "string", "maxLength": 3},
+                                               {"type": "null"}], "default": None},
+                             "score": {"type": ["integer", "null"], "minimum": 1},
+                             "kind": {"type": "object", "anyOf": [
+                                 {"properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                                 {"properties": {"b": {"type": "string", "maxLength": 2}},
+                                  "required": ["b"]}]}},
+              "required": ["items", "tag", "score", "kind"], "additionalProperties": False}
+    spec = S(json=schema)
+    outs = LLM(model, tok, block_size=4, num_blocks=256).generate(
+        ["hello", "fox", "a b"], SamplingParams(temperature=1.0, seed=2, max_tokens=160,
+                                                structured_outputs=spec), use_tqdm=False)
+    for out in outs:
+        if out.outputs[0].finish_reason == "stop":
+            assert in_language(spec, out.outputs[0].text)
+    assert any(out.outputs[0].finish_reason == "stop" for out in outs)
+
+
 def test_a_slow_compile_holds_up_no_other_constraint(monkeypatch):
     """One constraint compiling (a huge schema takes seconds) never makes another wait;
     callers of the same one wait for that one compile and share it."""
