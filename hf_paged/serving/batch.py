@@ -76,6 +76,13 @@ def _parse(number: int, line: str) -> tuple[str, str, dict]:
     if not isinstance(item, dict):
         raise LineError("invalid_json_line", f"line {number}: expected a JSON object.")
     custom_id = item.get("custom_id")
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError as err:  # (bytes `_read` kept as lone surrogates)
+        byte = ord(line[err.start]) - 0xDC00
+        raise LineError("invalid_json_line", f"line {number}: not UTF-8 text (byte "
+                        f"{byte:#04x} at character {err.start + 1}).",
+                        custom_id if isinstance(custom_id, str) else None) from None
     if not isinstance(custom_id, str) or not custom_id:
         raise LineError("missing_custom_id",
                         f"line {number}: custom_id must be a non-empty string.")
@@ -310,12 +317,16 @@ def _writable(path: str) -> bool:
 
 
 def _read(path: str) -> list[str]:
-    # Lines end at newlines only (not str.splitlines's U+2028 and kin, which JSON strings
-    # may hold raw).
+    # Lines end at b"\n" only (not str.splitlines's U+2028 and kin, which JSON strings may
+    # hold raw). Bytes that are not UTF-8 stay as lone surrogates: that line's error alone.
     if path == "-":
-        return list(sys.stdin)
-    with open(path, encoding="utf-8-sig") as f:  # (a byte-order mark is not line 1's)
-        return list(f)
+        lines = [raw.decode("utf-8", "surrogateescape") for raw in sys.stdin.buffer]
+    else:
+        with open(path, "rb") as f:
+            lines = [raw.decode("utf-8", "surrogateescape") for raw in f]
+    if lines and lines[0].startswith("\ufeff"):  # (a byte-order mark is not line 1's)
+        lines[0] = lines[0][1:]
+    return lines
 
 
 if __name__ == "__main__":

@@ -149,8 +149,11 @@ def test_cli_run_batch(llama_and_tok, tmp_path):
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     lines, expect = batch_file(str(folder))
-    # (a byte-order mark, as some editors save files, is not part of line 1)
-    (tmp_path / "in.jsonl").write_text("\ufeff" + "\n".join(lines) + "\n", encoding="utf-8")
+    # (a byte-order mark, as some editors save files, is not part of line 1; a line that is
+    # not UTF-8 is an error line of its own)
+    bad = b'{"custom_id": "latin-1", "url": "/v1/completions", "body": {"prompt": "caf\xe9"}}'
+    (tmp_path / "in.jsonl").write_bytes(("\ufeff" + "\n".join(lines) + "\n").encode()
+                                        + bad + b"\n")
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     done = subprocess.run(
         [sys.executable, "-m", "hf_paged.serving.cli", "run-batch", "-i",
@@ -161,7 +164,12 @@ def test_cli_run_batch(llama_and_tok, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "run-batch: 100%" in done.stderr  # the progress bar
     records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
-    check(records, expect, model, tok)
+    check(records[:-1], expect, model, tok)
+    assert records[-1]["custom_id"] == "latin-1" and records[-1]["response"] is None
+    at = bad.index(b"\xe9") + 1  # (every character before it is ASCII)
+    assert records[-1]["error"] == {"code": "invalid_json_line", "message": f"line "
+                                    f"{len(lines) + 1}: not UTF-8 text (byte 0xe9 at character "
+                                    f"{at})."}
 
 
 def test_cli_help_and_server_only_options(capsys):
