@@ -3,10 +3,11 @@
 `load` adds a PEFT LoRA adapter from a folder: into the PEFT model the engine serves, or,
 for a plain model, by wrapping the engine's own copy of its modules (sharing its weights)
 in one: requests without an adapter keep running on the base model, and so does the
-caller's model object, which PEFT never touches. `unload` is two-phased: the adapter first stops taking new requests; it
-is deleted, and its prefix-cache blocks dropped (a later adapter of the same name must not
-find them), only once no request of it is left. Everything here runs between steps on the
-engine's thread; a forward never sees an adapter change under it.
+caller's model object, which PEFT never touches. `unload` is two-phased: the adapter first
+stops taking new requests; it is deleted, and its prefix-cache blocks dropped (a later
+adapter of the same name must not find them), only once no request of it is left.
+Everything here runs between steps on the engine's thread; a forward never sees an adapter
+change under it.
 """
 
 from __future__ import annotations

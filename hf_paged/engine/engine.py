@@ -292,7 +292,8 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         s, pool, cached = self.scheduler, self.pool.blocks, self.scheduler.prefix.num_evictable
         return EngineStats(
-            running=len(s.running), waiting=len(s.waiting), swapped=len(s.swapped),
+            running=len(s.running), waiting=self.num_waiting_sequences(),
+            swapped=len(s.swapped),
             num_preemptions=s.num_preemptions, recomputed_tokens=s.recomputed_tokens,
             num_blocks=pool.num_blocks,
             blocks_used=pool.num_used - cached, blocks_cached=cached, blocks_free=pool.num_free,

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 class EngineStats:
     """A snapshot of the engine's state and counters."""
 
-    running: int
-    waiting: int
+    running: int  # sequences (the completions of a request of n count apart once forked)
+    waiting: int  # sequences to start: a waiting request of n completions counts n
     swapped: int
     num_preemptions: int
     recomputed_tokens: int  # tokens computed again after preemptions by recompute

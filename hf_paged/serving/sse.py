@@ -136,7 +136,7 @@ async def completion_events(server, body, rid, streams, echo=None):
                         len(echo[i]) if echo is not None else 0))
                     lps = completion_logprobs(c, start, server.pieces, at)
                 choice = {"index": index, "text": head + text, "finish_reason": c.finish_reason,
-                          "logprobs": joined_logprobs(head_lps, lps)}
+                          "stop_reason": c.stop_reason, "logprobs": joined_logprobs(head_lps, lps)}
                 yield _sse({"id": rid, "object": "text_completion", "created": created,
                             "model": body.model, "choices": [choice]})
             if out.finished:
@@ -167,7 +167,8 @@ def _tool_choice(server, tools, c, sent: list, top: int) -> dict:
     logprobs = None if c.logprobs is None else chat_logprobs(c, sent[0], server.pieces, top)
     sent[:] = [len(c.token_ids), len(c.text), True]
     return {"index": c.index, "delta": delta, "logprobs": logprobs,
-            "finish_reason": "tool_calls" if calls else c.finish_reason}
+            "finish_reason": "tool_calls" if calls else c.finish_reason,
+            "stop_reason": c.stop_reason}
 
 
 async def chat_events(server, body, rid, stream, top, tools=None):
@@ -202,8 +203,9 @@ async def chat_events(server, body, rid, stream, top, tools=None):
                     continue
                 start, text = delta
                 choice = {"index": c.index, "delta": {"content": text},
-                          "finish_reason": c.finish_reason, "logprobs": None if c.logprobs
-                          is None else chat_logprobs(c, start, server.pieces, top)}
+                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                          "logprobs": None if c.logprobs is None
+                          else chat_logprobs(c, start, server.pieces, top)}
                 yield _sse(dict(head, choices=[choice]))
     except Exception as err:  # noqa: BLE001 (reported in the stream)
         error = describe(err)

@@ -229,6 +229,9 @@ def test_parallel_samples_share_the_prompt_blocks():
     stats = engine.stats()
     assert stats.running == 4
     assert stats.blocks_used <= 10 + 4 * 1 + 1
+    # A request of n = 3 waiting counts its 3 sequences, as admission does (it counted 1).
+    engine.add_request("b", [5, 6, 7], SamplingParams(n=3, temperature=1.0, max_tokens=2))
+    assert engine.stats().waiting == engine.num_waiting_sequences() == 3
     while engine.has_unfinished_requests():
         engine.step()
 

@@ -135,6 +135,8 @@ def test_chat_greedy_and_streaming_equal_stock(served):
     finals = [c.choices[0].finish_reason for c in chunks if c.choices and
               c.choices[0].finish_reason]
     assert len(finals) == 1
+    ended = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert ended[0].model_extra["stop_reason"] == out.choices[0].model_extra["stop_reason"]
 
 
 def test_streamed_completion_with_stop_and_logprobs(served):
@@ -151,6 +153,9 @@ def test_streamed_completion_with_stop_and_logprobs(served):
     expected = text[:text.index(stop)]
     assert whole.choices[0].text == expected and whole.choices[0].finish_reason == "stop"
     assert "".join(c.choices[0].text for c in streamed) == expected
+    # The stop string that ended it, in the stream's last chunk as in the response.
+    assert whole.choices[0].stop_reason == streamed[-1].choices[0].stop_reason == stop
+    assert all(c.choices[0].stop_reason is None for c in streamed[:-1])
     lp = whole.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) >= 4
     assert all(len(t) >= 2 for t in lp.top_logprobs) and all(x <= 0 for x in lp.token_logprobs)
