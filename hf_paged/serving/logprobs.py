@@ -81,6 +81,25 @@ def echoed(result: RequestOutput, prompt_text: str, pieces: TokenPieces,
     return prompt_text, token_logprobs(result.prompt_token_ids, entries, pieces, 0)
 
 
+def ranked_prompt_logprobs(result: RequestOutput, count: int, pieces: TokenPieces) -> list:
+    """vLLM's `prompt_logprobs`: per prompt token, None for the first, else {token id (a
+    string): {"logprob", "rank", "decoded_token"}} of the `count` most likely tokens at its
+    position and of the prompt's own token (whose rank is null when it is not among them:
+    the engine keeps the top ones only)."""
+    entries = result.prompt_logprobs or [None] * len(result.prompt_token_ids)
+    out = []
+    for token, entry in zip(result.prompt_token_ids, entries):
+        if entry is None:
+            out.append(None)
+            continue
+        top = sorted(entry.items(), key=lambda kv: -kv[1])[:count]
+        ranked = {t: rank for rank, (t, _) in enumerate(top, 1)}
+        out.append({str(t): {"logprob": _lp(entry[t]), "rank": ranked.get(t),
+                             "decoded_token": pieces.text(t)}
+                    for t in [*ranked, *([] if token in ranked else [token])]})
+    return out
+
+
 def scored_only(out: CompletionOutput) -> CompletionOutput:
     """A completion of `max_tokens=0`: the token the engine sampled is dropped."""
     return CompletionOutput(out.index, finish_reason="length",

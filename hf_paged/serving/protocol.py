@@ -19,6 +19,7 @@ from ..errors import APIError, InvalidRequestError
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams, StructuredOutputsParams
 from .logprobs import (chat_logprobs, completion_logprobs, echoed, joined_logprobs,
+                       ranked_prompt_logprobs,
                        scored_only)
 from .tools import ToolMode, check_tools, forced_schema
 
@@ -109,6 +110,7 @@ class _Sampling(UnicodeBody):
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's, in the response
     priority: int = 0
     cache_salt: str | None = Field(None, min_length=1)  # vLLM's: a prefix-cache namespace
     timeout: float | None = Field(None, gt=0)  # seconds until the request ends ("timeout")
@@ -188,6 +190,11 @@ class _Sampling(UnicodeBody):
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream=true.",
                            "stream_options")
+        if self.prompt_logprobs is not None and self.stream:
+            raise APIError(400, "prompt_logprobs come in a response, not a stream (with "
+                           "stream=true, ask completions for echo with logprobs).",
+                           "prompt_logprobs")
+        wanted = [k for k in (prompt_logprobs, self.prompt_logprobs) if k is not None]
         try:
             return SamplingParams(
                 n=self.n, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
@@ -199,7 +206,7 @@ class _Sampling(UnicodeBody):
                 truncate_prompt_tokens=self.truncate_prompt_tokens,
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs,
+                prompt_logprobs=max(wanted, default=None),
                 structured_outputs=constraint or self.structured(),
                 timeout=timeout)
         except InvalidRequestError as err:
@@ -224,7 +231,7 @@ class CompletionRequest(_Sampling):
         return 16 if self.max_tokens is None else max(self.max_tokens, 1)
 
     @property
-    def prompt_logprobs(self) -> int | None:
+    def echo_logprobs(self) -> int | None:
         return self.logprobs if self.echo else None
 
     def prompts(self) -> list:
@@ -368,6 +375,8 @@ def completion_response(request_id: str, model: str, results: list[RequestOutput
             errors.append(f"prompt {i}: {result.error}" if len(results) > 1 else result.error)
         head, head_lps = echoed(result, echo_texts[i], pieces, body.logprobs is not None) \
             if body.echo else ("", None)
+        scored = {} if body.prompt_logprobs is None else {
+            "prompt_logprobs": ranked_prompt_logprobs(result, body.prompt_logprobs, pieces)}
         for out in result.outputs:
             text, lps = out.text, None
             if scoring:
@@ -378,7 +387,7 @@ def completion_response(request_id: str, model: str, results: list[RequestOutput
             choices.append({
                 "index": i * body.n + out.index, "text": head + text,
                 "logprobs": joined_logprobs(head_lps, lps),
-                "finish_reason": out.finish_reason, "stop_reason": out.stop_reason})
+                "finish_reason": out.finish_reason, "stop_reason": out.stop_reason, **scored})
     body = {"id": request_id, "object": "text_completion", "created": int(time.time()),
             "model": model, "choices": choices,
             "usage": usage(prompt_tokens, completion_tokens, cached)}
@@ -388,9 +397,10 @@ def completion_response(request_id: str, model: str, results: list[RequestOutput
 
 
 def chat_response(request_id: str, model: str, result: RequestOutput, pieces: TokenPieces,
-                  top: int, tools: ToolMode | None = None, raw_text=None, echo: str = "") -> dict:
+                  top: int, tools: ToolMode | None = None, raw_text=None, echo: str = "",
+                  prompt_logprobs: int | None = None) -> dict:
     """tools: how answers become tool calls; raw_text(out): its text with special tokens;
-    echo: text before each answer's content."""
+    echo: text before each answer's content; prompt_logprobs: vLLM's field, asked for."""
     choices = []
     for out in result.outputs:
         message = {"role": "assistant", "content": echo + out.text}
@@ -411,6 +421,8 @@ def chat_response(request_id: str, model: str, result: RequestOutput, pieces: To
             "model": model, "choices": choices,
             "usage": usage(len(result.prompt_token_ids), completion_tokens,
                            result.num_cached_tokens)}
+    if prompt_logprobs is not None:
+        body["prompt_logprobs"] = ranked_prompt_logprobs(result, prompt_logprobs, pieces)
     if result.error:
         body["error"] = error_body(result.error)
     return body

@@ -381,7 +381,7 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
         server.check_stops(body.stops())
         server.check_stops(body.bad_words or [], "bad_words")
         params = body.sampling_params(body.engine_max_tokens, body.logprobs,
-                                      server.timeout_for(body.timeout), body.prompt_logprobs)
+                                      server.timeout_for(body.timeout), body.echo_logprobs)
         raw = body.prompts()
         server.check_count(len(raw), params.n)  # (before any of them is tokenized)
         await server.compile_constraint(params, body.constraint_field)
@@ -432,6 +432,7 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
         if results is None:
             return Response(status_code=499)
         return await server.respond(chat_response, rid, body.model, results[0], server.pieces,
-                                    top or 0, tools, server.raw_text, body.echoed())
+                                    top or 0, tools, server.raw_text, body.echoed(),
+                                    body.prompt_logprobs)
 
     return app

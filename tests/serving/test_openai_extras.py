@@ -322,3 +322,49 @@ def test_flags_are_never_abbreviated_and_vllms_switches_are_taken():
     assert not args.no_prefix_caching
     with pytest.raises(SystemExit):
         parser().parse_args(["m", "--enable-prefix-caching", "--no-prefix-caching"])
+
+
+def check_ranked(served, ids, entries, k):
+    """vLLM's prompt_logprobs: first null, then the k best tokens ranked 1..k and the
+    prompt's own token, each with its log-probability and text."""
+    lp = stock_logprobs(served.model, ids)
+    assert len(entries) == len(ids) and entries[0] is None
+    for p in range(1, len(ids)):
+        entry = {int(t): v for t, v in entries[p].items()}
+        best = lp[p - 1].topk(k)
+        ranked = sorted((v["rank"], t) for t, v in entry.items() if v["rank"] is not None)
+        assert [r for r, _ in ranked] == list(range(1, k + 1))
+        assert [t for _, t in ranked] == best.indices.tolist()
+        for t, v in entry.items():
+            assert math.isclose(v["logprob"], lp[p - 1, t].item(), abs_tol=1e-4), (p, t)
+            assert v["decoded_token"] == served.tok.decode([t])
+        assert ids[p] in entry and len(entry) in (k, k + 1)
+
+
+def test_vllm_prompt_logprobs_field(served):
+    """vLLM's `prompt_logprobs` request field (it was ignored): per choice on completions
+    (beside echo's own logprobs, of another count), at the top of a chat response; refused
+    with a stream or out of range, by name."""
+    prompt = "w5 w6 w7 w8 w9"
+    ids = served.tok(prompt)["input_ids"]
+    r = served.http.post("/v1/completions", json=dict(
+        model="tiny", prompt=prompt, max_tokens=2, prompt_logprobs=2, echo=True, logprobs=4))
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    check_ranked(served, ids, choice["prompt_logprobs"], 2)
+    check_prompt_part(served, ids, choice["logprobs"], 4)
+    messages = [{"role": "user", "content": "w20 w21"}]
+    r = served.http.post("/v1/chat/completions", json=dict(
+        model="tiny", messages=messages, max_tokens=2, prompt_logprobs=3))
+    assert r.status_code == 200, r.text
+    chat_ids = served.tok.apply_chat_template(messages, add_generation_prompt=True,
+                                              tokenize=True)
+    chat_ids = list(chat_ids["input_ids"] if hasattr(chat_ids, "keys") else chat_ids)
+    check_ranked(served, chat_ids, r.json()["prompt_logprobs"], 3)
+    plain = served.http.post("/v1/completions", json=dict(model="tiny", prompt=prompt,
+                                                          max_tokens=2)).json()
+    assert "prompt_logprobs" not in plain["choices"][0]
+    for bad in (dict(prompt_logprobs=2, stream=True), dict(prompt_logprobs=21),
+                dict(prompt_logprobs=-1)):
+        r = served.http.post("/v1/completions", json=dict(model="tiny", prompt=prompt, **bad))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
