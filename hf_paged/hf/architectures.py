@@ -122,8 +122,8 @@ def layer_windows(config) -> tuple[int | None, ...]:
     if getattr(config, "model_type", None) == "falcon":
         return (None,) * layers
     types = getattr(config, "layer_types", None)
-    if types:
-        return tuple(window if t == "sliding_attention" else None for t in types)
+    if types:  # (assistant_early_exit lowers num_hidden_layers for its drafts, not layer_types)
+        return tuple(window if t == "sliding_attention" else None for t in types[:layers])
     if getattr(config, "use_sliding_window", True) is False:
         return (None,) * layers
     return (window,) * layers

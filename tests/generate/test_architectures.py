@@ -104,6 +104,28 @@ def test_assisted_decoding_and_prompt_lookup(arch):
         assert_same(model.generate(**kwargs), paged_run(model, **kwargs))
 
 
+def test_assistant_early_exit(arch):
+    """Self-speculation from the model's first layer (`assistant_early_exit`): stock's
+    tokens. Transformers lowers `num_hidden_layers` for the drafts, and a cache sized from
+    `layer_types` (Qwen2, Qwen3, SmolLM3) refused them; the failed call then left the
+    lowered depth behind (Transformers restores it only on success)."""
+    name, model = arch
+    ids, mask = left_padded_batch([12], seed=3)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                  assistant_early_exit=1)
+    layers = model.config.num_hidden_layers
+    try:
+        ref = model.generate(**kwargs)
+    except Exception:  # noqa: BLE001 (Falcon, GPT-NeoX: stock cannot exit early on them)
+        model.config.num_hidden_layers = layers
+        pytest.skip(f"stock Transformers cannot exit early on {name}")
+    try:
+        assert_same(ref, paged_run(model, **kwargs))
+        assert model.config.num_hidden_layers == layers
+    finally:
+        model.config.num_hidden_layers = layers
+
+
 class _Collect(BaseStreamer):
     def __init__(self):
         self.tokens = []
