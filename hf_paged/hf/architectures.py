@@ -50,6 +50,14 @@ def unsupported_reason(model) -> str | None:
         return (f"{name} is a multimodal model; the paged cache serves text decoders (its "
                 "causal attention would be wrong over bidirectionally attended inputs)")
     if isinstance(model, FalconForCausalLM):
+        from .attention import original_implementation  # (attention imports the kernels)
+
+        loaded = original_implementation(config) or config._attn_implementation
+        if config.alibi and loaded == "eager":
+            return (f"{name} with ALiBi loaded with attn_implementation='eager': Transformers' "
+                    "eager Falcon adds the ALiBi term twice (in its mask and to its scores), "
+                    "its SDPA once, as the paged attention does; load it with "
+                    "attn_implementation='sdpa'")
         return None
     other = sorted(set(getattr(text, "layer_types", None) or ()) - set(ATTENTION_LAYER_TYPES))
     if other:

@@ -216,6 +216,9 @@ def _refused():
     # ... or splits its values in two (differential attention).
     yield "values changed", t.DiffLlamaForCausalLM(t.DiffLlamaConfig(**small,
                                                                      num_key_value_heads=2))
+    # Transformers' eager Falcon adds ALiBi twice (its SDPA, as the paged attention, once).
+    from conftest import make_model
+    yield "eager ALiBi", make_model("falcon_alibi", attn_implementation="eager")
 
 
 _WHY = {"bypasses": "does not go through Transformers' attention interface",
@@ -226,7 +229,8 @@ _WHY = {"bypasses": "does not go through Transformers' attention interface",
         "keywords dropped": "did not reach the attention",
         "keys changed": "changed its keys",
         "values changed": "changed its values",
-        "bidirectional": "bidirectional"}
+        "bidirectional": "bidirectional",
+        "eager ALiBi": "adds the ALiBi term twice.*attn_implementation='sdpa'"}
 
 
 @pytest.mark.parametrize("kind", list(_WHY))
