@@ -121,9 +121,10 @@ def plan_unmasked(lengths: list[int], seen: int, q_len: int, hidden: HiddenSlots
     if seen and min(lengths) < seen:
         skipped = [r for r, n in enumerate(lengths) if n < seen]
         raise HFPagedError(
-            f"A forward without an attention mask treats every cached column as a real token, "
-            f"but rows {skipped[:8]} of this PagedCache began with padding, which it did not "
-            "store. Pass the attention mask (2D, [batch, cached + new columns])."
+            f"A forward without an attention mask (or with one of all ones, which Transformers "
+            f"drops) treats every cached column as a real token, but rows {skipped[:8]} of "
+            "this PagedCache began with padding, which it did not store. Pass the attention "
+            "mask (2D, [batch, cached + new columns]) with those columns at 0."
         )
     show = [(r, s) for r, slots in enumerate(hidden.rows) for s in slots] if hidden.count else []
     return StepPlan([q_len] * len(lengths), q_len, show=show)
