@@ -66,10 +66,7 @@ class DraftProposer:
 
     def propose(self, seqs: list[Sequence], ks: list[int],
                 running: list[Sequence]) -> list[list[int]]:
-        live = {seq.row: seq.seq_id for seq in running}
-        for row, owner in enumerate(self.owner):  # rows of sequences no longer running
-            if owner is not None and live.get(row) != owner:
-                self._free(row)
+        self.release(running)
         limit = self.runner.max_model_len
         chosen = self._fit([(s, k) for s, k in zip(seqs, ks) if s.num_tokens + k <= limit])
         if not chosen:
@@ -108,6 +105,14 @@ class DraftProposer:
             self.drafted[seq.row] = draft[:-1]  # the last draft was never fed back
             by_seq[seq.seq_id] = draft
         return [by_seq.get(seq.seq_id, []) for seq in seqs]
+
+    def release(self, running: list[Sequence]) -> None:
+        """Gives back the rows of sequences no longer running (ended, aborted, preempted),
+        before a proposal and after each step, so that no finished sequence holds blocks."""
+        live = {seq.row: seq.seq_id for seq in running}
+        for row, owner in enumerate(self.owner):
+            if owner is not None and live.get(row) != owner:
+                self._free(row)
 
     def _valid(self, seq: Sequence) -> int:
         """Tokens of `seq` whose K/V the draft's row holds: those before its last drafts

@@ -117,8 +117,7 @@ class LLMEngine:
                                    runner.groups, admission_headroom)
         self.speculator = Speculator.build(speculative_config, runner,
                                            self.max_num_batched_tokens)
-        if async_scheduling and self.speculator is not None:
-            # Proposals follow each step's tokens, so the host must see them first.
+        if async_scheduling and self.speculator is not None:  # (proposals need the tokens)
             logger.warning("hf-paged: speculative decoding plans each step after the last "
                            "one's tokens reach the host; async_scheduling is off")
             async_scheduling = False
@@ -142,8 +141,7 @@ class LLMEngine:
         self._aborts: dict[str, str | None] = {}  # request id -> why (None: asked to)
         self._deadlines = Deadlines()
         self._arrivals = itertools.count()
-        self.prompt_tokens = 0
-        self._stopped = False  # (tensor parallelism: the other ranks were told to stop)
+        self.prompt_tokens, self._stopped = 0, False  # (_stopped: TP ranks were told to stop)
         self.debug = os.environ.get(DEBUG_ENV_VAR) == "1"
         self.lora = RuntimeAdapters(self)  # adapters loaded and unloaded at runtime
         self.grammars: Grammars | None = None  # structured outputs' compiled constraints
@@ -334,6 +332,8 @@ class LLMEngine:
             # Cannot happen (a lone request always fits; check_fits saw to it): never spin.
             raise HFPagedError("the scheduler could not run any waiting request; "
                                f"{self.stats()}")
+        if self.speculator is not None:  # a draft model's rows of ended sequences: given back
+            self.speculator.proposer.release(self.scheduler.running)
         return self.output.outputs(touched, self.tokenizer, self.finished_only)
 
     def _expire(self, touched: dict, now: float) -> None:

@@ -123,6 +123,9 @@ class NgramProposer:
     def propose(self, seqs: list[Sequence], ks: list[int], running=None) -> list[list[int]]:
         return [self._one(seq, k) for seq, k in zip(seqs, ks)]
 
+    def release(self, running: list[Sequence]) -> None:
+        """(Its state lives on the sequences: nothing to give back.)"""
+
     def _one(self, seq: Sequence, k: int) -> list[int]:
         state = seq.speculation
         prompt, output = seq.prompt, seq.output

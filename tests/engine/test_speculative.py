@@ -284,6 +284,31 @@ def test_a_draft_model_catches_up_within_the_step_budget():
     assert stats.spec_accepted_tokens == stats.spec_proposed_tokens > 0
 
 
+def test_a_draft_models_pool_is_free_once_its_sequences_end():
+    """The draft model's rows of ended sequences held their blocks until a later step
+    proposed for someone else (so after the last request, for good). Now every step gives
+    them back: after a run, after an abort, after a stop token."""
+    model = make_model("llama_gqa")
+    engine = LLMEngine(model, block_size=4, num_blocks=64, backend="torch",
+                       speculative_config=dict(method="draft_model", model=model,
+                                               num_speculative_tokens=3, min_acceptance=0.0))
+    blocks = engine.speculator.proposer.runner.pool.blocks
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[5, 6, 7] * 5, [9, 10, 11, 12] * 4]
+    done = run_engine(engine, prompts, params)
+    for i, p in enumerate(prompts):
+        assert done[str(i)].outputs[0].token_ids == stock_greedy(model, p, 12)
+    assert engine.stats().spec_proposed_tokens > 0
+    assert blocks.num_free == blocks.num_blocks and engine.stats().blocks_used == 0
+    engine.add_request("a", prompts[0], params)
+    for _ in range(3):
+        engine.step()
+    assert blocks.num_free < blocks.num_blocks  # it drafted
+    engine.abort("a")
+    engine.step()
+    assert blocks.num_free == blocks.num_blocks and not engine.has_unfinished_requests()
+
+
 def test_structured_outputs_with_speculation_equal_the_plain_engine():
     """Each verified position is masked as its constraint stands after the drafts before it."""
     model = make_model("llama_gqa", vocab_size=320, eos_token_id=EOS)
