@@ -273,10 +273,11 @@ def test_compiled_engine_with_triton_kernels_equals_eager_and_stock(kind):
     model = long_model(kind)  # (shared with other tests: back on the CPU afterwards)
     try:
         model.to("cuda" if torch.cuda.is_available() else "cpu")
-        prompts, max_tokens, _ = workload(count=5)
-        compiled, _ = run(model, CAPTURE, backend="triton", count=5)  # (a graph break fails it)
+        count = 5
+        prompts, max_tokens, _ = workload(count=count)
+        compiled, _ = run(model, CAPTURE, backend="triton", count=count)  # (a graph break fails it)
         assert 0 < graphs() <= MAX_GRAPHS
-        assert compiled == run(model, False, backend="triton", count=5)[0]
+        assert compiled == run(model, False, backend="triton", count=count)[0]
         assert compiled == [stock_greedy(model, p, m) for p, m in zip(prompts, max_tokens)]
     finally:
         model.to("cpu")

@@ -560,8 +560,8 @@ def test_cuda_sources_compile_for_sm80_and_sm90(tmp_path):
          "-o", str(tmp_path / f"{name}.{arch}.o")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for name in ("paged_attention.cu", "cache_ops.cu") for arch in ("sm_80", "sm_90")]
-    for job in jobs:
-        _, stderr = job.communicate()
+    errors = [job.communicate()[1] for job in jobs]  # (all finish before any assertion)
+    for job, stderr in zip(jobs, errors):
         assert job.returncode == 0, stderr
 
 
