@@ -14,6 +14,7 @@ import contextlib
 import threading
 
 from .attention import ATTENTION_NAME, remember_original
+from .register import is_registered, register
 
 # id(config) -> [config, its own attention implementation, users of the switch]
 _switched: dict[int, list] = {}
@@ -25,6 +26,8 @@ def use_paged_attention(model, swapped: list | None) -> None:
     `release_paged_attention(swapped)` undoes it; None switches for good."""
     config = model.config
     with _switch_lock:
+        if not is_registered():  # after hf_paged.disable(): an engine still needs "paged"
+            register()
         entry = _switched.get(id(config))
         if entry is None:
             if config._attn_implementation == ATTENTION_NAME:

@@ -109,6 +109,33 @@ def test_disable_restores_stock_transformers(llama):
     assert hf_paged.is_enabled() and "paged" in ALL_ATTENTION_FUNCTIONS._global_mapping
 
 
+def test_an_engine_keeps_serving_after_disable(llama):
+    """disable() turns generate() back to stock; an engine (hf-paged's own API, which needs
+    the paged attention) keeps serving with the same tokens, and generate stays stock."""
+    from hf_paged import LLM, SamplingParams
+
+    llm = LLM(llama, max_num_seqs=4)
+    params = SamplingParams(temperature=0, max_tokens=6)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    want = [r.outputs[0].token_ids for r in llm.generate(prompts, params, use_tqdm=False)]
+    ids, _ = left_padded_batch([6], seed=1)
+    try:
+        hf_paged.disable()
+        got = [r.outputs[0].token_ids for r in llm.generate(prompts, params, use_tqdm=False)]
+        assert got == want and all(len(t) == 6 for t in got)
+        assert not hf_paged.is_enabled()
+        with pytest.warns(UserWarning, match=r"hf_paged\.enable\(\)"):
+            out = llama.generate(ids, return_dict_in_generate=True,
+                                 generation_config=GenerationConfig(
+                                     cache_implementation="paged", max_new_tokens=3,
+                                     do_sample=False))
+        assert not isinstance(out.past_key_values, hf_paged.PagedCache)
+    finally:
+        hf_paged.enable()
+    stats = llm.engine.stats()
+    assert (stats.blocks_used, stats.running, stats.waiting) == (0, 0, 0)
+
+
 def test_user_cache_and_cache_implementation_conflict(llama):
     ids, _ = left_padded_batch([6], seed=1)
     from transformers import DynamicCache
