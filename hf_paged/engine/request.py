@@ -49,12 +49,12 @@ def prompt_ids(prompt, params: SamplingParams, tokenizer, vocab_size: int,
     except TypeError:
         raise InvalidRequestError(f"a prompt is text, a list of token ids or a prompt dict; "
                                   f"got {type(prompt).__name__}.", "prompt") from None
-    if not all(type(t) is int for t in prompt):  # (numpy's integers too)
+    if not set(map(type, prompt)) <= {int}:  # (numpy's integers too)
         if not all(isinstance(t, Integral) and not isinstance(t, bool) for t in prompt):
             raise InvalidRequestError("prompt token ids must be integers.", "prompt")
         prompt = [int(t) for t in prompt]
-    bad = [t for t in prompt if not 0 <= t < vocab_size]
-    if bad:
+    if prompt and not 0 <= min(prompt) <= max(prompt) < vocab_size:  # (at C speed)
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
         raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size}); "
                                   f"got {bad[:5]}.", "prompt")
     return text, truncated(prompt, params.truncate_prompt_tokens, context)

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..errors import APIError, InvalidRequestError
+from .bodies import body_of, parse
 from .protocol import ChatMessage, ChatTemplateOptions, UnicodeBody
 from .tools import check_tools
 
@@ -49,6 +50,9 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
+EXTRA_BODIES = [TokenizeRequest, DetokenizeRequest, LoraAdapterRequest]  # (for /docs)
+
+
 def _check_runtime_lora(server) -> None:
     if not server.runtime_lora:
         raise APIError(404, "Loading adapters at runtime is off; start the server with "
@@ -67,9 +71,10 @@ def add_routes(app: FastAPI, server) -> None:
     """The endpoints, on `server` (the app's `_Server`)."""
     llm = server.llm
 
-    @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(body: LoraAdapterRequest):
+    @app.post("/v1/load_lora_adapter", openapi_extra=body_of(LoraAdapterRequest))
+    async def load_lora_adapter(request: Request):
         _check_runtime_lora(server)
+        body = await parse(server, LoraAdapterRequest, request)
         if body.lora_path is None:
             raise APIError(400, "lora_path: the adapter's folder is needed.", "lora_path")
         if body.lora_name == server.model_name:  # (that name always means the base model)
@@ -79,9 +84,10 @@ def add_routes(app: FastAPI, server) -> None:
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added "
                                  "successfully.")
 
-    @app.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(body: LoraAdapterRequest):
+    @app.post("/v1/unload_lora_adapter", openapi_extra=body_of(LoraAdapterRequest))
+    async def unload_lora_adapter(request: Request):
         _check_runtime_lora(server)
+        body = await parse(server, LoraAdapterRequest, request)
         await _lora(llm.unload_adapter(body.lora_name))
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed "
                                  "successfully.")
@@ -104,8 +110,9 @@ def add_routes(app: FastAPI, server) -> None:
         return {k: v if v is None or isinstance(v, (str, int)) else str(v)
                 for k, v in info.items()}
 
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest):
+    @app.post("/tokenize", openapi_extra=body_of(TokenizeRequest))
+    async def tokenize(request: Request):
+        body = await parse(server, TokenizeRequest, request)
         if body.model is not None:
             server.adapter_for(body.model)
         if body.messages is not None:
@@ -116,19 +123,23 @@ def add_routes(app: FastAPI, server) -> None:
             special = body.add_special_tokens is not False
             ids = (await server.off_loop(
                 lambda: tokenizer(body.prompt, add_special_tokens=special)))["input_ids"]
-        out = {"count": len(ids), "max_model_len": llm.max_model_len, "tokens": list(ids),
-               "token_strs": None}
-        if body.return_token_strs:
-            out["token_strs"] = server.llm.tokenizer.convert_ids_to_tokens(list(ids))
-        return out
 
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest):
+        def response() -> dict:  # (a million tokens and their strings: on a worker)
+            strs = llm.tokenizer.convert_ids_to_tokens(list(ids)) if body.return_token_strs \
+                else None
+            return {"count": len(ids), "max_model_len": llm.max_model_len,
+                    "tokens": list(ids), "token_strs": strs}
+        return await server.respond(response)
+
+    @app.post("/detokenize", openapi_extra=body_of(DetokenizeRequest))
+    async def detokenize(request: Request):
+        body = await parse(server, DetokenizeRequest, request)
         if body.model is not None:
             server.adapter_for(body.model)
         tokenizer = server.need_tokenizer("tokens")
-        bad = [t for t in body.tokens if not 0 <= t < llm.vocab_size]
-        if bad:
+        tokens = body.tokens
+        if tokens and not 0 <= min(tokens) <= max(tokens) < llm.vocab_size:
+            bad = [t for t in tokens if not 0 <= t < llm.vocab_size]
             raise APIError(400, f"tokens must be token ids in [0, {llm.vocab_size}); got "
                            f"{bad[:5]}.", "tokens")
         return {"prompt": await server.off_loop(tokenizer.decode, body.tokens)}

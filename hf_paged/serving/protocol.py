@@ -12,12 +12,13 @@ import time
 import uuid
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..engine.detokenizer import TokenPieces
 from ..errors import APIError, InvalidRequestError
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams, StructuredOutputsParams
+from .bodies import shown
 from .logprobs import (chat_logprobs, completion_logprobs, echoed, joined_logprobs,
                        ranked_prompt_logprobs,
                        scored_only)
@@ -46,7 +47,15 @@ def _check_unicode(data: Any) -> None:
         elif isinstance(value, dict):
             todo += [(field, k) for k in value] + [(field, v) for v in value.values()]
         elif isinstance(value, list):
-            todo += [(field, v) for v in value]
+            if set(map(type, value)) - _PLAIN:  # (a million token ids: skipped at C speed)
+                todo += [(field, v) for v in value if type(v) not in _PLAIN]
+
+
+_PLAIN = {int, float, bool, type(None)}  # values without strings in them
+
+
+def _token_ids(value) -> bool:
+    return isinstance(value, list) and set(map(type, value)) <= {int}
 
 
 class JSONSchemaFormat(BaseModel):
@@ -224,6 +233,18 @@ class CompletionRequest(_Sampling):
     echo: bool = False  # the prompt comes back before the completion (with its logprobs)
     suffix: str | None = None
     best_of: int | None = None
+
+    @field_validator("prompt", mode="plain")
+    @classmethod
+    def _prompt(cls, value):
+        """Checked here rather than by pydantic's union, which takes most of a second over
+        a million token ids and names a member type in its error."""
+        if isinstance(value, str) or _token_ids(value) or isinstance(value, list) and all(
+                isinstance(p, str) or _token_ids(p) for p in value):
+            return value
+        raise APIError(400, "prompt: expected a string, an array of token ids (integers), or "
+                       f"an array of strings or of token-id arrays; got {shown(value)}.",
+                       "prompt")
 
     @property
     def engine_max_tokens(self) -> int:

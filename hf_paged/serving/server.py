@@ -36,7 +36,8 @@ from ..engine.llm import render_chat
 from ..engine import BASE, truncate_prompt
 from ..errors import InvalidRequestError, RequestRejectedError, describe
 from ..sampling_params import StructuredOutputsParams
-from .extras import add_routes
+from .bodies import body_of, document, parse, validation_error
+from .extras import EXTRA_BODIES, add_routes
 from .guard import RequestGuard, ServerLimits
 from .metrics import ServerMetrics
 from .protocol import (
@@ -326,15 +327,8 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
         return _error(err)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(request, err: RequestValidationError):
-        first = err.errors()[0] if err.errors() else {}
-        loc = [str(x) for x in first.get("loc", []) if x != "body"]
-        message = first.get("msg", "invalid request")
-        if first.get("type") == "json_invalid":
-            message, loc = "The request body is not valid JSON.", []
-        # The field is the top-level name; the path (with union members) goes in the message.
-        return _error(APIError(400, f"{'.'.join(loc) + ': ' if loc else ''}{message}",
-                               loc[0] if loc else None))
+    async def invalid(request, err: RequestValidationError):  # (a path's or query's)
+        return _error(validation_error(err))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, err: StarletteHTTPException):
@@ -374,9 +368,10 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
 
     add_routes(app, server)  # /tokenize, /detokenize, /tokenizer_info, runtime LoRA
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    @app.post("/v1/completions", openapi_extra=body_of(CompletionRequest))
+    async def completions(request: Request):
         server.check_open()
+        body = await parse(server, CompletionRequest, request)
         adapter = server.adapter_for(body.model)
         server.check_stops(body.stops())
         server.check_stops(body.bad_words or [], "bad_words")
@@ -402,9 +397,10 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
         return await server.respond(completion_response, rid, body.model, results, body,
                                     server.pieces, echo)
 
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, request: Request):
+    @app.post("/v1/chat/completions", openapi_extra=body_of(ChatCompletionRequest))
+    async def chat(request: Request):
         server.check_open()
+        body = await parse(server, ChatCompletionRequest, request)
         adapter = server.adapter_for(body.model)
         server.check_stops(body.stops())
         server.check_stops(body.bad_words or [], "bad_words")
@@ -435,4 +431,5 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
                                     top or 0, tools, server.raw_text, body.echoed(),
                                     body.prompt_logprobs)
 
+    document(app, [CompletionRequest, ChatCompletionRequest, *EXTRA_BODIES])
     return app

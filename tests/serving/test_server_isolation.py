@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -179,12 +180,56 @@ def test_a_huge_prompt_is_tokenized_off_the_event_loop(hostile):
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
 
 
+def test_a_body_of_a_million_token_ids_is_parsed_off_the_event_loop(hostile):
+    """Parsing and validating a body of megabytes takes most of a second: on a worker, so
+    that /health and the victims' streams keep going (three such bodies at once)."""
+    body = json.dumps({"model": "tiny", "prompt": [5] * 900_000, "max_tokens": 2}).encode()
+    with Victims(hostile):
+        with ThreadPoolExecutor(3) as pool:
+            codes = list(pool.map(lambda _: httpx.post(
+                hostile.url + "/v1/completions", content=body, timeout=60,
+                headers={**A, "content-type": "application/json"}).json()["error"]["code"],
+                range(3)))
+    assert codes == ["context_length_exceeded"] * 3
+
+
+def test_tokenizing_a_huge_text_holds_up_no_stream(hostile):
+    text = "w5 " * 1_000_000  # 3 MB, a million tokens and their strings
+    with Victims(hostile):
+        r = post(hostile, {"prompt": text, "return_token_strs": True}, path="/tokenize")
+    assert r.status_code == 200 and r.json()["count"] == len(r.json()["token_strs"]) >= 10**6
+
+
+BAD_BODIES = [  # (raw body, param, what the message must say)
+    (b"[1, 2]", None, "must be a JSON object; got an array"),
+    (b"model=tiny&prompt=w5", None, "not valid JSON"),
+    (b'{"model": "tiny", "prompt": 5}', "prompt", "array of token ids (integers)"),
+    (b'{"model": "tiny", "prompt": [1.5, 2]}', "prompt", "got [1.5, 2]"),
+    (b'{"model": "tiny", "prompt": "w5", "n": 1000000}', "n", "got 1000000"),
+    (b'{"model": "tiny", "prompt": "w5", "stop": 5}', "stop", "expected str or list[str]; got 5"),
+    (b'{"prompt": "w5"}', "model", "model: this field is required"),
+]
+
+
+@pytest.mark.parametrize("raw, param, says", BAD_BODIES)
+def test_a_bad_body_is_a_400_saying_what_was_expected_and_given(hostile, raw, param, says):
+    r = httpx.post(hostile.url + "/v1/completions", content=raw, timeout=60,
+                   headers={**A, "content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and says in error["message"], error
+
+
 def test_metrics_and_docs_need_a_key(hostile):
     for path in ("/metrics", "/docs", "/redoc", "/openapi.json", "/v1/models",
                  "/v1/models/tiny"):
         assert httpx.get(hostile.url + path).status_code == 401, path
         assert httpx.get(hostile.url + path, headers=B).status_code == 200, path
     assert httpx.get(hostile.url + "/health").status_code == 200
+    schema = httpx.get(hostile.url + "/openapi.json", headers=B).json()  # bodies documented
+    body = schema["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]
+    assert body["application/json"]["schema"]["$ref"].endswith("/ChatCompletionRequest")
+    assert "messages" in schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]
     r = httpx.get(hostile.url + "/v1/models", headers={"Authorization": "Bearer nope"})
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
 
