@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future
@@ -39,6 +40,10 @@ def _xgrammar():
         raise InvalidRequestError(f"structured outputs need xgrammar: {EXTRA}.",
                                   "structured_outputs") from err
     return xgrammar
+
+
+# Where xgrammar's messages say they come from: "[12:00:00] /project/cpp/x.cc:94: ".
+_SOURCE = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
 
 class Grammars:
@@ -107,10 +112,10 @@ class Grammars:
         try:
             compiled = self._compile(spec)
         except Exception as err:  # noqa: BLE001 (xgrammar raises RuntimeError et al.)
-            raise InvalidRequestError(
+            first = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
+            raise InvalidRequestError(  # (without xgrammar's "[time] file.cc:line: ")
                 f"structured_outputs: the {key[0]} constraint does not compile: "
-                f"{str(err).strip().splitlines()[0] if str(err).strip() else err!r}",
-                "structured_outputs") from err
+                f"{_SOURCE.sub('', first)}", "structured_outputs") from err
         with self._lock:
             self.compiles += 1
         if not self._startable(compiled, spec):

@@ -22,7 +22,6 @@ import contextlib
 import json
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from fastapi import FastAPI, Request
@@ -46,6 +45,7 @@ from .protocol import (
 )
 from .sse import EventStream, chat_events, completion_events
 from .tools import PARSERS, auto_parser, template_messages
+from .workers import Workers
 
 logger = logging.getLogger("hf_paged")
 SHUTDOWN_MESSAGE = "the server is shutting down"
@@ -61,9 +61,10 @@ class _Server:
         self.metrics = ServerMetrics(llm.stats, model_name)
         self.pieces = TokenPieces(llm.tokenizer)
         self.started = int(time.time())
-        # Tokenizing a long prompt, or encoding a large response, takes long: never on the
-        # event loop.
-        self.executor = ThreadPoolExecutor(4, thread_name_prefix="hf-paged-worker")
+        # Parsing a large body, tokenizing a long prompt or encoding a large response takes
+        # long: never on the event loop. Constraint compiles have threads of their own.
+        self.workers = Workers(4, "hf-paged-worker")
+        self.compiles = Workers(4, "hf-paged-compile")
         self.draining = False
         self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop, once started
         self.tool_parser = "hermes"  # the format of the model's own tool calls
@@ -116,7 +117,7 @@ class _Server:
         return json.dumps([tenant, asked])
 
     async def off_loop(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        return await self.workers.run(fn, *args)
 
     def need_tokenizer(self, param: str):
         if self.llm.tokenizer is None:
@@ -176,9 +177,10 @@ class _Server:
         schema takes a while), so that `start` finds it ready."""
         if params.structured_outputs is not None:
             try:
-                await self.off_loop(self.llm.compile_constraint, params.structured_outputs)
-            except InvalidRequestError as err:
-                raise APIError(400, str(err), field) from err
+                await self.compiles.run(self.llm.compile_constraint, params.structured_outputs)
+            except InvalidRequestError as err:  # (named by the field the client used)
+                message = str(err).removeprefix("structured_outputs: ")
+                raise APIError(400, f"{field}: {message}", field) from err
 
     def check_count(self, prompts: int, n: int) -> None:
         """APIError 400 for a request of more sequences (prompts x n) than may wait; it names
@@ -257,7 +259,18 @@ class _Server:
             return
         self.draining = True
         self.loop.call_soon_threadsafe(self.loop.call_later, self.limits.shutdown_grace,
-                                       self.llm.abort_all, SHUTDOWN_MESSAGE)
+                                       self.end_all)
+
+    def end_all(self) -> None:
+        """Ends every open request with an error: in the engine, and those still waiting
+        for a worker (a compile may run for minutes)."""
+        self.llm.abort_all(SHUTDOWN_MESSAGE)
+        self.close_workers()
+
+    def close_workers(self) -> None:
+        """What still waits for a worker gets a 503; new work is refused."""
+        for workers in (self.workers, self.compiles):
+            workers.fail(APIError(503, "The server is shutting down.", None, "server_busy"))
 
 
 async def _last(stream: RequestStream):
@@ -313,7 +326,7 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
     async def lifespan(app):
         server.loop = asyncio.get_running_loop()
         yield
-        server.executor.shutdown(wait=False, cancel_futures=True)
+        server.close_workers()
         if owned:  # in-flight requests end with an error; their streams close
             llm.shutdown()
 

@@ -200,6 +200,32 @@ def test_tokenizing_a_huge_text_holds_up_no_stream(hostile):
     assert r.status_code == 200 and r.json()["count"] == len(r.json()["token_strs"]) >= 10**6
 
 
+def test_constraints_that_compile_for_long_hold_up_no_other_request(hostile, monkeypatch):
+    """Eight requests whose constraints compile until released (a pathological regex
+    compiles for minutes, and cannot be stopped) fill the compile threads and queue; text
+    prompts, chats and /tokenize, which need the other workers, answer meanwhile."""
+    release, compile_constraint = threading.Event(), hostile.llm.compile_constraint
+    monkeypatch.setattr(hostile.llm, "compile_constraint",
+                        lambda spec: (release.wait(60), compile_constraint(spec)))
+    pool = ThreadPoolExecutor(8)
+    slow = [pool.submit(post, hostile, {"model": "tiny", "prompt": [5], "max_tokens": 2,
+                                        "guided_regex": f"w5( w{i + 3})?"}) for i in range(8)]
+    try:
+        time.sleep(0.3)
+        started = time.time()
+        assert post(hostile, {"model": "tiny", "prompt": "w5 w6", "max_tokens": 3}
+                    ).status_code == 200
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "w5"}],
+                "max_tokens": 3}
+        assert post(hostile, chat, path="/v1/chat/completions").status_code == 200
+        assert post(hostile, {"prompt": "w5 w6"}, path="/tokenize").json()["count"] >= 2
+        assert time.time() - started < 10 and not any(f.done() for f in slow)
+    finally:
+        release.set()
+    assert [f.result().status_code for f in slow] == [200] * 8
+    blocks_back(hostile)
+
+
 BAD_BODIES = [  # (raw body, param, what the message must say)
     (b"[1, 2]", None, "must be a JSON object; got an array"),
     (b"model=tiny&prompt=w5", None, "not valid JSON"),
@@ -456,6 +482,11 @@ def test_sigterm_ends_open_streams_with_an_error_and_done(tmp_path):
         started = time.time()
         url = f"http://127.0.0.1:{port}"
         assert httpx.post(url + "/v1/completions", json=body).status_code == 401
+        # A constraint that compiles for minutes (and cannot be stopped) is open too.
+        compiling = ThreadPoolExecutor(1).submit(
+            httpx.post, url + "/v1/completions", timeout=60, headers={"Authorization": "Bearer k1"},
+            json={"model": "tiny", "prompt": [5, 6], "guided_regex": "(w5*)*" * 3000})
+        time.sleep(0.5)
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60,
                           headers={"Authorization": "Bearer k2"}) as r:
             for line in r.iter_lines():
@@ -470,6 +501,9 @@ def test_sigterm_ends_open_streams_with_an_error_and_done(tmp_path):
         finals = [json.loads(x[6:])["choices"][0]["finish_reason"] for x in lines[:-2]]
         assert finals[-1] == "error" and len(finals) < 1300
         assert proc.wait(timeout=60) == 0
+        assert time.time() - started < 30  # nothing waited for the compile
+        r = compiling.result()
+        assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
     finally:
         proc.kill()
 

@@ -1,0 +1,83 @@
+"""The server's worker threads: the work that must not run on the event loop (parsing
+bodies, tokenizing, chat templates, encoding responses) and, in a pool of their own,
+structured-output compiles. A compile can take minutes and cannot be stopped; on the shared
+workers a few of them would hold up every other request, so compiles wait only for
+compiles.
+
+The threads are daemons: at exit nothing waits for a compile still running. `fail` ends
+what callers still await (queued or running) with an error of the server's, so that their
+clients get it as a response rather than a dropped connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from concurrent.futures import Future, InvalidStateError
+
+
+class Workers:
+    """Up to `size` daemon threads, started as work comes."""
+
+    def __init__(self, size: int, name: str):
+        self.size, self.name = size, name
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._open: set[Future] = set()  # queued or running
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None  # set by fail(): no new work
+
+    def submit(self, fn, *args) -> Future:
+        future: Future = Future()
+        with self._lock:
+            if self._error is not None:
+                future.set_exception(self._error)
+                return future
+            self._open.add(future)
+            if len(self._threads) < self.size:
+                thread = threading.Thread(target=self._work, daemon=True,
+                                          name=f"{self.name}-{len(self._threads)}")
+                self._threads.append(thread)
+                thread.start()
+        self._jobs.put((future, fn, args))
+        return future
+
+    async def run(self, fn, *args):
+        """fn(*args) on a worker; awaiting it from the event loop."""
+        return await asyncio.wrap_future(self.submit(fn, *args))
+
+    def fail(self, error: BaseException) -> None:
+        """Ends every open future with `error` and refuses new work (a running call goes on
+        to its end, unheard)."""
+        with self._lock:
+            self._error, open_ = error, list(self._open)
+            self._open.clear()
+        for future in open_:
+            _settle(future, None, error)
+
+    def _work(self) -> None:
+        while True:
+            future, fn, args = self._jobs.get()
+            try:
+                if not future.set_running_or_notify_cancel():
+                    continue  # (its caller went away before it started)
+            except RuntimeError:  # (failed by fail() before it started)
+                continue
+            try:
+                result, error = fn(*args), None
+            except BaseException as err:  # noqa: BLE001 (the caller's to handle)
+                result, error = None, err
+            with self._lock:
+                self._open.discard(future)
+            _settle(future, result, error)
+
+
+def _settle(future: Future, result, error) -> None:
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except InvalidStateError:  # failed by fail() meanwhile, or cancelled
+        pass
