@@ -11,8 +11,10 @@ its own.
 The event loop never waits for a step: a request is checked on the caller's thread
 (`LLMEngine.prepare_request` reads only what does not change), then handed to the stepping
 thread through an inbox, as are aborts; outputs come back through a bounded buffer per
-request. A request whose reader falls `max_unread_outputs` outputs behind is aborted (its
-blocks freed) instead of being buffered without end.
+request. A request whose reader falls `max_unread_outputs` outputs behind, and then takes
+none while its event loop runs, is aborted (its blocks freed) instead of being buffered
+without end. (A loop held up a moment, by a large body say, is not its readers' fault: the
+check runs on the loop, so it waits for it.)
 """
 
 from __future__ import annotations
@@ -63,6 +65,9 @@ class RequestStream:
         self.delta = False  # its outputs are deltas: one not delivered joins the next
         self.held = None  # the deltas not delivered (while aborting), joined
         self.on_finished = None  # see AsyncLLM.submit
+        self.taken = 0  # outputs the reader has taken
+        self.checking = False  # the loop is looking at whether the reader takes any
+        self.stalled = False  # it took none while the loop ran: its request is aborted
 
     @property
     def unread(self) -> int:
@@ -88,12 +93,30 @@ class RequestStream:
                 break
             await self._ready.wait()
         item = self._items.popleft()
+        self.taken += 1
         if isinstance(item, BaseException):
             self._ended = True
             raise item
         if item.finished:
             self._ended = True
         return item
+
+    def check_reader(self) -> None:
+        """From the stepping thread, once outputs pile up: the loop notes the outputs taken,
+        lets two of its iterations pass (a reader woken by an output runs in the first),
+        then marks the stream stalled if the reader took none and some still wait."""
+        if self.checking:
+            return
+        self.checking, taken = True, self.taken
+
+        def verdict():
+            self.stalled = self.taken == taken and bool(self._items)
+            self.checking = False
+
+        try:
+            self._loop.call_soon_threadsafe(self._loop.call_soon, self._loop.call_soon, verdict)
+        except RuntimeError:  # the reader's loop is closed: nobody reads
+            self.stalled, self.checking = True, False
 
     def abort(self) -> None:
         """Ends the request (no-op once it has ended). The abort names this stream, not
@@ -113,8 +136,9 @@ class _Posted:
 class AsyncLLM:
     """Engine options as `LLMEngine`'s. Outputs carry the text so far at every step.
 
-    max_unread_outputs: outputs a request may have waiting for its reader; past it the
-    request is aborted with an error saying so (a client that stopped reading)."""
+    max_unread_outputs: outputs a request may have waiting for its reader; past it, if
+    the reader takes none while its event loop runs on, the request is aborted with an
+    error saying so (a client that stopped reading)."""
 
     def __init__(self, model, tokenizer=None, *, max_unread_outputs: int = 256,
                  dtype="auto", **engine_options):
@@ -390,6 +414,10 @@ class AsyncLLM:
                     except Exception:  # noqa: BLE001 (the caller's bug: never the engine's)
                         logger.exception("hf-paged: on_finished of %s failed", out.request_id)
             elif stream.aborting or stream.unread >= self.max_unread_outputs:
+                if not stream.aborting and not stream.stalled:
+                    stream.check_reader()  # (meanwhile its outputs keep coming)
+                    stream._put(out)
+                    continue
                 if not stream.aborting:
                     stream.aborting = True
                     self.engine.abort(out.request_id, f"the client did not read its stream "

@@ -298,12 +298,42 @@ def test_a_stream_nobody_reads_is_aborted():
         outs = asyncio.run(main())
     finally:
         llm.shutdown()
-    assert len(outs) <= 6  # at most the buffer, then the last output
+    # the buffer, those that came while the loop looked at the reader, the last output
+    assert len(outs) <= 9
     last = outs[-1]
     assert last.finished and last.outputs[0].finish_reason == "abort"
     assert "did not read" in last.error
     assert len(last.outputs[0].token_ids) < 1000
     assert llm.stats().blocks_used == 0
+
+
+def test_a_loop_held_up_a_moment_aborts_none_of_its_readers():
+    """Outputs pile up past max_unread_outputs while the event loop is busy (here 0.5 s of
+    synchronous work, as a large body once was): the readers are not at fault, and read
+    their requests to the end."""
+    import asyncio
+
+    model = long_model("llama_gqa")
+    llm = hf_paged.AsyncLLM(model, block_size=4, num_blocks=400, max_unread_outputs=3)
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    prompts = [[3, 4, 5], [6, 7], [8, 9, 10, 11]]
+
+    async def read(prompt):
+        return [out async for out in llm.add(prompt, params)][-1]
+
+    async def main():
+        readers = [asyncio.ensure_future(read(p)) for p in prompts]
+        await asyncio.sleep(0.05)
+        time.sleep(0.5)  # the loop is held up; the engine steps on
+        return await asyncio.gather(*readers)
+
+    try:
+        outs = asyncio.run(main())
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].finish_reason for o in outs] == ["length"] * 3
+    assert [o.outputs[0].token_ids for o in outs] == [stock_greedy(model, p, 60)
+                                                      for p in prompts]
 
 
 def test_llm_calls_from_two_threads_run_one_after_another():
