@@ -48,22 +48,27 @@ class Workers:
         return await asyncio.wrap_future(self.submit(fn, *args))
 
     def fail(self, error: BaseException) -> None:
-        """Ends every open future with `error` and refuses new work (a running call goes on
-        to its end, unheard)."""
-        with self._lock:
-            self._error, open_ = error, list(self._open)
+        """Ends every open future with `error`, refuses new work and lets the threads end
+        (a running call goes on to its end, unheard)."""
+        with self._lock:  # (so that a worker never starts a future failed here)
+            self._error = error
+            for future in self._open:
+                _settle(future, None, error)
             self._open.clear()
-        for future in open_:
-            _settle(future, None, error)
+            threads = len(self._threads)
+        for _ in range(threads):
+            self._jobs.put(None)
 
     def _work(self) -> None:
         while True:
-            future, fn, args = self._jobs.get()
-            try:
-                if not future.set_running_or_notify_cancel():
-                    continue  # (its caller went away before it started)
-            except RuntimeError:  # (failed by fail() before it started)
-                continue
+            job = self._jobs.get()
+            if job is None:
+                return
+            future, fn, args = job
+            with self._lock:
+                if future.done() or not future.set_running_or_notify_cancel():
+                    self._open.discard(future)  # failed by fail(), or its caller went away
+                    continue
             try:
                 result, error = fn(*args), None
             except BaseException as err:  # noqa: BLE001 (the caller's to handle)
