@@ -7,12 +7,12 @@ a loaded model (a notebook or a training script can serve the model it just trai
 in `sse.py`.
 
 One client cannot hold up or end another's requests: keys and body sizes are checked before
-anything is parsed (`guard.py`); tokenization and chat templating run on worker threads, not
-the event loop; every request is checked in full, and admitted against the bound on waiting
-sequences, before any of its sequences is queued; a request that fails while running ends
-alone with finish_reason "error" and the message (in the body, or as a last error event of
-its stream); a stream its client does not read is aborted; each tenant (API key) gets its
-own prefix-cache namespace.
+anything is parsed (`guard.py`); parsing bodies, tokenization and chat templating run on
+worker threads (`bodies.py`, `workers.py`), not the event loop; every request is checked in
+full, and admitted against the bound on waiting sequences, before any of its sequences is
+queued; a request that fails while running ends alone with finish_reason "error" and the
+message (in the body, or as a last error event of its stream); a stream its client does not
+read is aborted; each tenant (API key) gets its own prefix-cache namespace.
 """
 
 from __future__ import annotations
