@@ -110,6 +110,17 @@ def add_routes(app: FastAPI, server) -> None:
         return {k: v if v is None or isinstance(v, (str, int)) else str(v)
                 for k, v in info.items()}
 
+    table: dict = {}  # "strs": every token's string, made at the first use
+
+    def token_strs(ids: list[int]) -> list[str]:
+        """convert_ids_to_tokens(ids), read from a table of the vocabulary (a million calls
+        into the tokenizer take a second, and hold up every other thread)."""
+        strs = table.get("strs")
+        if strs is None:
+            tokenizer = llm.tokenizer
+            strs = table["strs"] = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+        return [strs[i] for i in ids]
+
     @app.post("/tokenize", openapi_extra=body_of(TokenizeRequest))
     async def tokenize(request: Request):
         body = await parse(server, TokenizeRequest, request)
@@ -125,8 +136,7 @@ def add_routes(app: FastAPI, server) -> None:
                 lambda: tokenizer(body.prompt, add_special_tokens=special)))["input_ids"]
 
         def response() -> dict:  # (a million tokens and their strings: on a worker)
-            strs = llm.tokenizer.convert_ids_to_tokens(list(ids)) if body.return_token_strs \
-                else None
+            strs = token_strs(ids) if body.return_token_strs else None
             return {"count": len(ids), "max_model_len": llm.max_model_len,
                     "tokens": list(ids), "token_strs": strs}
         return await server.respond(response)
