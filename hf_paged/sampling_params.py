@@ -254,8 +254,9 @@ class SamplingParams:
         if self.bad_words is not None:
             if not (isinstance(self.bad_words, (list, tuple))
                     and all(isinstance(w, str) and w.strip() for w in self.bad_words)):
-                raise InvalidRequestError("SamplingParams.bad_words must be a list of words; "
-                                          f"got {self.bad_words!r:.200}.", "bad_words")
+                raise InvalidRequestError("SamplingParams.bad_words must be a list of words "
+                                          "(strings with more than whitespace); got "
+                                          f"{self.bad_words!r:.200}.", "bad_words")
             self.bad_words = list(self.bad_words) or None
         _check(self.truncate_prompt_tokens, "truncate_prompt_tokens", int,
                lambda v: v >= 1 or v == -1, "an integer >= 1, or -1 (the model's context)",

@@ -215,9 +215,9 @@ class _Server:
         waiting = self.llm.num_waiting_sequences()
         if waiting + new > bound:
             self.metrics.rejected.labels(self.model_name, "503").inc()
-            raise APIError(503, f"The server has {waiting} sequences waiting (the limit is "
-                           f"{bound}); retry shortly.", None, "server_busy",
-                           headers={"Retry-After": "1"})
+            raise APIError(503, f"The server has {waiting} sequences waiting and this request "
+                           f"adds {new} (the limit is {bound}); retry shortly.", None,
+                           "server_busy", headers={"Retry-After": "1"})
         return [self.llm.submit(r, lambda out: self.metrics.finished(out, tenant))
                 for r in prepared]
 

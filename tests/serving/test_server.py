@@ -349,6 +349,7 @@ def test_invalid_json_auth_and_busy(served):
     with ServerThread(busy) as other:
         r = httpx.post(other.url + "/v1/completions", json={"model": "tiny", "prompt": "w5"})
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert "0 sequences waiting and this request adds 1" in r.json()["error"]["message"]
 
 
 def _llm_of(served):
