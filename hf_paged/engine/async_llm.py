@@ -11,10 +11,11 @@ its own.
 The event loop never waits for a step: a request is checked on the caller's thread
 (`LLMEngine.prepare_request` reads only what does not change), then handed to the stepping
 thread through an inbox, as are aborts; outputs come back through a bounded buffer per
-request. A request whose reader falls `max_unread_outputs` outputs behind, and then takes
-none while its event loop runs, is aborted (its blocks freed) instead of being buffered
-without end. (A loop held up a moment, by a large body say, is not its readers' fault: the
-check runs on the loop, so it waits for it.)
+request. Once `max_unread_outputs` outputs wait for a reader, the buffer stops growing (a
+new output takes the place of the newest unread one, or a delta joins the next), and if the
+reader takes none for a second while its event loop runs on, the request is aborted (its
+blocks freed). A loop held up a moment, by a large body say, is not its readers' fault: the
+check runs on the loop, so it waits for it.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from ..outputs import RequestOutput
 from ..sampling_params import RequestOutputKind, SamplingParams
 
 _ids = itertools.count()
+READER_GRACE_S = 1.0  # how long a reader over max_unread_outputs may take none
 logger = logging.getLogger("hf_paged")
 
 
@@ -81,6 +83,14 @@ class RequestStream:
         except RuntimeError:  # the reader's loop is closed
             pass
 
+    def _supersede(self, item) -> None:
+        """From the stepping thread: a cumulative output takes the place of the newest
+        unread one (it says all that one says)."""
+        try:
+            self._items[-1] = item
+        except IndexError:  # (the reader took them all meanwhile)
+            self._items.append(item)
+
     def __aiter__(self):
         return self
 
@@ -102,19 +112,21 @@ class RequestStream:
         return item
 
     def check_reader(self) -> None:
-        """From the stepping thread, once outputs pile up: the loop notes the outputs taken,
-        lets two of its iterations pass (a reader woken by an output runs in the first),
-        then marks the stream stalled if the reader took none and some still wait."""
+        """From the stepping thread, once outputs pile up: after `READER_GRACE_S` seconds of
+        the reader's loop, and two more of its iterations (a reader woken by an output
+        runs in the first: after a loop held up, before this looks), the stream is marked
+        stalled if the reader took none meanwhile and some still wait."""
         if self.checking:
             return
-        self.checking, taken = True, self.taken
+        self.checking, taken, loop = True, self.taken, self._loop
 
         def verdict():
             self.stalled = self.taken == taken and bool(self._items)
             self.checking = False
 
         try:
-            self._loop.call_soon_threadsafe(self._loop.call_soon, self._loop.call_soon, verdict)
+            loop.call_soon_threadsafe(loop.call_later, READER_GRACE_S, loop.call_soon,
+                                      loop.call_soon, verdict)
         except RuntimeError:  # the reader's loop is closed: nobody reads
             self.stalled, self.checking = True, False
 
@@ -136,9 +148,10 @@ class _Posted:
 class AsyncLLM:
     """Engine options as `LLMEngine`'s. Outputs carry the text so far at every step.
 
-    max_unread_outputs: outputs a request may have waiting for its reader; past it, if
-    the reader takes none while its event loop runs on, the request is aborted with an
-    error saying so (a client that stopped reading)."""
+    max_unread_outputs: outputs a request may have waiting for its reader; past it, new
+    outputs take the place of unread ones, and if the reader takes none for a second
+    while its event loop runs on, the request is aborted with an error saying so (a
+    client that stopped reading)."""
 
     def __init__(self, model, tokenizer=None, *, max_unread_outputs: int = 256,
                  dtype="auto", **engine_options):
@@ -415,8 +428,11 @@ class AsyncLLM:
                         logger.exception("hf-paged: on_finished of %s failed", out.request_id)
             elif stream.aborting or stream.unread >= self.max_unread_outputs:
                 if not stream.aborting and not stream.stalled:
-                    stream.check_reader()  # (meanwhile its outputs keep coming)
-                    stream._put(out)
+                    stream.check_reader()  # is the reader reading at all?
+                    if stream.delta:  # meanwhile the buffer does not grow: a delta joins
+                        stream.held = out  # the next one, and a whole output stands for
+                    else:  # the unread one before it
+                        stream._supersede(out)
                     continue
                 if not stream.aborting:
                     stream.aborting = True

@@ -73,8 +73,9 @@ def parser() -> argparse.ArgumentParser:
                    help="seconds a request may take, queued or running; it then ends with "
                         "finish_reason 'timeout' (no limit)")
     s.add_argument("--max-unread-outputs", type=_ranged(int, 1), default=256,
-                   help="outputs a stream may leave unread before its request is aborted "
-                        "(256)")
+                   help="outputs a stream buffers for its client (256); past it new ones "
+                        "replace unread ones, and a client that reads none for 1 s has its "
+                        "request aborted")
     s.add_argument("--shutdown-grace", type=_ranged(float, 0), default=10.0,
                    help="at SIGTERM, seconds open requests get before they end with an "
                         "error (10)")

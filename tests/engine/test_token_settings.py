@@ -461,13 +461,15 @@ def test_deltas_not_delivered_to_a_slow_reader_come_with_its_last_output():
     model = long_model("llama_gqa")
 
     async def run(kind):
-        engine = AsyncLLM(model, block_size=4, num_blocks=300, max_unread_outputs=3)
+        engine = AsyncLLM(model, block_size=4, num_blocks=400, max_unread_outputs=3)
         try:
-            stream = engine.add([5, 6, 7], SamplingParams(temperature=0, max_tokens=200,
+            stream = engine.add([5, 6, 7], SamplingParams(temperature=0, max_tokens=1300,
                                                           ignore_eos=True, output_kind=kind))
-            while stream.unread < 3:  # the reader falls behind: the request is aborted
+            # The reader takes nothing: after the grace its request is aborted.
+            for _ in range(1000):
+                if stream.unread >= 3 and not engine.engine.requests:
+                    break
                 await asyncio.sleep(0.01)
-            await asyncio.sleep(0.2)
             return [out async for out in stream], engine.engine.output.generation_tokens
         finally:
             engine.shutdown()
