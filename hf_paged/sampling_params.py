@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from .errors import InvalidRequestError
+from .utils import out_of_vocab
 
 # vLLM's defaults, for settings neither the request nor the model's generation_config gives.
 FALLBACKS = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
@@ -292,10 +293,10 @@ class SamplingParams:
         for name, ids in (("stop_token_ids", self.stop_token_ids),
                           ("logit_bias", self.logit_bias or ()),
                           ("allowed_token_ids", self.allowed_token_ids or ())):
-            bad = [t for t in ids if not 0 <= t < vocab_size]
+            bad = out_of_vocab(ids, vocab_size)
             if bad:
                 raise InvalidRequestError(f"SamplingParams.{name} must name token ids in "
-                                          f"[0, {vocab_size}); got {bad[:5]}.", name)
+                                          f"[0, {vocab_size}); got {bad}.", name)
 
     def generator_seed(self, completion: int) -> int:
         """The seed of completion `completion`'s generator (wraps as torch does)."""

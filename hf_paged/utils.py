@@ -20,6 +20,15 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def out_of_vocab(ids, vocab_size: int) -> list[int]:
+    """The first five of `ids` (ints) outside [0, vocab_size); [] if none. A million ids in
+    range are checked at C speed (min and max)."""
+    ids = list(ids)
+    if not ids or 0 <= min(ids) and max(ids) < vocab_size:
+        return []
+    return [t for t in ids if not 0 <= t < vocab_size][:5]
+
+
 # Old module path -> where it lives now. (`hf_paged.engine` is a package now; its old
 # names are re-exported by `hf_paged/engine/__init__.py`.)
 MOVED = {

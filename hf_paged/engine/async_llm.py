@@ -65,7 +65,7 @@ class RequestStream:
         self._aborted = False  # abort() was called
         self.aborting = False  # set by the stepping thread when the reader fell behind
         self.delta = False  # its outputs are deltas: one not delivered joins the next
-        self.held = None  # the deltas not delivered (while aborting), joined
+        self.held = None  # the deltas not delivered (reader behind, or aborting), joined
         self.on_finished = None  # see AsyncLLM.submit
         self.taken = 0  # outputs the reader has taken
         self.checking = False  # the loop is looking at whether the reader takes any

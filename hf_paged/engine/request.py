@@ -22,6 +22,7 @@ from ..errors import InvalidRequestError, describe
 from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
 from ..sampling_params import RequestOutputKind, SamplingParams
 from ..core.sequence import Sequence
+from ..utils import out_of_vocab
 
 logger = logging.getLogger("hf_paged")
 
@@ -53,10 +54,10 @@ def prompt_ids(prompt, params: SamplingParams, tokenizer, vocab_size: int,
         if not all(isinstance(t, Integral) and not isinstance(t, bool) for t in prompt):
             raise InvalidRequestError("prompt token ids must be integers.", "prompt")
         prompt = [int(t) for t in prompt]
-    if prompt and not 0 <= min(prompt) <= max(prompt) < vocab_size:  # (at C speed)
-        bad = [t for t in prompt if not 0 <= t < vocab_size]
+    bad = out_of_vocab(prompt, vocab_size)
+    if bad:
         raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size}); "
-                                  f"got {bad[:5]}.", "prompt")
+                                  f"got {bad}.", "prompt")
     return text, truncated(prompt, params.truncate_prompt_tokens, context)
 
 

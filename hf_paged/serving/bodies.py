@@ -41,9 +41,9 @@ def _json_type(value) -> str:
 
 
 def validation_error(err, body=None) -> APIError:
-    """pydantic's (or FastAPI's RequestValidationError's) first error (loc without FastAPI's
-    "body") as a 400 naming the top-level
-    field; a union's errors (one per member type) become one message listing the members."""
+    """pydantic's (or FastAPI's RequestValidationError's) first error as a 400 naming the
+    top-level field (FastAPI's "body" left out of the path); a union's errors (one per
+    member type) become one message listing the members."""
     errors = err.errors()
     first = errors[0] if errors else {}
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]

@@ -5,6 +5,7 @@ served only when the server was started to allow it)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -12,6 +13,7 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..errors import APIError, InvalidRequestError
+from ..utils import out_of_vocab
 from .bodies import body_of, parse
 from .protocol import ChatMessage, ChatTemplateOptions, UnicodeBody
 from .tools import check_tools
@@ -110,16 +112,11 @@ def add_routes(app: FastAPI, server) -> None:
         return {k: v if v is None or isinstance(v, (str, int)) else str(v)
                 for k, v in info.items()}
 
-    table: dict = {}  # "strs": every token's string, made at the first use
-
-    def token_strs(ids: list[int]) -> list[str]:
-        """convert_ids_to_tokens(ids), read from a table of the vocabulary (a million calls
+    @functools.cache
+    def vocabulary_strs() -> list[str]:
+        """Every token's string: /tokenize reads a million of them from here (as many calls
         into the tokenizer take a second, and hold up every other thread)."""
-        strs = table.get("strs")
-        if strs is None:
-            tokenizer = llm.tokenizer
-            strs = table["strs"] = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-        return [strs[i] for i in ids]
+        return llm.tokenizer.convert_ids_to_tokens(list(range(len(llm.tokenizer))))
 
     @app.post("/tokenize", openapi_extra=body_of(TokenizeRequest))
     async def tokenize(request: Request):
@@ -136,7 +133,7 @@ def add_routes(app: FastAPI, server) -> None:
                 lambda: tokenizer(body.prompt, add_special_tokens=special)))["input_ids"]
 
         def response() -> dict:  # (a million tokens and their strings: on a worker)
-            strs = token_strs(ids) if body.return_token_strs else None
+            strs = [vocabulary_strs()[i] for i in ids] if body.return_token_strs else None
             return {"count": len(ids), "max_model_len": llm.max_model_len,
                     "tokens": list(ids), "token_strs": strs}
         return await server.respond(response)
@@ -147,9 +144,8 @@ def add_routes(app: FastAPI, server) -> None:
         if body.model is not None:
             server.adapter_for(body.model)
         tokenizer = server.need_tokenizer("tokens")
-        tokens = body.tokens
-        if tokens and not 0 <= min(tokens) <= max(tokens) < llm.vocab_size:
-            bad = [t for t in tokens if not 0 <= t < llm.vocab_size]
+        bad = out_of_vocab(body.tokens, llm.vocab_size)
+        if bad:
             raise APIError(400, f"tokens must be token ids in [0, {llm.vocab_size}); got "
-                           f"{bad[:5]}.", "tokens")
+                           f"{bad}.", "tokens")
         return {"prompt": await server.off_loop(tokenizer.decode, body.tokens)}
