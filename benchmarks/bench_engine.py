@@ -10,6 +10,8 @@ ShareGPT conversations: prompts median ~200 tokens (16..1024), outputs median ~8
 (16..256); every output has its fixed length (EOS ignored) and all requests arrive at once.
 Rows:
   engine          hf_paged.LLM (continuous batching, chunked prefill, prefix caching)
+  engine-torch-linears  the same, linear layers as torch runs them (MKL; the engine's default
+                  runs a float32 CPU model's large ones through oneDNN)
   engine-cuda-graphs  the same, decode steps replayed from CUDA graphs (GPU; not by default)
   transformers-cb Transformers' continuous batching (its manager, per-request max_new_tokens)
   static-dynamic  model.generate in static batches of 8, DynamicCache (arrival order)
@@ -370,7 +372,8 @@ def main():
     parser.add_argument("--kv-mib", type=int, default=768,
                         help="KV memory budget of every method, MiB (768)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block (16)")
-    parser.add_argument("--methods", default="engine,transformers-cb,static-dynamic,static-paged",
+    parser.add_argument("--methods", default="engine,engine-torch-linears,transformers-cb,"
+                        "static-dynamic,static-paged",
                         help="comma-separated subset of the rows (default: all)")
     parser.add_argument("--no-prefix-section", action="store_true",
                         help="skip the shared-prefix section")
@@ -483,7 +486,8 @@ def main():
         policies = () if args.no_policy_rows else ("engine, no headroom", "engine, swap",
                                                    "engine, int8 KV")
         methods = [m for m in ("engine", *policies, "engine, torch attention",
-                               "transformers-cb") if m.split(",")[0] in methods]
+                               "engine-torch-linears", "transformers-cb")
+                   if m.split(",")[0] in methods]
         args.no_prefix_section = True
     engine_options = dict(overlap)
     if args.max_num_batched_tokens:
@@ -499,6 +503,9 @@ def main():
                                               kv_cache_dtype="int8", **engine_options),
         "engine, torch attention": lambda: run_engine(model, requests, budget, args.block_size,
                                                       backend="torch", **engine_options),
+        # Linear layers as torch runs them (MKL), none through oneDNN (hf/linear.py).
+        "engine-torch-linears": lambda: run_engine(model, requests, budget, args.block_size,
+                                                   onednn_linear=False, **engine_options),
         # (GPU) decode steps replayed from CUDA graphs of the eager forward.
         "engine-cuda-graphs": lambda: run_engine(model, requests, budget, args.block_size,
                                                  cuda_graphs=True, **engine_options),

@@ -49,7 +49,8 @@ class DraftProposer:
                  else {"num_blocks": target.pool.blocks.num_blocks})
         self.runner = ModelRunner(model, block_size=target.block_size,
                                   max_num_seqs=target.max_num_seqs,
-                                  max_model_len=min(draft_len, target.max_model_len), **sized)
+                                  max_model_len=min(draft_len, target.max_model_len),
+                                  onednn_linear=target.onednn_linear, **sized)
         self.vocab = target.base.get_output_embeddings().weight.shape[0]
         self.draft_vocab = self.runner.base.get_input_embeddings().weight.shape[0]
         if self.draft_vocab < self.vocab // 2:

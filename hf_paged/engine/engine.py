@@ -77,6 +77,7 @@ class LLMEngine:
                          tokens as eager, after a first compile of each kind of step
       cuda_graphs:       replay decode steps from CUDA graphs, one per batch-size bucket
                          (graphs.py); default: on with `compile` on a CUDA device
+      onednn_linear:     a float32 CPU model's large linear layers run through oneDNN (True)
       async_scheduling:  plan and launch step N+1 before the host reads step N's sampled
                          tokens, which feed it on the device (False): the same tokens,
                          with outputs and stop checks a step later
@@ -93,14 +94,15 @@ class LLMEngine:
                  max_model_len: int | None = None, backend: str = "auto",
                  compile: bool | str = False, admission_headroom: float = 1.0,
                  async_scheduling: bool = False, speculative_config=None,
-                 kv_cache_dtype: str = "auto", cuda_graphs: bool | None = None):
+                 kv_cache_dtype: str = "auto", cuda_graphs: bool | None = None,
+                 onednn_linear: bool = True):
         self.runner = runner = ModelRunner(
             model, block_size=block_size, num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes,
             gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
             max_model_len=max_model_len, preemption_mode=preemption_mode,
             swap_space_bytes=swap_space_bytes, backend=backend, compile=compile,
             kv_cache_dtype=kv_cache_dtype, cuda_graphs=cuda_graphs,
-            max_num_batched_tokens=max_num_batched_tokens)
+            max_num_batched_tokens=max_num_batched_tokens, onednn_linear=onednn_linear)
         base = runner.base
         self.model, self.adapters, self.tokenizer = runner.model, runner.adapters, tokenizer
         self.pool, self.cpu_pool = runner.pool, runner.cpu_pool
@@ -133,14 +135,13 @@ class LLMEngine:
         eos = getattr(generation_config, "eos_token_id", None)
         if eos is None:
             eos = getattr(base.config.get_text_config(decoder=True), "eos_token_id", None)
-        eos = eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else []
+        eos = eos if isinstance(eos, (list, tuple)) else [eos]
         self.requests: dict[str, EngineRequest] = {}
         self.output = OutputProcessor(
             self.scheduler, self.requests,
             {e for e in eos if isinstance(e, int) and 0 <= e < self.vocab_size})
         self._aborts: dict[str, str | None] = {}  # request id -> why (None: asked to)
-        self._deadlines = Deadlines()
-        self._arrivals = itertools.count()
+        self._deadlines, self._arrivals = Deadlines(), itertools.count()
         self.prompt_tokens, self._stopped = 0, False  # (_stopped: TP ranks were told to stop)
         self.debug = os.environ.get(DEBUG_ENV_VAR) == "1"
         self.lora = RuntimeAdapters(self)  # adapters loaded and unloaded at runtime
@@ -291,9 +292,8 @@ class LLMEngine:
         s, pool, cached = self.scheduler, self.pool.blocks, self.scheduler.prefix.num_evictable
         return EngineStats(
             running=len(s.running), waiting=self.num_waiting_sequences(),
-            swapped=len(s.swapped),
+            swapped=len(s.swapped), num_blocks=pool.num_blocks,
             num_preemptions=s.num_preemptions, recomputed_tokens=s.recomputed_tokens,
-            num_blocks=pool.num_blocks,
             blocks_used=pool.num_used - cached, blocks_cached=cached, blocks_free=pool.num_free,
             block_size=self.block_size, prefix_cache_queried_tokens=s.prefix.queried_tokens,
             prefix_cache_hit_tokens=s.prefix.hit_tokens, prompt_tokens=self.prompt_tokens,

@@ -10,6 +10,7 @@ above 0 of a tensor-parallel group build only this (see distributed/tensor_paral
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from ..hf.architectures import (
     attention_features, attention_tp_size, kv_spec, tp_heads, unsupported_reason,
 )
 from ..hf.attention import KWARG
+from ..hf.linear import onednn_linears, use_onednn_linears
 from ..hf.probe import route_reason
 from ..hf.register import register
 from ..hf.switch import paged_attention
@@ -44,7 +46,7 @@ logger = logging.getLogger("hf_paged")
 # LLMEngine options the runner takes (the rest are the scheduler's).
 RUNNER_OPTIONS = ("block_size", "num_blocks", "kv_cache_bytes", "gpu_memory_utilization",
                   "max_num_seqs", "max_model_len", "preemption_mode", "swap_space_bytes",
-                  "backend", "compile", "kv_cache_dtype", "cuda_graphs")
+                  "backend", "compile", "kv_cache_dtype", "cuda_graphs", "onednn_linear")
 
 
 @dataclass
@@ -180,7 +182,7 @@ class ModelRunner:
                  preemption_mode: str = "recompute", swap_space_bytes: int | None = None,
                  backend: str = "auto", compile: bool | str = False,
                  kv_cache_dtype: str = "auto", cuda_graphs: bool | None = None,
-                 max_num_batched_tokens: int | None = None):
+                 max_num_batched_tokens: int | None = None, onednn_linear: bool = True):
         """See `LLMEngine` for the options. max_num_seqs: rows of the device block table
         (default 256 on CUDA, 64 elsewhere, and never more than a step's token budget
         `max_num_batched_tokens`: each running sequence decodes a token a step)."""
@@ -193,6 +195,10 @@ class ModelRunner:
         register()  # the "paged" attention, even where generate's patches are disabled
         self.model.eval()
         self.base = base
+        # (before compiling: a layer's class is part of what its graphs are keyed by)
+        self.onednn_linear = flag("onednn_linear", onednn_linear)
+        self.linears = (onednn_linears if onednn_linear and use_onednn_linears(self.model)
+                        else contextlib.nullcontext)
         text_config = base.config.get_text_config(decoder=True)
         self.device, self.dtype = input_device(base), base.dtype  # the model's inputs' device
         self.tp_size = getattr(base, "tp_size", None) or 1
@@ -396,7 +402,7 @@ class ModelRunner:
         elif self.compiled is not None:
             model = self.compiled
         paged_kv = self.access.forward(metas[0], group_metas=metas)
-        with torch.inference_mode(), paged_attention(self.base):
+        with torch.inference_mode(), paged_attention(self.base), self.linears():
             try:
                 out = model(input_ids=ids[None], position_ids=positions[None],
                             past_key_values=paged_kv, use_cache=True, logits_to_keep=keep,

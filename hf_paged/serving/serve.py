@@ -115,6 +115,9 @@ def parser() -> argparse.ArgumentParser:
                         "a GPU)")
     e.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="never capture CUDA graphs")
+    e.add_argument("--no-onednn-linear", dest="onednn_linear", action="store_false",
+                   help="a float32 model on a CPU: run its linear layers as torch does (MKL) "
+                        "rather than large ones through oneDNN")
     e.add_argument("--async-scheduling", action="store_true",
                    help="plan each step while the last one runs (its tokens stay on the "
                         "device; the same tokens, outputs a step later)")
@@ -261,7 +264,8 @@ def engine_options(args) -> dict:
                 backend=args.backend, compile=args.compile,
                 async_scheduling=args.async_scheduling,
                 speculative_config=args.speculative_config,
-                kv_cache_dtype=args.kv_cache_dtype, cuda_graphs=args.cuda_graphs)
+                kv_cache_dtype=args.kv_cache_dtype, cuda_graphs=args.cuda_graphs,
+                onednn_linear=args.onednn_linear)
 
 
 def main(argv=None) -> None:
