@@ -9,12 +9,13 @@ once per pass as a decode step reads it (542 MB: far more than the caches, so ev
 streams the weights from memory), best of a few passes. One row streams them at the memory's
 speed; from four rows on, the BLAS's float32 GEMM runs well below it, so a step's cost grows
 with its rows much less than in proportion: batching more rows into a step is the lever,
-and the KV budget bounds it. It also checks whether a row's result depends on how many rows
-share the call (the BLAS picks its kernel by row count, and kernels round differently),
-and times MKL's packed-weight GEMM next to it: faster at a few rows, but rounding otherwise.
+and the KV budget bounds it. The same passes through oneDNN's matmul, which the engine's
+forwards run (hf/linear.py), stream the weights much faster. It also checks whether a row's
+result depends on how many rows share the call (the BLAS picks its kernel by row count, and
+kernels round differently), and times MKL's packed-weight GEMM next to it.
 
---trace runs the engine on the tight trace (about 100 s) and reports its forwards by row
-count: decode-only forwards (one token per row) by rows, and forwards with prompt chunks.
+--trace runs the engine on the tight trace twice, with its oneDNN linear layers and with
+torch's (about 4 min), and reports its forwards by row count: decode-only forwards (one token per row) by rows, and forwards with prompt chunks.
 """
 
 from __future__ import annotations
@@ -31,12 +32,16 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import random_llama  # noqa: E402
 
+from hf_paged.kernels import cpu_linear  # noqa: E402
+
 ROWS = (1, 2, 4, 8, 12, 15, 16, 19, 24, 32, 64)
 
 
-def weight_passes(model, rows=ROWS, passes: int = 3) -> list[dict]:
-    """Per row count M: the best time of one pass of `F.linear` over every projection, MLP
-    and head weight of `model` (inputs [1, M, in]), with its bandwidth and FLOP rate."""
+def weight_passes(model, rows=ROWS, passes: int = 3, linear=F.linear) -> list[dict]:
+    """Per row count M: the best time of one pass of `linear` (F.linear, or the engine's
+    oneDNN call) over every projection, MLP and head weight of `model` (inputs [1, M, in]),
+    with its bandwidth and FLOP rate, and the largest difference of its output from
+    `F.linear`'s on the first weight."""
     weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
     total = sum(w.numel() * w.element_size() for w in weights)
     flops_per_row = 2 * sum(w.numel() for w in weights)
@@ -48,12 +53,16 @@ def weight_passes(model, rows=ROWS, passes: int = 3) -> list[dict]:
             for _ in range(passes):
                 start = time.perf_counter()
                 for w in weights:
-                    F.linear(inputs[w.shape[1]], w)
+                    linear(inputs[w.shape[1]], w, None)
                 best = min(best, time.perf_counter() - start)
+            x, w = inputs[weights[0].shape[1]], weights[0]
+            apart = (linear(x, w, None) - F.linear(x, w)).abs().max().item()
             out.append(dict(rows=m, ms=round(best * 1e3, 1), gb_per_s=round(total / best / 1e9, 1),
-                            gflop_per_s=round(flops_per_row * m / best / 1e9)))
+                            gflop_per_s=round(flops_per_row * m / best / 1e9), max_diff=apart))
             print(f"  {m:3d} rows: {out[-1]['ms']:7.1f} ms per pass, {out[-1]['gb_per_s']:5.1f} "
-                  f"GB/s of weights, {out[-1]['gflop_per_s']:4d} GFLOP/s", flush=True)
+                  f"GB/s of weights, {out[-1]['gflop_per_s']:4d} GFLOP/s"
+                  + (f"; largest difference from F.linear {apart:.2g}" if apart else ""),
+                  flush=True)
     return out
 
 
@@ -96,8 +105,9 @@ def bit_identical_row_counts(in_features: int = 1024, out_features: int = 2816, 
     return same
 
 
-def trace_forwards() -> dict:
-    """The tight trace on the engine: forwards by kind and row count, with their mean time."""
+def trace_forwards(**options) -> dict:
+    """The tight trace on the engine (with `options`): forwards by kind and row count, with
+    their mean time."""
     import bench_engine
     from hf_paged.engine import runner
 
@@ -118,7 +128,7 @@ def trace_forwards() -> dict:
         model = random_llama()
         requests = bench_engine.workload(128, model.config.vocab_size, seed=0)
         budget = bench_engine.static_peak_tokens(requests, 16) * bench_engine._bytes_per_token(model)
-        row = bench_engine.run_engine(model, requests, budget, 16)
+        row = bench_engine.run_engine(model, requests, budget, 16, **options)
     finally:
         runner.ModelRunner.forward = forward
     print(f"  engine: {row['seconds']:.1f} s, {sum(counts.values())} forwards")
@@ -142,11 +152,17 @@ def _ranges(values: list[int]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trace", action="store_true", help="also run the tight trace (~100 s)")
+    parser.add_argument("--trace", action="store_true",
+                        help="also run the tight trace, with the engine's oneDNN linear layers "
+                             "and without (~4 min)")
     args = parser.parse_args()
     print(f"F.linear over the 168M Llama's weights, float32, threads {torch.get_num_threads()}:")
     model = random_llama()
     weight_passes(model)
+    if cpu_linear.available():
+        print("oneDNN's matmul over the same weights (what the engine's forwards run: "
+              "hf/linear.py):")
+        weight_passes(model, linear=cpu_linear.linear)
     print("MKL's packed-weight GEMM over the same weights (not what the model's nn.Linear "
           "runs):")
     packed_passes(model) or print("  (this torch has no MKL)")
@@ -155,8 +171,10 @@ def main() -> None:
     print(f"  row counts whose rows differ (bits) from the same rows of a 40-row call: "
           f"{_ranges(differ) or 'none'}")
     if args.trace:
-        print("tight trace, engine forwards:")
-        trace_forwards()
+        for name, options in (("oneDNN linear layers (the default)", {}),
+                              ("torch's linear layers", {"onednn_linear": False})):
+            print(f"tight trace, engine forwards, {name}:")
+            trace_forwards(**options)
 
 
 if __name__ == "__main__":

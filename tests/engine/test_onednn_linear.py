@@ -16,7 +16,7 @@ from conftest import make_model
 from hf_paged import LLM, SamplingParams
 from hf_paged.hf.linear import OneDNNLinear, onednn_linears, use_onednn_linears
 from hf_paged.kernels import cpu_linear
-from test_compile import CAPTURE, fresh_dynamo, graphs, run  # noqa: F401 (a fixture)
+from test_compile import fresh_dynamo, run  # noqa: F401 (an autouse fixture)
 from test_engine import random_prompts, stock_greedy
 from zoo import make_arch
 
@@ -142,8 +142,8 @@ def test_a_compiled_forward_records_onednns_op_and_equals_eager(kind, monkeypatc
     monkeypatch.setattr(cpu_linear, "MIN_WEIGHT_ELEMENTS", 0)
     model = make_model(kind)
     _captured.clear()
-    eager, _ = run(model, False)
-    compiled, _ = run(model, "hf_paged_test_onednn")
+    eager, _ = run(model, False, count=6)
+    compiled, _ = run(model, "hf_paged_test_onednn", count=6)
     assert compiled == eager
     op = torch.ops.hf_paged.onednn_linear.default
     targets = [{n.target for n in gm.graph.nodes} for gm in _captured]
