@@ -108,6 +108,22 @@ def test_small_cast_and_subclassed_layers_are_left_alone():
         assert torch.equal(model[0](x), F.linear(x, model[0].weight, model[0].bias))
 
 
+@pytest.mark.parametrize("strided", ["bias", "weight"])
+def test_a_strided_bias_or_weight_takes_torchs_path(strided):
+    """oneDNN's op reads a bias as if it were contiguous (a bias of every other element
+    gave errors of 3)."""
+    torch.manual_seed(0)
+    layer = nn.Linear(1024, 512)
+    use_onednn_linears(layer)
+    if strided == "bias":
+        layer.bias = nn.Parameter(torch.randn(1024)[::2])
+    else:
+        layer.weight = nn.Parameter(torch.randn(1024, 1024)[::2])
+    x = torch.randn(4, 1024)
+    with torch.no_grad(), onednn_linears():
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
 def test_the_option_is_checked():
     with pytest.raises(ValueError, match="onednn_linear must be True or False; got 'yes'"):
         LLM(make_model("llama_gqa"), num_blocks=8, onednn_linear="yes")
