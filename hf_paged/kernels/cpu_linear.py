@@ -66,9 +66,11 @@ def worth_it(weight: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` through oneDNN: x [..., K], weight [N, K], bias [N] or
     None -> [..., N]. Tensors that are not float32 on the CPU (a layer moved or cast since)
-    take torch's own path, and so do a strided weight or bias: oneDNN's op reads a bias as
-    if it were contiguous."""
+    take torch's own path, and so do a strided weight and a bias other than a contiguous
+    [N] (oneDNN's op reads any bias as N contiguous values), and shapes that do not match
+    (for torch's error)."""
     if not (x.dtype == weight.dtype == torch.float32 and x.is_cpu and weight.is_cpu
-            and weight.is_contiguous() and (bias is None or bias.is_contiguous())):
+            and weight.is_contiguous() and x.shape[-1] == weight.shape[1]
+            and (bias is None or (bias.shape == weight.shape[:1] and bias.is_contiguous()))):
         return F.linear(x, weight, bias)
     return _op(x, weight, bias) if tracing() else _onednn(x, weight, bias)

@@ -108,20 +108,24 @@ def test_small_cast_and_subclassed_layers_are_left_alone():
         assert torch.equal(model[0](x), F.linear(x, model[0].weight, model[0].bias))
 
 
-@pytest.mark.parametrize("strided", ["bias", "weight"])
-def test_a_strided_bias_or_weight_takes_torchs_path(strided):
-    """oneDNN's op reads a bias as if it were contiguous (a bias of every other element
-    gave errors of 3)."""
+@pytest.mark.parametrize("odd", ["strided bias", "scalar bias", "bias of one", "strided weight"])
+def test_a_bias_or_weight_of_another_layout_takes_torchs_path(odd):
+    """oneDNN's op reads any bias as N contiguous values (a bias of every other element
+    gave errors of 3, a 0-d one garbage)."""
     torch.manual_seed(0)
     layer = nn.Linear(1024, 512)
     use_onednn_linears(layer)
-    if strided == "bias":
-        layer.bias = nn.Parameter(torch.randn(1024)[::2])
-    else:
+    if odd == "strided weight":
         layer.weight = nn.Parameter(torch.randn(1024, 1024)[::2])
+    else:
+        bias = {"strided bias": torch.randn(1024)[::2], "scalar bias": torch.tensor(0.5),
+                "bias of one": torch.tensor([0.5])}[odd]
+        layer.bias = nn.Parameter(bias)
     x = torch.randn(4, 1024)
     with torch.no_grad(), onednn_linears():
         assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+        with pytest.raises(RuntimeError, match="cannot be multiplied"):
+            layer(torch.randn(4, 1000))
 
 
 def test_the_option_is_checked():
