@@ -2,11 +2,12 @@
 oneDNN (kernels/cpu_linear.py) in the engine's forwards on this thread, and exactly as torch
 runs them everywhere else (`generate`, training, other threads).
 
-`use_onednn_linears(model)` gives each such layer the class `OneDNNLinear`, an `nn.Linear`
-(isinstance checks, PEFT's wrapping and state dicts are unchanged) whose forward checks a
-flag of the calling thread, set by `onednn_linears()` around an engine forward. Under
-torch.compile the flag is read while tracing: the engine's own graphs record oneDNN's op,
-any other compile of the model traces torch's.
+`use_onednn_linears(model)` gives each such layer the class `OneDNNLinear` (or, for
+Falcon's `FalconLinear`, `OneDNNFalconLinear`), a subclass of its own (isinstance checks,
+PEFT's wrapping, state dicts and pickling are unchanged) whose forward checks a flag of the
+calling thread, set by `onednn_linears()` around an engine forward; off, it is the class's
+own forward. Under torch.compile the flag is read while tracing: the engine's own graphs
+record oneDNN's op, any other compile of the model traces torch's.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from __future__ import annotations
 import contextlib
 import threading
 
-import torch.nn.functional as F
+import torch
 from torch import nn
+from transformers.models.falcon.modeling_falcon import FalconLinear
 
 from ..kernels import cpu_linear
 
@@ -27,24 +29,41 @@ class _Thread(threading.local):
 _THREAD = _Thread()
 
 
+def _through_onednn(layer, input: torch.Tensor, own) -> torch.Tensor:
+    # (no autograd kernel: a forward that records gradients takes the class's own path)
+    if _THREAD.on and not torch.is_grad_enabled():
+        return cpu_linear.linear(input, layer.weight, layer.bias)
+    return own(layer, input)
+
+
 class OneDNNLinear(nn.Linear):
     """An `nn.Linear` that runs through oneDNN inside `onednn_linears()` on its thread."""
 
     def forward(self, input):
-        if _THREAD.on:
-            return cpu_linear.linear(input, self.weight, self.bias)
-        return F.linear(input, self.weight, self.bias)
+        return _through_onednn(self, input, nn.Linear.forward)
+
+
+class OneDNNFalconLinear(FalconLinear):
+    """Falcon's `FalconLinear` (`input @ weight.T + bias`), through oneDNN likewise."""
+
+    def forward(self, input):
+        return _through_onednn(self, input, FalconLinear.forward)
+
+
+# The layer classes whose forward is `F.linear`'s arithmetic -> their switched class.
+_SWITCHED = {nn.Linear: OneDNNLinear, FalconLinear: OneDNNFalconLinear}
 
 
 def use_onednn_linears(model: nn.Module) -> int:
-    """Gives the model's `nn.Linear` layers that run faster through oneDNN (float32, on the
-    CPU, large: `cpu_linear.worth_it`) the class `OneDNNLinear`; returns how many layers
-    have it. Subclasses of `nn.Linear` (quantized, tensor-parallel, PEFT's) are left alone."""
+    """Gives the model's linear layers that run faster through oneDNN (float32, on the CPU,
+    large: `cpu_linear.worth_it`) their switched class; returns how many layers have one.
+    Other subclasses of `nn.Linear` (quantized, tensor-parallel, PEFT's) are left alone."""
     count = 0
     for module in model.modules():
-        if type(module) is nn.Linear and cpu_linear.worth_it(module.weight):
-            module.__class__ = OneDNNLinear
-        count += type(module) is OneDNNLinear
+        switched = _SWITCHED.get(type(module))
+        if switched is not None and cpu_linear.worth_it(module.weight):
+            module.__class__ = switched
+        count += type(module) in _SWITCHED.values()
     return count
 
 

@@ -14,7 +14,8 @@ from torch import nn
 
 from conftest import make_model
 from hf_paged import LLM, SamplingParams
-from hf_paged.hf.linear import OneDNNLinear, onednn_linears, use_onednn_linears
+from hf_paged.hf.linear import (OneDNNFalconLinear, OneDNNLinear, onednn_linears,
+                                use_onednn_linears)
 from hf_paged.kernels import cpu_linear
 from test_compile import fresh_dynamo, run  # noqa: F401 (an autouse fixture)
 from test_engine import random_prompts, stock_greedy
@@ -86,6 +87,9 @@ def test_the_switch_belongs_to_the_thread_that_sets_it():
         started.set()
         done.wait(10)
         inside = layer(x)
+    with onednn_linears():  # recording gradients: torch's path, which has a backward
+        layer(x).sum().backward()
+    assert layer.weight.grad is not None
     thread.join(10)
     with torch.no_grad():
         assert torch.equal(seen["other"], F.linear(x, layer.weight, layer.bias))
@@ -134,16 +138,22 @@ def test_the_option_is_checked():
 
 
 @pytest.mark.parametrize("name", ["qwen3", "gemma2", "phi3", "gpt_neox", "starcoder2",
-                                  "gpt_oss", "qwen2_moe", "deepseek_v3"])
+                                  "gpt_oss", "qwen2_moe", "deepseek_v3", "falcon_mq",
+                                  "falcon_new"])
 def test_every_layer_through_onednn_gives_stocks_tokens(name, monkeypatch):
     """With no size bar every plain linear layer of these architectures (fused QKV and
-    biases, MoE routers and shared experts, latent projections) runs through oneDNN."""
+    biases, Falcon's own linear class, MoE routers and shared experts, latent projections)
+    runs through oneDNN."""
     monkeypatch.setattr(cpu_linear, "MIN_WEIGHT_ELEMENTS", 0)
-    model = make_arch(name)
+    model = make_model(name) if name.startswith("falcon") else make_arch(name)
     prompts = random_prompts(4, 6, 1, 40)
     stock = [stock_greedy(model, p, 10) for p in prompts]
     calls = counting(monkeypatch)
     llm = LLM(model, block_size=4, num_blocks=80, max_num_batched_tokens=32)
+    if name.startswith("falcon"):
+        layer = model.transformer.h[0]
+        assert type(layer.self_attention.query_key_value) is OneDNNFalconLinear
+        assert type(layer.mlp.dense_4h_to_h) is OneDNNFalconLinear
     assert greedy(llm, prompts, 10) == stock
     assert calls
 
