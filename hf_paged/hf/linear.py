@@ -30,9 +30,11 @@ _THREAD = _Thread()
 
 
 def _through_onednn(layer, input: torch.Tensor, own) -> torch.Tensor:
-    # (no autograd kernel: a forward that records gradients takes the class's own path)
-    if _THREAD.on and not torch.is_grad_enabled():
-        return cpu_linear.linear(input, layer.weight, layer.bias)
+    # (no autograd kernel: a forward that records gradients takes the class's own path,
+    # as does a call oneDNN cannot run as given)
+    weight, bias = layer.weight, layer.bias
+    if _THREAD.on and not torch.is_grad_enabled() and cpu_linear.fits(input, weight, bias):
+        return cpu_linear.linear(input, weight, bias)
     return own(layer, input)
 
 

@@ -18,7 +18,6 @@ import functools
 import logging
 
 import torch
-import torch.nn.functional as F
 
 from .library import define, tracing
 
@@ -63,14 +62,16 @@ def worth_it(weight: torch.Tensor) -> bool:
             and weight.dim() == 2 and weight.numel() >= MIN_WEIGHT_ELEMENTS and available())
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` through oneDNN: x [..., K], weight [N, K], bias [N] or
-    None -> [..., N]. Tensors that are not float32 on the CPU (a layer moved or cast since)
-    take torch's own path, and so do a strided weight and a bias other than a contiguous
-    [N] (oneDNN's op reads any bias as N contiguous values), and shapes that do not match
-    (for torch's error)."""
-    if not (x.dtype == weight.dtype == torch.float32 and x.is_cpu and weight.is_cpu
+def fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether `linear` may run this call: float32 on the CPU (not a layer moved or cast
+    since), a contiguous weight, a contiguous [N] bias or none (oneDNN's op reads any bias
+    as N contiguous values) and matching shapes (others get the caller's own error)."""
+    return (x.dtype == weight.dtype == torch.float32 and x.is_cpu and weight.is_cpu
             and weight.is_contiguous() and x.shape[-1] == weight.shape[1]
-            and (bias is None or (bias.shape == weight.shape[:1] and bias.is_contiguous()))):
-        return F.linear(x, weight, bias)
+            and (bias is None or (bias.shape == weight.shape[:1] and bias.is_contiguous())))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` through oneDNN, for a call that `fits`: x [..., K],
+    weight [N, K], bias [N] or None -> [..., N]."""
     return _op(x, weight, bias) if tracing() else _onednn(x, weight, bias)
