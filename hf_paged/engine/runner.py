@@ -26,7 +26,6 @@ from ..hf.architectures import (
     attention_features, attention_tp_size, kv_spec, tp_heads, unsupported_reason,
 )
 from ..hf.attention import KWARG
-from ..hf.layer_list import cached_slices, use_cached_slices
 from ..hf.linear import onednn_linears, use_onednn_linears
 from ..hf.probe import route_reason
 from ..hf.register import register
@@ -200,7 +199,6 @@ class ModelRunner:
         self.onednn_linear = flag("onednn_linear", onednn_linear)
         self.linears = (onednn_linears if onednn_linear and use_onednn_linears(self.model)
                         else contextlib.nullcontext)
-        use_cached_slices(self.model)
         text_config = base.config.get_text_config(decoder=True)
         self.device, self.dtype = input_device(base), base.dtype  # the model's inputs' device
         self.tp_size = getattr(base, "tp_size", None) or 1
@@ -404,8 +402,7 @@ class ModelRunner:
         elif self.compiled is not None:
             model = self.compiled
         paged_kv = self.access.forward(metas[0], group_metas=metas)
-        with torch.inference_mode(), paged_attention(self.base), self.linears(), \
-                cached_slices():
+        with torch.inference_mode(), paged_attention(self.base), self.linears():
             try:
                 out = model(input_ids=ids[None], position_ids=positions[None],
                             past_key_values=paged_kv, use_cache=True, logits_to_keep=keep,
