@@ -62,7 +62,8 @@ CFLAGS = ["-O3", "-march=native", "-std=c++17", "-fopenmp", "-fno-math-errno"]
 def build_directory() -> Path:
     sources = [source_dir() / name for name in SOURCES]
     return extension.build_directory(
-        "cpu", b"".join(s.read_bytes() for s in sources) + (_machine() + " ".join(CFLAGS)).encode())
+        "cpu", b"".join(s.read_bytes() for s in sources) + (_machine() + " ".join(CFLAGS)).encode(),
+        source_dir())
 
 
 @functools.lru_cache(maxsize=1)

@@ -53,7 +53,7 @@ def load():
     fingerprint = b"".join((src / name).read_bytes() for name in SOURCES + HEADERS)
     fingerprint += f"{torch.__version__}-{major}{minor}".encode()
     return extension.build(
-        "hf_paged_cuda", extension.build_directory("cuda", fingerprint),
+        "hf_paged_cuda", extension.build_directory("cuda", fingerprint, src),
         [src / name for name in SOURCES],
         extra_include_paths=[str(src)],
         extra_cflags=["-O3", "-std=c++17"],

@@ -63,3 +63,17 @@ def test_the_cpu_kernels_load_past_a_stale_lock_in_their_real_build_folder():
     assert run.returncode == 0, run.stderr[-2000:]
     assert "loaded" in run.stdout
     assert not (cpu_ops.build_directory() / extension.TORCH_LOCK).exists()
+
+
+def test_installs_of_the_same_sources_build_in_folders_of_their_own(tmp_path, monkeypatch):
+    """A build's commands name its sources' paths: two installs sharing a folder would each
+    rebuild it over the binary the other has loaded."""
+    monkeypatch.setenv("HF_PAGED_CACHE", str(tmp_path / "cache"))
+    one, other = tmp_path / "one", tmp_path / "other"
+    assert extension.build_directory("cpu", b"same", one) == \
+        extension.build_directory("cpu", b"same", one)
+    assert extension.build_directory("cpu", b"same", one) != \
+        extension.build_directory("cpu", b"same", other)
+    assert extension.build_directory("cpu", b"same", one) != \
+        extension.build_directory("cpu", b"changed", one)
+    assert extension.build_directory("cpu", b"same", one).parent == tmp_path / "cache"
