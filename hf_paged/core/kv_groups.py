@@ -88,11 +88,13 @@ class KVGroups:
 
     def blocks_for(self, tokens: int, block_size: int, chunk: int = 1) -> int:
         """Most blocks, over all groups, a sequence of `tokens` holds at once when it is
-        computed `chunk` tokens at a time (a sliding group keeps its window plus a chunk)."""
+        computed `chunk` tokens at a time (a sliding group keeps its window plus a chunk,
+        which may straddle one block more once it has slid; before, it holds every block
+        from the first)."""
         total = 0
         for window in self.windows:
             held = tokens if window is None else min(tokens, window + chunk)
-            total += -(-held // block_size) + (window is not None)
+            total += -(-held // block_size) + (held < tokens)
         return total
 
 

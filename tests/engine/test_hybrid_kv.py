@@ -49,6 +49,21 @@ def test_groups_plan():
     # a sequence of 100 tokens computed 8 at a time: 25 blocks of 4 for the full group,
     # ceil((6 + 8) / 4) + 1 = 5 for each sliding one
     assert groups.blocks_for(100, 4, chunk=8) == 25 + 5 * 5
+    # 10 tokens never slide past a window of 6 plus a chunk of 8: every group holds all of
+    # them, from the first block (3 blocks of 4), and no more
+    assert groups.blocks_for(10, 4, chunk=8) == 3 * 6
+
+
+def test_a_request_that_never_slides_fits_a_pool_of_exactly_its_blocks(gemma3):
+    """18 tokens in blocks of 16: two blocks in each of the 6 groups. Sliding groups were
+    counted a block more (as if their window had slid), so a pool of 12 rejected it."""
+    prompt = prompts(1, seed=5, shared=0)[0][:13]
+    llm = hf_paged.LLM(gemma3, block_size=16, num_blocks=2)
+    assert llm.stats().num_blocks == 12
+    out = llm.generate([prompt], SamplingParams(max_tokens=5, temperature=0.0,
+                                                ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == stock_greedy(gemma3, prompt, 5)
+    assert llm.stats().blocks_used == 0
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
