@@ -60,10 +60,8 @@ CFLAGS = ["-O3", "-march=native", "-std=c++17", "-fopenmp", "-fno-math-errno"]
 
 
 def build_directory() -> Path:
-    sources = [source_dir() / name for name in SOURCES]
-    return extension.build_directory(
-        "cpu", b"".join(s.read_bytes() for s in sources) + (_machine() + " ".join(CFLAGS)).encode(),
-        source_dir())
+    return extension.build_directory("cpu", [source_dir() / name for name in SOURCES],
+                                     _machine() + " ".join(CFLAGS))
 
 
 @functools.lru_cache(maxsize=1)

@@ -50,10 +50,10 @@ def load():
         raise CudaKernelsUnavailable(f"hf-paged CUDA kernels unavailable: {reason}.")
     src = source_dir()
     major, minor = torch.cuda.get_device_capability()
-    fingerprint = b"".join((src / name).read_bytes() for name in SOURCES + HEADERS)
-    fingerprint += f"{torch.__version__}-{major}{minor}".encode()
+    folder = extension.build_directory("cuda", [src / name for name in SOURCES + HEADERS],
+                                       f"{torch.__version__}-{major}{minor}")
     return extension.build(
-        "hf_paged_cuda", extension.build_directory("cuda", fingerprint, src),
+        "hf_paged_cuda", folder,
         [src / name for name in SOURCES],
         extra_include_paths=[str(src)],
         extra_cflags=["-O3", "-std=c++17"],

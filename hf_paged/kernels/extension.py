@@ -19,15 +19,18 @@ TORCH_LOCK = "lock"  # torch.utils.cpp_extension's FileBaton in the build folder
 OWN_LOCK = ".hf_paged_build.flock"
 
 
-def build_directory(kind: str, fingerprint: bytes, source_folder: Path) -> Path:
-    """`$HF_PAGED_CACHE/<kind>-<hash>` (default cache: ~/.cache/hf_paged): `fingerprint` is
-    every input the binary depends on (sources, flags, torch version, target machine). The
-    build's commands name the sources' paths, so two installs of the same version (two
-    environments, a checkout beside a wheel) build apart: sharing a folder, each load would
-    rebuild it over the binary the other has loaded."""
+def build_directory(kind: str, files: list[Path], settings: str) -> Path:
+    """`$HF_PAGED_CACHE/<kind>-<hash>` (default cache: ~/.cache/hf_paged), hashed from every
+    input the binary depends on: the `files` it is built from (contents and where they lie)
+    and `settings` (flags, torch version, target machine). The build's commands name the
+    files' paths, so two installs of the same version (two environments, a checkout beside
+    a wheel) build apart: sharing a folder, each load would rebuild it over the binary the
+    other has loaded."""
     cache = Path(os.environ.get("HF_PAGED_CACHE", Path.home() / ".cache" / "hf_paged"))
-    fingerprint += str(Path(source_folder).resolve()).encode()
-    return cache / f"{kind}-{hashlib.sha256(fingerprint).hexdigest()[:16]}"
+    digest = hashlib.sha256(settings.encode())
+    for file in files:
+        digest.update(str(Path(file).resolve()).encode() + b"\0" + Path(file).read_bytes())
+    return cache / f"{kind}-{digest.hexdigest()[:16]}"
 
 
 @contextlib.contextmanager

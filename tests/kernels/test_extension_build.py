@@ -70,10 +70,13 @@ def test_installs_of_the_same_sources_build_in_folders_of_their_own(tmp_path, mo
     rebuild it over the binary the other has loaded."""
     monkeypatch.setenv("HF_PAGED_CACHE", str(tmp_path / "cache"))
     one, other = tmp_path / "one", tmp_path / "other"
-    assert extension.build_directory("cpu", b"same", one) == \
-        extension.build_directory("cpu", b"same", one)
-    assert extension.build_directory("cpu", b"same", one) != \
-        extension.build_directory("cpu", b"same", other)
-    assert extension.build_directory("cpu", b"same", one) != \
-        extension.build_directory("cpu", b"changed", one)
-    assert extension.build_directory("cpu", b"same", one).parent == tmp_path / "cache"
+    for folder in (one, other):
+        folder.mkdir()
+        (folder / "a.cpp").write_text("int a;")
+    here = extension.build_directory("cpu", [one / "a.cpp"], "-O3")
+    assert here == extension.build_directory("cpu", [one / "a.cpp"], "-O3")
+    assert here != extension.build_directory("cpu", [other / "a.cpp"], "-O3")
+    assert here != extension.build_directory("cpu", [one / "a.cpp"], "-O2")
+    assert here.parent == tmp_path / "cache"
+    (one / "a.cpp").write_text("int b;")  # an edited source builds anew
+    assert here != extension.build_directory("cpu", [one / "a.cpp"], "-O3")
