@@ -18,8 +18,8 @@ from .kv.placement import Placement
 from .config import PagedCacheConfig
 from .errors import (
     BackwardNotSupportedError, EngineDeadError, HFPagedError, InvalidRequestError,
-    IsolationError, KVCacheExhaustedError, KVPoolAllocationError, RequestRejectedError,
-    UnsupportedModelError,
+    IsolationError, KVCacheExhaustedError, KVPoolAllocationError, ModelChangedError,
+    RequestRejectedError, UnsupportedModelError,
 )
 from .generate.patches import SUPPORTED_ARCHITECTURES, disable, enable, is_enabled, prepare_model
 from .engine.async_llm import AsyncLLM, RequestStream
@@ -34,11 +34,11 @@ __all__ = [
     "AsyncLLM", "BackwardNotSupportedError", "BlockPool", "BlockTables", "CompletionOutput",
     "DeviceMemory", "EngineDeadError", "EngineStats", "HFPagedError", "InvalidRequestError",
     "IsolationError", "KVCacheExhaustedError", "KVPoolAllocationError", "LLM", "LLMEngine",
-    "MemoryStats", "PagedCache", "PagedCacheConfig", "Placement", "RequestMetrics",
-    "RequestOutput", "RequestOutputKind", "RequestRejectedError", "RequestStream",
-    "SUPPORTED_ARCHITECTURES", "SamplingParams", "StructuredOutputsParams",
-    "UnsupportedModelError", "disable", "enable",
-    "is_enabled", "model_placement", "prepare_model",
+    "MemoryStats", "ModelChangedError", "PagedCache", "PagedCacheConfig", "Placement",
+    "RequestMetrics", "RequestOutput", "RequestOutputKind", "RequestRejectedError",
+    "RequestStream", "SUPPORTED_ARCHITECTURES", "SamplingParams", "StructuredOutputsParams",
+    "UnsupportedModelError", "disable", "enable", "is_enabled", "model_placement",
+    "prepare_model",
 ]
 
 enable()

@@ -74,6 +74,11 @@ class EngineDeadError(HFPagedError, RuntimeError):
     """The engine was shut down."""
 
 
+class ModelChangedError(HFPagedError, RuntimeError):
+    """The model was cast to another dtype or moved to another device after an engine was
+    built on it: its KV pool holds the old dtype on the old device."""
+
+
 class IsolationError(HFPagedError, AssertionError):
     """A step would read or write a block its sequence does not hold (debug mode)."""
 

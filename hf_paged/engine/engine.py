@@ -39,7 +39,8 @@ from .adapters import BASE, RuntimeAdapters, default_adapter
 from .output import InFlight, OutputProcessor
 from .request import Deadlines, EngineRequest, prompt_ids, salted
 from .logits import StepLogits
-from .runner import DeviceStep, Forward, ModelRunner, engine_options, step_budget
+from .options import engine_options, step_budget
+from .runner import DeviceStep, Forward, ModelRunner
 from .sampler import Sampler, bad_word_ids
 from .speculative import Speculator
 from .stats import EngineStats
@@ -107,8 +108,8 @@ class LLMEngine:
         self.model, self.adapters, self.tokenizer = runner.model, runner.adapters, tokenizer
         self.pool, self.cpu_pool = runner.pool, runner.cpu_pool
         self.device, self.dtype, self.tp_size = runner.device, runner.dtype, runner.tp_size
-        self.block_size, self.max_model_len = runner.block_size, runner.max_model_len
-        self.max_num_seqs = runner.max_num_seqs
+        self.block_size, self.max_model_len, self.max_num_seqs = (
+            runner.block_size, runner.max_model_len, runner.max_num_seqs)
         self.max_num_batched_tokens = step_budget(runner, max_num_batched_tokens, preemption_mode,
                                                   admission_headroom, async_scheduling,
                                                   enable_prefix_caching)
@@ -117,8 +118,7 @@ class LLMEngine:
                                    None, enable_prefix_caching, preemption_mode,
                                    None if self.cpu_pool is None else self.cpu_pool.blocks,
                                    runner.groups, admission_headroom)
-        self.speculator = Speculator.build(speculative_config, runner,
-                                           self.max_num_batched_tokens)
+        self.speculator = Speculator.build(speculative_config, runner, self.max_num_batched_tokens)
         if async_scheduling and self.speculator is not None:  # (proposals need the tokens)
             logger.warning("hf-paged: speculative decoding plans each step after the last "
                            "one's tokens reach the host; async_scheduling is off")
@@ -166,8 +166,7 @@ class LLMEngine:
 
     def prepare_request(self, request_id: str, prompt: str | list[int],
                         params: SamplingParams | None = None, priority: int = 0,
-                        adapter: str | None = None,
-                        cache_salt: str | None = None) -> EngineRequest:
+                        adapter: str | None = None, cache_salt: str | None = None) -> EngineRequest:
         """Checks a request against the model and the pool and tokenizes it, changing no
         engine state (a server may call it on its own thread while the engine steps);
         `add_prepared` then queues it."""
@@ -304,6 +303,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Runs one step; returns the outputs of the requests it changed (only those it
         finished while `finished_only` is set)."""
+        self.runner.check_model()  # (before anything changes)
         touched: dict[str, EngineRequest] = {}
         in_flight, self._in_flight = self._in_flight, None
         now = time.monotonic()

@@ -18,10 +18,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import flag, fraction, positive
-from ..core.scheduler import Scheduler
 from ..distributed import tensor_parallel as tp
 from ..distributed.placement import input_device, logits_index_device, model_placement
-from ..errors import UnsupportedModelError
+from ..errors import ModelChangedError, UnsupportedModelError
 from ..hf.architectures import (
     attention_features, attention_tp_size, kv_spec, tp_heads, unsupported_reason,
 )
@@ -42,11 +41,6 @@ from .compiled import COMPILE_ERRORS, compile_forward, run_eagerly
 from .graphs import DecodeGraphs, wants_graphs
 
 logger = logging.getLogger("hf_paged")
-
-# LLMEngine options the runner takes (the rest are the scheduler's).
-RUNNER_OPTIONS = ("block_size", "num_blocks", "kv_cache_bytes", "gpu_memory_utilization",
-                  "max_num_seqs", "max_model_len", "preemption_mode", "swap_space_bytes",
-                  "backend", "compile", "kv_cache_dtype", "cuda_graphs", "onednn_linear")
 
 
 @dataclass
@@ -201,6 +195,11 @@ class ModelRunner:
                         else contextlib.nullcontext)
         text_config = base.config.get_text_config(decoder=True)
         self.device, self.dtype = input_device(base), base.dtype  # the model's inputs' device
+        # One parameter watched: a model cast or moved after this would write keys and values
+        # of another dtype, or on another device, into this pool (`check_model`).
+        self._watched = next((p for p in base.parameters() if p.is_floating_point()), None)
+        self._built_for = self._watched is not None and (self._watched.dtype,
+                                                         self._watched.device)
         self.tp_size = getattr(base, "tp_size", None) or 1
         self.rank = torch.distributed.get_rank() if self.tp_size > 1 else 0
         spec = kv_spec(text_config)
@@ -317,6 +316,15 @@ class ModelRunner:
         return min(blocks, most)  # never more than every sequence at full length
 
     # -- a step ------------------------------------------------------------------------------
+    def check_model(self) -> None:
+        """Raises ModelChangedError if the model was cast or moved since the pool was built."""
+        p = self._watched
+        if p is not None and (p.dtype, p.device) != self._built_for:
+            raise ModelChangedError(
+                f"the model is now {p.dtype} on {p.device}, but this engine was built for "
+                f"{self._built_for[0]} on {self._built_for[1]}: its KV pool holds that. Build a "
+                "new LLM (or LLMEngine) on the model as it is now, or cast or move it back.")
+
     def prepare(self, work: DeviceStep) -> None:
         """Block moves and block-table entries of a step, before its forwards."""
         if work.swap_out:
@@ -422,26 +430,3 @@ class ModelRunner:
     def worker_loop(self) -> None:
         """Ranks above 0: run the steps rank 0 broadcasts until it stops them."""
         tp.worker_loop(self)
-
-
-def step_budget(runner: ModelRunner, max_num_batched_tokens: int | None,
-                preemption_mode: str = "recompute", admission_headroom: float = 1.0,
-                async_scheduling: bool = False, enable_prefix_caching: bool = True) -> int:
-    """Tokens per step (default 8192 on CUDA, 2048 elsewhere), with the scheduler's options
-    checked: the same check on every tensor-parallel rank, so all fail alike."""
-    tokens = positive("max_num_batched_tokens", max_num_batched_tokens,
-                      8192 if runner.on_cuda else 2048)
-    flag("async_scheduling", async_scheduling)
-    flag("enable_prefix_caching", enable_prefix_caching)
-    if async_scheduling and runner.tp_size > 1:
-        raise ValueError("async_scheduling keeps a step's tokens on the device of one process; "
-                         "under tensor parallelism every rank needs them. Use "
-                         "async_scheduling=False.")
-    Scheduler.check_options(runner.max_num_seqs, tokens, preemption_mode, admission_headroom)
-    return tokens
-
-
-def engine_options(options: dict) -> tuple[dict, dict]:
-    """Splits LLMEngine options into (the model runner's, the scheduler's)."""
-    runner = {k: v for k, v in options.items() if k in RUNNER_OPTIONS}
-    return runner, {k: v for k, v in options.items() if k not in RUNNER_OPTIONS}

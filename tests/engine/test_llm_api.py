@@ -243,3 +243,32 @@ def test_async_llm_speaks_vllms_names():
             await llm.check_health()
 
     asyncio.run(main())
+
+
+def test_a_model_cast_or_moved_after_the_engine_is_built_is_a_named_error():
+    """The pool holds the dtype and device the engine was built for: a model cast since
+    gets ModelChangedError before its step changes anything (no request stays queued, no
+    block is held), and once cast back the engine serves it as stock generate does."""
+    from conftest import make_model
+
+    model = make_model("llama_gqa", seed=3)
+    llm = LLM(model, block_size=4, num_blocks=64)
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)
+    free = llm.engine.scheduler.pool.num_free
+    model.to(torch.bfloat16)
+    with pytest.raises(hf_paged.ModelChangedError,
+                       match="now torch.bfloat16 on cpu, but this engine was built for "
+                             "torch.float32 on cpu"):
+        llm.generate(prompts, params, use_tqdm=False)
+    engine = llm.engine
+    engine.add_request("r", prompts[0], params)
+    with pytest.raises(hf_paged.ModelChangedError):
+        engine.step()
+    assert engine.has_unfinished_requests() and engine.scheduler.pool.num_free == free
+    engine.abort("r")
+    model.to(torch.float32)  # (its weights now rounded to bfloat16: compared anew)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [stock_greedy(model, p, 8) for p in prompts]
+    assert engine.scheduler.pool.num_free == free and not engine.has_unfinished_requests()
