@@ -76,7 +76,8 @@ class EngineDeadError(HFPagedError, RuntimeError):
 
 class ModelChangedError(HFPagedError, RuntimeError):
     """The model was cast to another dtype or moved to another device after an engine was
-    built on it: its KV pool holds the old dtype on the old device."""
+    built on it (its KV pool holds the old dtype on the old device), or put back in
+    training mode with dropout to apply (its tokens would be random)."""
 
 
 class IsolationError(HFPagedError, AssertionError):

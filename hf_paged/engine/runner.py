@@ -188,6 +188,9 @@ class ModelRunner:
             raise UnsupportedModelError(f"The engine cannot serve this model: {reason}.")
         register()  # the "paged" attention, even where generate's patches are disabled
         self.model.eval()
+        # Dropout the model would apply if put back in training mode (`check_model`).
+        self._dropout = next((m for m in self.model.modules()
+                              if isinstance(m, torch.nn.Dropout) and m.p > 0), None)
         self.base = base
         # (before compiling: a layer's class is part of what its graphs are keyed by)
         self.onednn_linear = flag("onednn_linear", onednn_linear)
@@ -317,13 +320,18 @@ class ModelRunner:
 
     # -- a step ------------------------------------------------------------------------------
     def check_model(self) -> None:
-        """Raises ModelChangedError if the model was cast or moved since the pool was built."""
+        """Raises ModelChangedError if the model was cast or moved since the pool was built,
+        or put back in training mode with dropout to apply."""
         p = self._watched
         if p is not None and (p.dtype, p.device) != self._built_for:
             raise ModelChangedError(
                 f"the model is now {p.dtype} on {p.device}, but this engine was built for "
                 f"{self._built_for[0]} on {self._built_for[1]}: its KV pool holds that. Build a "
                 "new LLM (or LLMEngine) on the model as it is now, or cast or move it back.")
+        if self._dropout is not None and self._dropout.training:
+            raise ModelChangedError(
+                f"the model is in training mode (model.train()) and has dropout (p="
+                f"{self._dropout.p}): its tokens would be random. Call model.eval() first.")
 
     def prepare(self, work: DeviceStep) -> None:
         """Block moves and block-table entries of a step, before its forwards."""

@@ -272,3 +272,29 @@ def test_a_model_cast_or_moved_after_the_engine_is_built_is_a_named_error():
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [stock_greedy(model, p, 8) for p in prompts]
     assert engine.scheduler.pool.num_free == free and not engine.has_unfinished_requests()
+
+
+def test_a_model_put_back_in_training_mode_with_dropout_is_a_named_error():
+    """The engine runs a model in eval mode: one put back in training mode whose dropout
+    would drop activations (random tokens) gets ModelChangedError before its step runs;
+    without dropout to apply, training mode changes nothing and the engine serves it."""
+    from zoo import make_arch
+
+    model = make_arch("phi", resid_pdrop=0.1)
+    llm = LLM(model, block_size=4, num_blocks=64)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    expected = [stock_greedy(model, p, 6) for p in prompts]
+    model.train()
+    with pytest.raises(hf_paged.ModelChangedError, match=r"training mode .*\(p=0.1\)"):
+        llm.generate(prompts, params, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    model.eval()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    plain = make_arch("phi")  # (no dropout: training mode is eval mode's arithmetic)
+    plain_llm = LLM(plain, block_size=4, num_blocks=64)
+    expected = [stock_greedy(plain, p, 6) for p in prompts]
+    plain.train()
+    outs = plain_llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
