@@ -73,15 +73,12 @@ class Scheduler:
         sequence and group when admitting one more (0: admit while the first chunk fits)."""
         self.check_options(max_num_seqs, max_num_batched_tokens, preemption_mode,
                            admission_headroom)
-        self.admission_headroom = admission_headroom
-        self.pool = pool
-        self.block_size = pool.block_size
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = max_model_len
+        self.admission_headroom, self.pool, self.block_size = (admission_headroom, pool,
+                                                               pool.block_size)
+        self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len = (
+            max_num_seqs, max_num_batched_tokens, max_model_len)
         self.groups = groups or KVGroups.plan((sliding_window,))
-        self.preemption_mode = preemption_mode
-        self.cpu_pool = cpu_pool
+        self.preemption_mode, self.cpu_pool = preemption_mode, cpu_pool
         self.tables = GroupedTables(pool, self.groups, max_num_seqs)
         self.prefix = PrefixCache(pool, enable_prefix_caching)
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
@@ -90,8 +87,7 @@ class Scheduler:
         self.swapped: list[Sequence] = []
         self._pending_entries: list[tuple[int, int, int]] = []  # from rows filled outside append
         self._pending_swap_in: list[tuple[int, int]] = []
-        self.num_preemptions = 0
-        self.recomputed_tokens = 0  # computed again after a recompute preemption
+        self.num_preemptions = self.recomputed_tokens = 0  # (tokens computed again)
 
     # -- requests --------------------------------------------------------------------------
     def blocks_at_once(self, total_tokens: int) -> int:
@@ -102,8 +98,7 @@ class Scheduler:
         """Raises RequestRejectedError for a request that could never run."""
         total = prompt_len + max_tokens
         if prompt_len == 0:
-            raise RequestRejectedError("the prompt is empty; give at least one token.",
-                                       "prompt")
+            raise RequestRejectedError("the prompt is empty; give at least one token.", "prompt")
         if total > self.max_model_len:
             raise RequestRejectedError(
                 f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} tokens "
@@ -346,6 +341,13 @@ class Scheduler:
         self.prefix.released(self.tables.truncate_row(seq.row, seq.num_computed))
         if seq.num_computed // self.block_size > seq.registered:
             self._register_full_blocks(seq)
+
+    def forget_prefixes(self) -> None:
+        """The model's weights changed: no cached block is found again, and sequences that
+        hold K/V of the old weights register none (a recomputed one registers anew)."""
+        self.prefix.forget(b"")
+        for seq in self.running + self.swapped:
+            seq.registered = math.inf
 
     def fork(self, parent: Sequence, children: list[Sequence]) -> None:
         """`children` continue `parent` (same prompt, rows reserved at admission), sharing

@@ -196,9 +196,7 @@ class LLMEngine:
                           for i in range(params.n)]
         follow = (self.tokenizer is not None and params.detokenize
                   and (self.incremental_text or bool(params.stop)))
-        arrival = time.monotonic()
-        logprobs = params.logprobs is not None
-        matchers = None
+        arrival, logprobs, matchers = time.monotonic(), params.logprobs is not None, None
         if params.structured_outputs is not None:  # compiled here, not in the step loop
             grammars = self._grammars()
             compiled = grammars.compile(params.structured_outputs)
@@ -304,6 +302,8 @@ class LLMEngine:
         """Runs one step; returns the outputs of the requests it changed (only those it
         finished while `finished_only` is set)."""
         self.runner.check_model()  # (before anything changes)
+        if self.scheduler.waiting and self.runner.weights_changed():  # (before any lookup)
+            self.scheduler.forget_prefixes()  # cached K/V came from other weights
         touched: dict[str, EngineRequest] = {}
         in_flight, self._in_flight = self._in_flight, None
         now = time.monotonic()

@@ -1,9 +1,13 @@
 """The engine's options: which of them the model runner takes (the rest are the
-scheduler's), and the step's token budget, checked with the scheduler's options."""
+scheduler's), the KV pool's blocks from a memory budget, and the step's token budget,
+checked with the scheduler's options."""
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
+
+import torch
 
 from ..config import flag, positive
 from ..core.scheduler import Scheduler
@@ -14,6 +18,33 @@ if TYPE_CHECKING:
 RUNNER_OPTIONS = ("block_size", "num_blocks", "kv_cache_bytes", "gpu_memory_utilization",
                   "max_num_seqs", "max_model_len", "preemption_mode", "swap_space_bytes",
                   "backend", "compile", "kv_cache_dtype", "cuda_graphs", "onednn_linear")
+
+
+def pool_blocks(num_blocks: int | None, kv_cache_bytes: int | None, utilization: float,
+                per_layer: int, placement, most: int) -> int:
+    """Blocks of the pool. per_layer: bytes of one block of one layer; most: blocks every
+    sequence at full length would hold (never more). kv_cache_bytes bounds all devices
+    together; a CUDA budget from free memory holds on every device."""
+    if num_blocks is not None and kv_cache_bytes is not None:
+        raise ValueError("Give one of num_blocks and kv_cache_bytes, not both.")
+    if num_blocks is not None:
+        return positive("num_blocks", num_blocks)
+    per_block = per_layer * placement.num_layers
+    if kv_cache_bytes is None:
+        budgets = []
+        for device, layers in zip(placement.devices, placement.layers):
+            if device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(device)
+                budgets.append(int(free * utilization) // len(layers) * placement.num_layers)
+            else:
+                physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+                budgets.append(min(2**30, physical // 4) // len(layers) * placement.num_layers)
+        kv_cache_bytes = min(budgets)
+    blocks = positive("kv_cache_bytes", kv_cache_bytes) // per_block
+    if blocks == 0:
+        raise ValueError(f"kv_cache_bytes={kv_cache_bytes} is smaller than one KV block "
+                         f"({per_block} bytes).")
+    return min(blocks, most)
 
 
 def step_budget(runner: ModelRunner, max_num_batched_tokens: int | None,

@@ -39,6 +39,7 @@ from ..utils import cdiv
 from .adapters import drop_row_hooks, forward_adapter
 from .compiled import COMPILE_ERRORS, compile_forward, run_eagerly
 from .graphs import DecodeGraphs, wants_graphs
+from .options import pool_blocks
 
 logger = logging.getLogger("hf_paged")
 
@@ -191,6 +192,7 @@ class ModelRunner:
         # Dropout the model would apply if put back in training mode (`check_model`).
         self._dropout = next((m for m in self.model.modules()
                               if isinstance(m, torch.nn.Dropout) and m.p > 0), None)
+        self._weights = self._weights_state()
         self.base = base
         # (before compiling: a layer's class is part of what its graphs are keyed by)
         self.onednn_linear = flag("onednn_linear", onednn_linear)
@@ -233,8 +235,9 @@ class ModelRunner:
         if num_blocks is not None and self.groups.is_hybrid:  # counted in blocks of all layers
             num_blocks = positive("num_blocks", num_blocks) * num_layers // slots
         fraction("gpu_memory_utilization", gpu_memory_utilization)
-        blocks = self._pool_blocks(num_blocks, kv_cache_bytes, gpu_memory_utilization,
-                                   per_layer, placement)
+        blocks = pool_blocks(num_blocks, kv_cache_bytes, gpu_memory_utilization, per_layer,
+                             placement, self.max_num_seqs * self.groups.num_groups
+                             * (cdiv(self.max_model_len, self.block_size) + 1))
         self.control = None
         if self.tp_size > 1:  # every rank must hold the same blocks: the smallest pool wins
             blocks = tp.agree_on_min(blocks, self.device)
@@ -291,33 +294,6 @@ class ModelRunner:
         # serves: its graphs keep the guards on the model.
         return compile_forward(self.model, backend, variant, model_guards=bool(self.adapters))
 
-    def _pool_blocks(self, num_blocks, kv_cache_bytes, utilization, per_layer,
-                     placement) -> int:
-        """Blocks of the pool. per_layer: bytes of one block of one layer. kv_cache_bytes
-        bounds all devices together; a CUDA budget from free memory holds on every device."""
-        if num_blocks is not None and kv_cache_bytes is not None:
-            raise ValueError("Give one of num_blocks and kv_cache_bytes, not both.")
-        if num_blocks is not None:
-            return positive("num_blocks", num_blocks)
-        per_block = per_layer * placement.num_layers
-        if kv_cache_bytes is None:
-            budgets = []
-            for device, layers in zip(placement.devices, placement.layers):
-                if device.type == "cuda":
-                    free, _ = torch.cuda.mem_get_info(device)
-                    budgets.append(int(free * utilization) // len(layers) * placement.num_layers)
-                else:
-                    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-                    budgets.append(min(2**30, physical // 4) // len(layers) * placement.num_layers)
-            kv_cache_bytes = min(budgets)
-        blocks = positive("kv_cache_bytes", kv_cache_bytes) // per_block
-        if blocks == 0:
-            raise ValueError(f"kv_cache_bytes={kv_cache_bytes} is smaller than one KV block "
-                             f"({per_block} bytes).")
-        most = self.max_num_seqs * self.groups.num_groups * (
-            cdiv(self.max_model_len, self.block_size) + 1)
-        return min(blocks, most)  # never more than every sequence at full length
-
     # -- a step ------------------------------------------------------------------------------
     def check_model(self) -> None:
         """Raises ModelChangedError if the model was cast or moved since the pool was built,
@@ -332,6 +308,19 @@ class ModelRunner:
             raise ModelChangedError(
                 f"the model is in training mode (model.train()) and has dropout (p="
                 f"{self._dropout.p}): its tokens would be random. Call model.eval() first.")
+
+    def _weights_state(self) -> list[tuple[int, int, int]]:
+        """Each parameter's identity, version (bumped by in-place updates: an optimizer
+        step, load_state_dict) and storage."""
+        return [(id(p), -1 if p.is_inference() else p._version, p.data_ptr())
+                for p in self.model.parameters()]
+
+    def weights_changed(self) -> bool:
+        """Whether a parameter was updated, replaced or re-stored since the last call (or
+        since the engine was built): K/V cached before came from other weights."""
+        state = self._weights_state()
+        changed, self._weights = state != self._weights, state
+        return changed
 
     def prepare(self, work: DeviceStep) -> None:
         """Block moves and block-table entries of a step, before its forwards."""

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hf_paged
-from hf_paged import LLM, InvalidRequestError, SamplingParams
+from hf_paged import LLM, InvalidRequestError, LLMEngine, SamplingParams
 from conftest import make_tokenizer
 from test_engine import adapter_refs, long_model, stock_greedy, two_adapter_model
 
@@ -298,3 +298,74 @@ def test_a_model_put_back_in_training_mode_with_dropout_is_a_named_error():
     plain.train()
     outs = plain_llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def _tuned(model, step: int) -> None:
+    """An in-place update of every weight, as an optimizer step makes."""
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * step + i))
+                   * 0.3 * p.std().clamp_min(1e-3))
+
+
+def test_cached_prefixes_of_other_weights_are_never_reused():
+    """A model trained between calls (an RL loop reusing its LLM): prompts whose blocks the
+    prefix cache holds from the old weights are computed anew, equal to stock generate on
+    the new weights. An in-place update, a new Parameter and a new `.data` each count."""
+    from conftest import make_model
+
+    model = make_model("llama_gqa", seed=5)
+    llm = LLM(model, block_size=4, num_blocks=120)
+    shared = list(range(20, 44))
+    prompts = [shared + [5, 6], shared + [7], shared]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def check():
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [stock_greedy(model, p, 8)
+                                                          for p in prompts]
+        return llm.stats().prefix_cache_hit_tokens
+
+    hits = check()
+    assert check() > hits  # the same weights: the prompts' blocks are found again
+    for step, change in enumerate([
+            lambda: _tuned(model, 1),
+            lambda: setattr(model.model.layers[0].mlp.down_proj, "weight", torch.nn.Parameter(
+                model.model.layers[0].mlp.down_proj.weight * 1.5)),
+            lambda: setattr(model.model.layers[1].self_attn.k_proj.weight, "data",
+                            -model.model.layers[1].self_attn.k_proj.weight)]):
+        change()
+        hits = llm.stats().prefix_cache_hit_tokens
+        assert check() == hits  # (all three start in one step: none hits another's blocks)
+        assert llm.stats().blocks_used == 0
+        assert check() > hits  # the new weights' blocks serve the next call
+
+
+def test_a_weight_change_while_a_request_runs_reaches_no_later_request():
+    """A request running as the weights change keeps its own K/V, but none of its blocks,
+    cached before the change or filled after it, serves a later request."""
+    from conftest import make_model
+
+    model = make_model("llama_gqa", seed=6)
+    engine = LLMEngine(model, block_size=4, num_blocks=120)
+    prompt = list(range(20, 40))
+    engine.add_request("a", prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    _tuned(model, 7)
+    later, done = {"b": prompt + [5, 6, 7]}, {}
+    engine.add_request("b", later["b"], SamplingParams(temperature=0, max_tokens=8,
+                                                       ignore_eos=True))
+    while engine.has_unfinished_requests():
+        if len(done) == 1 and "c" not in later:  # "a"'s tokens so far (its blocks filled
+            # since the change would be found after the prompt's, which "b" holds anew)
+            seq = engine.requests["a"].seqs[0]
+            later["c"] = list(seq.prompt) + list(seq.output)
+            engine.add_request("c", later["c"], SamplingParams(temperature=0, max_tokens=4,
+                                                               ignore_eos=True))
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    for rid, ids in later.items():
+        assert done[rid].outputs[0].token_ids == stock_greedy(model, ids, 8 if rid == "b" else 4)
+    assert engine.stats().prefix_cache_hit_tokens == len(prompt)  # "c" on "b"'s blocks only
