@@ -309,11 +309,12 @@ class ModelRunner:
                 f"the model is in training mode (model.train()) and has dropout (p="
                 f"{self._dropout.p}): its tokens would be random. Call model.eval() first.")
 
-    def _weights_state(self) -> list[tuple[int, int, int]]:
+    def _weights_state(self) -> list[tuple[int, int, int] | None]:
         """Each parameter's identity, version (bumped by in-place updates: an optimizer
-        step, load_state_dict) and storage."""
-        return [(id(p), -1 if p.is_inference() else p._version, p.data_ptr())
-                for p in self.model.parameters()]
+        step, load_state_dict) and storage; None for one on "meta" (offloaded: its hooks
+        load a new tensor for each forward, from weights nothing updates)."""
+        return [None if p.is_meta else (id(p), -1 if p.is_inference() else p._version,
+                                        p.data_ptr()) for p in self.model.parameters()]
 
     def weights_changed(self) -> bool:
         """Whether a parameter was updated, replaced or re-stored since the last call (or

@@ -179,11 +179,16 @@ def test_a_model_offloaded_module_by_module_runs_where_its_hooks_run_it(
                     do_sample=False, return_dict_in_generate=True)
     assert isinstance(out.past_key_values, PagedCache)
     assert_same(ref, out)
-    prompts = [[5, 9, 14, 3], [7]]
-    done = run_engine(hf_paged.LLMEngine(model, block_size=4, num_blocks=64), prompts,
-                      SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    prompts = [[5, 9, 14, 3, 8, 1], [7]]
+    engine = hf_paged.LLMEngine(model, block_size=4, num_blocks=64)
+    greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    done = run_engine(engine, prompts, greedy)
     for i, prompt in enumerate(prompts):
         assert done[str(i)].outputs[0].token_ids == stock_greedy(model, prompt, 5)
+    # The hooks load new tensors each forward, but no weight changed: prefixes are reused.
+    assert run_engine(engine, prompts[:1], greedy)["0"].outputs[0].token_ids == \
+        done["0"].outputs[0].token_ids
+    assert engine.stats().prefix_cache_hit_tokens == 4
 
 
 def test_logits_index_stays_on_the_host_past_accelerate_hooks():
