@@ -192,6 +192,7 @@ class ModelRunner:
         # Dropout the model would apply if put back in training mode (`check_model`).
         self._dropout = next((m for m in self.model.modules()
                               if isinstance(m, torch.nn.Dropout) and m.p > 0), None)
+        self._slots_of = None  # the model whose parameter slots `_slots` lists
         self._weights = self._weights_state()
         self.base = base
         # (before compiling: a layer's class is part of what its graphs are keyed by)
@@ -313,8 +314,17 @@ class ModelRunner:
         """Each parameter's identity, version (bumped by in-place updates: an optimizer
         step, load_state_dict) and storage; None for one on "meta" (offloaded: its hooks
         load a new tensor for each forward, from weights nothing updates)."""
-        return [None if p.is_meta else (id(p), -1 if p.is_inference() else p._version,
-                                        p.data_ptr()) for p in self.model.parameters()]
+        # Listed once per model: walking its modules costs more than reading every parameter.
+        if self._slots_of is not self.model:
+            self._slots_of = self.model
+            self._slots = [(m._parameters, name) for m in self.model.modules()
+                           for name in m._parameters]
+        state = []
+        for params, name in self._slots:
+            p = params.get(name)  # (None: deleted since, or registered as None)
+            state.append(None if p is None or p.is_meta else (
+                id(p), -1 if p.is_inference() else p._version, p.data_ptr()))
+        return state
 
     def weights_changed(self) -> bool:
         """Whether a parameter was updated, replaced or re-stored since the last call (or
