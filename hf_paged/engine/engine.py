@@ -301,8 +301,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Runs one step; returns the outputs of the requests it changed (only those it
         finished while `finished_only` is set)."""
-        self.runner.check_model()  # (before anything changes)
-        if self.scheduler.waiting and self.runner.weights_changed():  # (before any lookup)
+        if self.runner.check_model(admitting=bool(self.scheduler.waiting)):  # (before all)
             self.scheduler.forget_prefixes()  # cached K/V came from other weights
         touched: dict[str, EngineRequest] = {}
         in_flight, self._in_flight = self._in_flight, None

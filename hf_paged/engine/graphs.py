@@ -161,6 +161,11 @@ class DecodeGraphs:
             logits = logits.index_select(0, to_device(f.last, logits.device))
         return logits
 
+    def drop(self) -> None:
+        """Forgets every graph (each is captured anew when next needed): the parameters
+        they read were replaced."""
+        self._graphs.clear()
+
     def _fill(self, f, n: int, size: int) -> None:
         """Copies the step's inputs into the buffers; rows n..size become padding."""
         runner = self.runner

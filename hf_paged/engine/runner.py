@@ -296,9 +296,11 @@ class ModelRunner:
         return compile_forward(self.model, backend, variant, model_guards=bool(self.adapters))
 
     # -- a step ------------------------------------------------------------------------------
-    def check_model(self) -> None:
+    def check_model(self, admitting: bool) -> bool:
         """Raises ModelChangedError if the model was cast or moved since the pool was built,
-        or put back in training mode with dropout to apply."""
+        or put back in training mode with dropout to apply. Returns whether its weights
+        changed since the last look (`weights_changed`), taken before a step that may admit
+        a request (a prefix lookup) and before every step under graphs."""
         p = self._watched
         if p is not None and (p.dtype, p.device) != self._built_for:
             raise ModelChangedError(
@@ -309,6 +311,7 @@ class ModelRunner:
             raise ModelChangedError(
                 f"the model is in training mode (model.train()) and has dropout (p="
                 f"{self._dropout.p}): its tokens would be random. Call model.eval() first.")
+        return (admitting or self.graphs is not None) and self.weights_changed()
 
     def _weights_state(self) -> list[tuple[int, int, int] | None]:
         """Each parameter's identity, version (bumped by in-place updates: an optimizer
@@ -328,10 +331,16 @@ class ModelRunner:
 
     def weights_changed(self) -> bool:
         """Whether a parameter was updated, replaced or re-stored since the last call (or
-        since the engine was built): K/V cached before came from other weights."""
+        since the engine was built): K/V cached before came from other weights. Captured
+        decode graphs read the parameters' storage: a replaced one drops them."""
         state = self._weights_state()
-        changed, self._weights = state != self._weights, state
-        return changed
+        old, self._weights = self._weights, state
+        if state == old:
+            return False
+        if self.graphs is not None and [s and s[::2] for s in state] != [s and s[::2]
+                                                                         for s in old]:
+            self.graphs.drop()
+        return True
 
     def prepare(self, work: DeviceStep) -> None:
         """Block moves and block-table entries of a step, before its forwards."""

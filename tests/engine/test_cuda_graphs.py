@@ -192,3 +192,41 @@ def test_cuda_graphs_on_gpu_equal_eager(compile):
         assert tokens == plain
     finally:
         model.to("cpu")
+
+
+def test_graphs_follow_weights_updated_or_replaced_between_steps(traced):
+    """A graph reads the parameters it was captured with: an in-place update (an optimizer
+    step) reaches it as it is, a replaced Parameter or `.data` makes it captured anew, even
+    while every request decodes and none waits. Tokens equal an eager engine's on a copy
+    of the model changed alike, step for step."""
+    import copy
+
+    prompts = random_prompts(8, 4, 3, 9)
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+
+    def change(model, step):
+        layers = model.model.layers
+        if step == 4:  # in place
+            with torch.no_grad():
+                layers[0].mlp.down_proj.weight.mul_(1.5)
+        elif step == 7:  # a new Parameter
+            layers[1].mlp.up_proj.weight = torch.nn.Parameter(-layers[1].mlp.up_proj.weight)
+        elif step == 10:  # new storage
+            layers[0].self_attn.k_proj.weight.data = layers[0].self_attn.k_proj.weight * 0.5
+
+    runs = []
+    for graphs in (False, True):
+        model = copy.deepcopy(long_model("llama_gqa"))
+        eng = engine(model, graphs)
+        for i, prompt in enumerate(prompts):
+            eng.add_request(str(i), prompt, params)
+        done, step = {}, 0
+        while eng.has_unfinished_requests():
+            if step in (4, 7, 10):
+                assert not eng.scheduler.waiting and eng.scheduler.running
+                change(model, step)
+            done.update({o.request_id: o.outputs[0].token_ids for o in eng.step() if o.finished})
+            step += 1
+        runs.append(done)
+    assert runs[0] == runs[1]
+    assert eng.runner.graphs.stats()["replays"] > 8
