@@ -341,3 +341,26 @@ def test_prefix_cache_forgets_a_namespace():
     assert pool.refcount(a) == 1 and pool.refcount(b) == 0 and b in pool.free_blocks()
     cache.released([a])  # its holder lets go later: nothing left to do for the cache
     assert cache.num_evictable == 1
+
+
+def test_forgotten_prefixes_are_never_found_and_old_holders_register_none():
+    """After `forget_prefixes` (the model's weights changed): no block cached before is
+    found, a sequence running across it registers none of its blocks (their K/V mix both
+    weights) while a new one registers its own, and every refcount stays right."""
+    sim = Simulation(4, num_blocks=60, block_size=4, max_num_seqs=4, budget=64,
+                     mode="recompute", prefix=True, window=None, cpu_blocks=0)
+    system = list(range(3, 23))  # 20 tokens: 5 full blocks
+    sim.add(system + [30], max_tokens=2)
+    sim.run()
+    old = sim.add(system + [31], max_tokens=16)  # hits the first's 5 blocks
+    sim.step()
+    assert old.cached_tokens == 20
+    sim.sched.forget_prefixes()
+    fresh = sim.add(system + [32], max_tokens=1)  # finds nothing: registers 5 blocks anew
+    for _ in range(10):  # `old` fills blocks 5 and 6 meanwhile
+        sim.step()
+    assert fresh.cached_tokens == 0 and fresh.finished and not old.finished
+    # Blocks 0-4 are found again (`fresh`'s), blocks 5 and 6 (`old`'s) are not.
+    new = sim.add(old.prompt + old.output[:10], max_tokens=1)
+    sim.run()
+    assert new.cached_tokens == 20 and old.finished and new.finished
