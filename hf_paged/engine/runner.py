@@ -321,13 +321,14 @@ class ModelRunner:
         if self._slots_of is not self.model:
             self._slots_of = self.model
             self._slots = [(m._parameters, name) for m in self.model.modules()
-                           for name in m._parameters]
-        state = []
-        for params, name in self._slots:
-            p = params.get(name)  # (None: deleted since, or registered as None)
-            state.append(None if p is None or p.is_meta else (
-                id(p), -1 if p.is_inference() else p._version, p.data_ptr()))
-        return state
+                           for name, p in m._parameters.items() if p is not None]
+        params = [slots.get(name) for slots, name in self._slots]  # (None: deleted since)
+        try:
+            return [None if p is None or p.is_meta else (id(p), p._version, p.data_ptr())
+                    for p in params]
+        except RuntimeError:  # an inference tensor (made under inference_mode) has no version
+            return [None if p is None or p.is_meta else (
+                id(p), -1 if p.is_inference() else p._version, p.data_ptr()) for p in params]
 
     def weights_changed(self) -> bool:
         """Whether a parameter was updated, replaced or re-stored since the last call (or
