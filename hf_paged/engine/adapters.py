@@ -12,6 +12,7 @@ change under it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import os
@@ -107,32 +108,33 @@ class RuntimeAdapters:
         if getattr(config, "is_prompt_learning", False) or config.peft_type != "LORA":
             raise InvalidRequestError(f"The engine loads LoRA adapters; {path!r} is "
                                       f"{config.peft_type}.", "lora_path")
-        before = (_snapshot(runner.model), runner.model, runner.none_means_base)
-        try:
-            if hasattr(runner.model, "load_adapter") and hasattr(runner.model, "peft_config"):
-                runner.model.load_adapter(path, adapter_name=name)
-            else:  # a plain model: wrapped, its requests without an adapter stay on the base
-                trainable = [(p, p.requires_grad) for p in runner.model.parameters()]
-                try:  # (PEFT freezes every base parameter: shared with the caller's model)
-                    runner.model = PeftModel.from_pretrained(
-                        private_copy(runner.model), path, adapter_name=name).eval()
-                finally:
-                    for parameter, flag in trainable:
-                        parameter.requires_grad_(flag)
-                runner.none_means_base = True
-            runner.adapters.append(name)
-            check_side_by_side(runner)
-        except Exception as err:  # noqa: BLE001 (shapes that do not fit this model, ...)
-            # PEFT put the adapter's layers in before its weights failed (or before it
-            # turned out not to run beside the others): the model goes back as it was.
-            _restore(before[0])
-            runner.model, runner.none_means_base = before[1:]
-            if name in runner.adapters:
-                runner.adapters.remove(name)
-            if isinstance(err, UnsupportedModelError):
-                raise InvalidRequestError(str(err), "lora_path") from err
-            raise InvalidRequestError(f"The adapter {name!r} could not be loaded from "
-                                      f"{path!r}: {err}", "lora_path") from err
+        with self._own_change():
+            before = (_snapshot(runner.model), runner.model, runner.none_means_base)
+            try:
+                if hasattr(runner.model, "load_adapter") and hasattr(runner.model, "peft_config"):
+                    runner.model.load_adapter(path, adapter_name=name)
+                else:  # a plain model: wrapped, its requests without an adapter stay on the base
+                    trainable = [(p, p.requires_grad) for p in runner.model.parameters()]
+                    try:  # (PEFT freezes every base parameter: shared with the caller's model)
+                        runner.model = PeftModel.from_pretrained(
+                            private_copy(runner.model), path, adapter_name=name).eval()
+                    finally:
+                        for parameter, flag in trainable:
+                            parameter.requires_grad_(flag)
+                    runner.none_means_base = True
+                runner.adapters.append(name)
+                check_side_by_side(runner)
+            except Exception as err:  # noqa: BLE001 (shapes that do not fit this model, ...)
+                # PEFT put the adapter's layers in before its weights failed (or before it
+                # turned out not to run beside the others): the model goes back as it was.
+                _restore(before[0])
+                runner.model, runner.none_means_base = before[1:]
+                if name in runner.adapters:
+                    runner.adapters.remove(name)
+                if isinstance(err, UnsupportedModelError):
+                    raise InvalidRequestError(str(err), "lora_path") from err
+                raise InvalidRequestError(f"The adapter {name!r} could not be loaded from "
+                                          f"{path!r}: {err}", "lora_path") from err
         self.engine.model = runner.model
 
     def begin_unload(self, name: str) -> None:
@@ -155,19 +157,33 @@ class RuntimeAdapters:
         if self.in_use(name):
             return False
         runner = self.engine.runner
-        runner.model.delete_adapter(name)
-        runner.adapters.remove(name)
-        self.unloading.discard(name)
-        if not runner.model.peft_config:
-            # The last one: back to the plain model. (PEFT keeps the deleted adapter as the
-            # active one, and every forward after a later load then fails on its name.)
-            runner.model = runner.base if runner.none_means_base else \
-                runner.model.base_model.unload().eval()
-            runner.none_means_base = False
-            self.engine.model = runner.model
+        with self._own_change():
+            runner.model.delete_adapter(name)
+            runner.adapters.remove(name)
+            self.unloading.discard(name)
+            if not runner.model.peft_config:
+                # The last one: back to the plain model. (PEFT keeps the deleted adapter as
+                # the active one, and every forward after a later load then fails on its name.)
+                runner.model = runner.base if runner.none_means_base else \
+                    runner.model.base_model.unload().eval()
+                runner.none_means_base = False
+                self.engine.model = runner.model
         for adapter in (name, None):  # every salt of it; None: blocks of the sum of several
             self.engine.scheduler.prefix.forget(namespace(adapter)[:-1])
         return True
+
+    @contextlib.contextmanager
+    def _own_change(self):
+        """Around the engine's own change of its adapters: a change the model's owner made
+        before it still makes the scheduler forget its prefixes (`ModelWatch`); this one
+        does not (the prefix cache keeps adapters apart by name)."""
+        runner, scheduler = self.engine.runner, self.engine.scheduler
+        if runner.watch.changed(runner.model)[0]:
+            scheduler.forget_prefixes()
+        try:
+            yield
+        finally:
+            runner.watch.changed(runner.model)
 
     @property
     def live(self) -> list[str]:

@@ -20,7 +20,7 @@ import torch
 from ..config import flag, fraction, positive
 from ..distributed import tensor_parallel as tp
 from ..distributed.placement import input_device, logits_index_device, model_placement
-from ..errors import ModelChangedError, UnsupportedModelError
+from ..errors import UnsupportedModelError
 from ..hf.architectures import (
     attention_features, attention_tp_size, kv_spec, tp_heads, unsupported_reason,
 )
@@ -39,6 +39,7 @@ from ..utils import cdiv
 from .adapters import drop_row_hooks, forward_adapter
 from .compiled import COMPILE_ERRORS, compile_forward, run_eagerly
 from .graphs import DecodeGraphs, wants_graphs
+from .model_watch import ModelWatch
 from .options import pool_blocks
 
 logger = logging.getLogger("hf_paged")
@@ -189,11 +190,7 @@ class ModelRunner:
             raise UnsupportedModelError(f"The engine cannot serve this model: {reason}.")
         register()  # the "paged" attention, even where generate's patches are disabled
         self.model.eval()
-        # Dropout the model would apply if put back in training mode (`check_model`).
-        self._dropout = next((m for m in self.model.modules()
-                              if isinstance(m, torch.nn.Dropout) and m.p > 0), None)
-        self._slots_of = None  # the model whose parameter slots `_slots` lists
-        self._weights = self._weights_state()
+        self.watch = ModelWatch(self.model, base)
         self.base = base
         # (before compiling: a layer's class is part of what its graphs are keyed by)
         self.onednn_linear = flag("onednn_linear", onednn_linear)
@@ -201,11 +198,6 @@ class ModelRunner:
                         else contextlib.nullcontext)
         text_config = base.config.get_text_config(decoder=True)
         self.device, self.dtype = input_device(base), base.dtype  # the model's inputs' device
-        # One parameter watched: a model cast or moved after this would write keys and values
-        # of another dtype, or on another device, into this pool (`check_model`).
-        self._watched = next((p for p in base.parameters() if p.is_floating_point()), None)
-        self._built_for = self._watched is not None and (self._watched.dtype,
-                                                         self._watched.device)
         self.tp_size = getattr(base, "tp_size", None) or 1
         self.rank = torch.distributed.get_rank() if self.tp_size > 1 else 0
         spec = kv_spec(text_config)
@@ -269,6 +261,7 @@ class ModelRunner:
                 self.cpu_pool.pin_memory()
         self.access = PoolAccess(self.pool, backend, num_heads, spec.windows, spec.latent,
                                  attention_features(base), self.groups)
+        self.compile_option = compile
         self.compiled = self._compile(compile)  # None: eager forwards
         self.device_table = DeviceBlockTable(self.max_num_seqs,
                                              cdiv(self.max_model_len, self.block_size),
@@ -298,50 +291,20 @@ class ModelRunner:
     # -- a step ------------------------------------------------------------------------------
     def check_model(self, admitting: bool) -> bool:
         """Raises ModelChangedError if the model was cast or moved since the pool was built,
-        or put back in training mode with dropout to apply. Returns whether its weights
-        changed since the last look (`weights_changed`), taken before a step that may admit
-        a request (a prefix lookup) and before every step under graphs."""
-        p = self._watched
-        if p is not None and (p.dtype, p.device) != self._built_for:
-            raise ModelChangedError(
-                f"the model is now {p.dtype} on {p.device}, but this engine was built for "
-                f"{self._built_for[0]} on {self._built_for[1]}: its KV pool holds that. Build a "
-                "new LLM (or LLMEngine) on the model as it is now, or cast or move it back.")
-        if self._dropout is not None and self._dropout.training:
-            raise ModelChangedError(
-                f"the model is in training mode (model.train()) and has dropout (p="
-                f"{self._dropout.p}): its tokens would be random. Call model.eval() first.")
-        return (admitting or self.graphs is not None) and self.weights_changed()
-
-    def _weights_state(self) -> list[tuple[int, int, int] | None]:
-        """Each parameter's identity, version (bumped by in-place updates: an optimizer
-        step, load_state_dict) and storage; None for one on "meta" (offloaded: its hooks
-        load a new tensor for each forward, from weights nothing updates)."""
-        # Listed once per model: walking its modules costs more than reading every parameter.
-        if self._slots_of is not self.model:
-            self._slots_of = self.model
-            self._slots = [(m._parameters, name) for m in self.model.modules()
-                           for name, p in m._parameters.items() if p is not None]
-        params = [slots.get(name) for slots, name in self._slots]  # (None: deleted since)
-        try:
-            return [None if p is None or p.is_meta else (id(p), p._version, p.data_ptr())
-                    for p in params]
-        except RuntimeError:  # an inference tensor (made under inference_mode) has no version
-            return [None if p is None or p.is_meta else (
-                id(p), -1 if p.is_inference() else p._version, p.data_ptr()) for p in params]
-
-    def weights_changed(self) -> bool:
-        """Whether a parameter was updated, replaced or re-stored since the last call (or
-        since the engine was built): K/V cached before came from other weights. Captured
-        decode graphs read the parameters' storage: a replaced one drops them."""
-        state = self._weights_state()
-        old, self._weights = self._weights, state
-        if state == old:
+        or put back in training mode with dropout to apply. Returns whether its weights or
+        adapters changed since the last look (`ModelWatch.changed`), taken before a step
+        that may admit a request (a prefix lookup), and before every step where a forward
+        holds what it ran before: graphs are captured anew, and a compiled forward is
+        looked up anew (keyed by the model's modules), after a change of its path."""
+        self.watch.check()
+        if not (admitting or self.graphs is not None or self.compiled is not None):
             return False
-        if self.graphs is not None and [s and s[::2] for s in state] != [s and s[::2]
-                                                                         for s in old]:
+        changed, path = self.watch.changed(self.model)
+        if path and self.graphs is not None:
             self.graphs.drop()
-        return True
+        if path and self.compiled is not None:
+            self.compiled = self._compile(self.compile_option)
+        return changed
 
     def prepare(self, work: DeviceStep) -> None:
         """Block moves and block-table entries of a step, before its forwards."""

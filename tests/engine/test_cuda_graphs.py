@@ -230,3 +230,43 @@ def test_graphs_follow_weights_updated_or_replaced_between_steps(traced):
         runs.append(done)
     assert runs[0] == runs[1]
     assert eng.runner.graphs.stats()["replays"] > 8
+
+
+@pytest.mark.parametrize("options", [dict(cuda_graphs=True), dict(cuda_graphs=False,
+                                                                   compile="eager"),
+                                     dict(cuda_graphs=True, compile="eager")],
+                         ids=["graphs", "compiled", "compiled graphs"])
+def test_an_adapter_put_into_the_model_between_steps_reaches_graphs_and_compiled_forwards(
+        traced, tmp_path, options):
+    """Loading an adapter into the model (Transformers' `load_adapter` replaces its layers
+    in place), disabling and enabling it change the forward's path while every request
+    decodes: graphs are captured anew and the compiled forward looked up anew (neither
+    runs the path it was made with). Tokens equal an eager engine's changed alike."""
+    import copy
+
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    torch.manual_seed(21)
+    get_peft_model(copy.deepcopy(long_model("llama_gqa")), LoraConfig(
+        task_type=TaskType.CAUSAL_LM, r=4, target_modules="all-linear",
+        init_lora_weights=False)).save_pretrained(tmp_path)
+    prompts = random_prompts(9, 4, 3, 9)
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    changes = {4: lambda m: m.load_adapter(str(tmp_path)), 7: lambda m: m.disable_adapters(),
+               10: lambda m: m.enable_adapters()}
+    runs = []
+    for settings in (dict(cuda_graphs=False), options):
+        model = copy.deepcopy(long_model("llama_gqa"))
+        eng = engine(model, **settings)
+        for i, prompt in enumerate(prompts):
+            eng.add_request(str(i), prompt, params)
+        done, step = {}, 0
+        while eng.has_unfinished_requests():
+            if step in changes:
+                assert not eng.scheduler.waiting and eng.scheduler.running
+                changes[step](model)
+            done.update({o.request_id: o.outputs[0].token_ids for o in eng.step() if o.finished})
+            step += 1
+        runs.append(done)
+    assert runs[0] == runs[1]
+    assert eng.runner.compile_error is None

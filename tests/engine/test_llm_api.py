@@ -369,3 +369,47 @@ def test_a_weight_change_while_a_request_runs_reaches_no_later_request():
     for rid, ids in later.items():
         assert done[rid].outputs[0].token_ids == stock_greedy(model, ids, 8 if rid == "b" else 4)
     assert engine.stats().prefix_cache_hit_tokens == len(prompt)  # "c" on "b"'s blocks only
+
+
+def test_adapters_changed_by_the_models_owner_reuse_no_cached_prefix(tmp_path):
+    """A PEFT model served by an LLM whose owner changes its adapters between calls:
+    disables them, loads one and makes it active (twice: blocks of the first would be found
+    under the same name, none, for the second), trains it, switches, merges, unmerges. Each
+    call equals stock generate on the model as it is and finds no block cached before."""
+    from peft import LoraConfig, TaskType, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    model = two_adapter_model("a", "b")
+    for name, seed in (("c", 11), ("d", 12)):
+        torch.manual_seed(seed)
+        get_peft_model(LlamaForCausalLM(model.config), LoraConfig(
+            task_type=TaskType.CAUSAL_LM, r=4, target_modules="all-linear",
+            init_lora_weights=False)).save_pretrained(tmp_path / name)
+    llm = LLM(model, block_size=4, num_blocks=120)
+    shared = list(range(20, 44))
+    prompts = [shared + [5, 6], shared + [7]]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    def check():
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [stock_greedy(model, p, 6)
+                                                          for p in prompts]
+        return llm.stats().prefix_cache_hit_tokens
+
+    def loaded(name):
+        model.load_adapter(str(tmp_path / name), adapter_name=name)
+        model.set_adapter(name)
+
+    def trained():
+        with torch.no_grad():  # an adapter the engine has never seen
+            model.base_model.model.model.layers[0].self_attn.k_proj.lora_B["d"].weight.mul_(3)
+
+    disabled = model.disable_adapter()
+    assert check() < check()
+    for change in [disabled.__enter__, lambda: disabled.__exit__(None, None, None),
+                   lambda: loaded("c"), lambda: loaded("d"), trained,
+                   lambda: model.set_adapter("b"), model.merge_adapter, model.unmerge_adapter]:
+        change()
+        hits = llm.stats().prefix_cache_hit_tokens
+        assert check() == hits
+        assert check() > hits

@@ -347,3 +347,32 @@ def test_a_runtime_adapter_runs_in_a_model_with_device_hooks(adapters):
     assert engine_text(engine, "a") == stock(PROMPT, adapters["a"])
     assert engine_text(engine) == stock(PROMPT)
     assert model.forward.args[0] is model and model.forward.__wrapped__.__self__ is model
+
+
+def test_the_engines_own_loads_keep_the_prefix_cache_and_an_owners_change_drops_it(adapters):
+    """Loading and unloading adapters changes the model the engine runs, but not what the
+    base model's cached blocks hold: they are found again after each. A change the
+    model's owner made before one is still seen: nothing cached before it is found."""
+    from test_engine import stock_greedy
+
+    model = make_model("llama_gqa")
+    engine = LLMEngine(model, block_size=4, num_blocks=200)
+    engine.lora.load("a", adapters["a"])
+    want = stock(PROMPT)
+    assert engine_text(engine) == want
+    for change in [lambda: engine.lora.load("b", adapters["b"]),
+                   lambda: (engine.lora.begin_unload("a"), engine.lora.finish_unload("a")),
+                   lambda: engine.lora.load("a", adapters["a"])]:
+        change()
+        hits = engine.stats().prefix_cache_hit_tokens
+        assert engine_text(engine) == want
+        assert engine.stats().prefix_cache_hit_tokens > hits
+    with torch.no_grad():  # (the engine's wrapped copy of the model shares its weights)
+        model.model.layers[0].self_attn.v_proj.weight.mul_(-4)
+    engine.lora.begin_unload("b")
+    engine.lora.finish_unload("b")
+    hits = engine.stats().prefix_cache_hit_tokens
+    tuned = TOKENIZER.decode(stock_greedy(model, PROMPT, 6), skip_special_tokens=True)
+    assert tuned != want
+    assert engine_text(engine) == tuned
+    assert engine.stats().prefix_cache_hit_tokens == hits

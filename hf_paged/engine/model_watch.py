@@ -1,0 +1,104 @@
+"""What the engine watches of the caller's model while it serves.
+
+The engine runs the model object it was given, so what its owner does to that model later
+reaches the engine's steps: an optimizer step or `load_state_dict` between calls (the RL
+loop), a cast or a move, `model.train()`, and on a PEFT model an adapter loaded, switched,
+disabled, merged or rescaled. A cast, a move or dropout in training mode is an error (the
+pool holds one dtype on one device); any other change makes the K/V cached before it stale
+(the scheduler forgets its prefixes), and one that changes which tensors or which path the
+forward takes makes captured decode graphs stale too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import ModelChangedError
+
+State = list  # [(id, version, data_ptr) or None per parameter slot, the adapters' state]
+
+
+class ModelWatch:
+    """The model's dtype, device, dropout and weights as the engine last saw them."""
+
+    def __init__(self, model, base):
+        # Dropout the model would apply if put back in training mode.
+        self.dropout = next((m for m in model.modules()
+                             if isinstance(m, torch.nn.Dropout) and m.p > 0), None)
+        # One parameter: a model cast or moved after this would write keys and values of
+        # another dtype, or on another device, into the pool.
+        self.watched = next((p for p in base.parameters() if p.is_floating_point()), None)
+        self.built_for = self.watched is not None and (self.watched.dtype,
+                                                       self.watched.device)
+        self._listed = None  # (the model, its adapters) whose parameter slots `_slots` lists
+        self._state = self.state(model)
+
+    def check(self) -> None:
+        """ModelChangedError if the model was cast or moved since the pool was built, or put
+        back in training mode with dropout to apply."""
+        p = self.watched
+        if p is not None and (p.dtype, p.device) != self.built_for:
+            raise ModelChangedError(
+                f"the model is now {p.dtype} on {p.device}, but this engine was built for "
+                f"{self.built_for[0]} on {self.built_for[1]}: its KV pool holds that. Build a "
+                "new LLM (or LLMEngine) on the model as it is now, or cast or move it back.")
+        if self.dropout is not None and self.dropout.training:
+            raise ModelChangedError(
+                f"the model is in training mode (model.train()) and has dropout (p="
+                f"{self.dropout.p}): its tokens would be random. Call model.eval() first.")
+
+    def changed(self, model) -> tuple[bool, bool]:
+        """(whether the model's weights or adapters changed since the last look (or since
+        the engine was built): K/V cached before came from another model; whether the
+        forward's tensors or path did: a parameter replaced or re-stored, an adapter
+        loaded, switched, disabled, merged or rescaled, which graphs captured before
+        would not see)."""
+        state = self.state(model)
+        old, self._state = self._state, state
+        if state == old:
+            return False, False
+        path = len(state) != len(old) or state[-1] != old[-1] or any(
+            (s and s[::2]) != (o and o[::2]) for s, o in zip(state, old))
+        return True, path
+
+    def state(self, model) -> State:
+        """Each parameter's identity, version (bumped by in-place updates: an optimizer
+        step, load_state_dict) and storage, None for one on "meta" (offloaded: its hooks
+        load a new tensor for each forward, from weights nothing updates); then the state
+        of a PEFT model's adapters (`adapters_state`)."""
+        adapters = getattr(model, "peft_config", None)
+        names = None if adapters is None else tuple(adapters)
+        # Listed once per model and set of adapters: walking its modules costs more than
+        # reading every parameter.
+        if self._listed is None or self._listed[0] is not model or self._listed[1] != names:
+            self._listed = (model, names)
+            self._slots = [(m._parameters, name) for m in model.modules()
+                           for name, p in m._parameters.items() if p is not None]
+            self._layer = None if names is None else first_tuner_layer(model)
+        params = [slots.get(name) for slots, name in self._slots]  # (None: deleted since)
+        try:
+            weights = [None if p is None or p.is_meta else (id(p), p._version, p.data_ptr())
+                       for p in params]
+        except RuntimeError:  # an inference tensor (made under inference_mode) has no version
+            weights = [None if p is None or p.is_meta else (
+                id(p), -1 if p.is_inference() else p._version, p.data_ptr()) for p in params]
+        weights.append(None if names is None else (names, adapters_state(self._layer)))
+        return weights
+
+
+def first_tuner_layer(model):
+    """A PEFT model's first adapter layer (they are switched, disabled and merged as one)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return next((m for m in model.modules() if isinstance(m, BaseTunerLayer)), None)
+
+
+def adapters_state(layer) -> tuple | None:
+    """What decides which adapters a PEFT layer adds, and how: the active ones, whether
+    they are disabled (`with model.disable_adapter()`), those merged into the base weights,
+    and their scalings."""
+    if layer is None:
+        return None
+    scaling = getattr(layer, "scaling", None)
+    return (tuple(layer.active_adapters), layer.disable_adapters, tuple(layer.merged_adapters),
+            None if not isinstance(scaling, dict) else tuple(scaling.items()))
