@@ -135,18 +135,24 @@ def _traced(entry, model, hook_guards: bool, **inputs):
     """`entry(model, **inputs)` with the settings its graphs are traced under: a size of 1
     or one equal to another (1 decode row, a pool as large as the step) is as symbolic as
     any other, so that step sizes do not each compile a graph of their own (a few cover
-    every step: decodes only, prompt chunks only, both); hook_guards: module hooks are
-    guarded too, which Dynamo leaves out by default. Any call may trace, so they are set
-    around every call, by hand: `fx_config.patch` costs twice as much."""
+    every step: decodes only, prompt chunks only, both); a float (a layer's scaling, an
+    epsilon: the model's, none an input's) is a constant, as in eager, not a symbol that
+    Inductor makes a tensor or, failing that, restarts the whole trace to make a constant
+    (a third of a compile); hook_guards: module hooks are guarded too, which Dynamo leaves
+    out by default. Any call may trace, so they are set around every call, by hand:
+    `fx_config.patch` costs twice as much."""
     dynamo = torch._dynamo.config
-    old = fx_config.backed_size_oblivious, fx_config.use_duck_shape
+    old = (fx_config.backed_size_oblivious, fx_config.use_duck_shape,
+           dynamo.specialize_float)
     fx_config.backed_size_oblivious, fx_config.use_duck_shape = True, False
+    dynamo.specialize_float = True
     if hook_guards:
         skipped, dynamo.skip_nnmodule_hook_guards = dynamo.skip_nnmodule_hook_guards, False
     try:
         return entry(model, **inputs)
     finally:
-        fx_config.backed_size_oblivious, fx_config.use_duck_shape = old
+        (fx_config.backed_size_oblivious, fx_config.use_duck_shape,
+         dynamo.specialize_float) = old
         if hook_guards:
             dynamo.skip_nnmodule_hook_guards = skipped
 
