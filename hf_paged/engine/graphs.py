@@ -163,7 +163,10 @@ class DecodeGraphs:
 
     def drop(self) -> None:
         """Forgets every graph (each is captured anew when next needed): the parameters
-        they read were replaced."""
+        they read were replaced, or the model's forward takes another path. (A replay may
+        still run, under async scheduling: its memory is freed once it has finished.)"""
+        if self._graphs and self._pool is not None:
+            torch.cuda.current_stream(self.runner.kv_device).synchronize()
         self._graphs.clear()
 
     def _fill(self, f, n: int, size: int) -> None:

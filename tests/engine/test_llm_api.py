@@ -308,6 +308,20 @@ def _tuned(model, step: int) -> None:
                    * 0.3 * p.std().clamp_min(1e-3))
 
 
+def stock_checker(llm, model, prompts, max_tokens):
+    """A call of `llm` on `prompts` that asserts stock greedy tokens of `model` as it is now
+    and returns the prefix-cache hits so far."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+    def check() -> int:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [
+            stock_greedy(model, p, max_tokens) for p in prompts]
+        return llm.stats().prefix_cache_hit_tokens
+
+    return check
+
+
 def test_cached_prefixes_of_other_weights_are_never_reused():
     """A model trained between calls (an RL loop reusing its LLM): prompts whose blocks the
     prefix cache holds from the old weights are computed anew, equal to stock generate on
@@ -317,15 +331,7 @@ def test_cached_prefixes_of_other_weights_are_never_reused():
     model = make_model("llama_gqa", seed=5)
     llm = LLM(model, block_size=4, num_blocks=120)
     shared = list(range(20, 44))
-    prompts = [shared + [5, 6], shared + [7], shared]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-
-    def check():
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outs] == [stock_greedy(model, p, 8)
-                                                          for p in prompts]
-        return llm.stats().prefix_cache_hit_tokens
-
+    check = stock_checker(llm, model, [shared + [5, 6], shared + [7], shared], 8)
     hits = check()
     assert check() > hits  # the same weights: the prompts' blocks are found again
     for step, change in enumerate([
@@ -387,14 +393,7 @@ def test_adapters_changed_by_the_models_owner_reuse_no_cached_prefix(tmp_path):
             init_lora_weights=False)).save_pretrained(tmp_path / name)
     llm = LLM(model, block_size=4, num_blocks=120)
     shared = list(range(20, 44))
-    prompts = [shared + [5, 6], shared + [7]]
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-
-    def check():
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outs] == [stock_greedy(model, p, 6)
-                                                          for p in prompts]
-        return llm.stats().prefix_cache_hit_tokens
+    check = stock_checker(llm, model, [shared + [5, 6], shared + [7]], 6)
 
     def loaded(name):
         model.load_adapter(str(tmp_path / name), adapter_name=name)
