@@ -177,13 +177,13 @@ class RuntimeAdapters:
         """Around the engine's own change of its adapters: a change the model's owner made
         before it still makes the scheduler forget its prefixes (`ModelWatch`); this one
         does not (the prefix cache keeps adapters apart by name)."""
-        runner, scheduler = self.engine.runner, self.engine.scheduler
-        if runner.watch.changed(runner.model)[0]:
-            scheduler.forget_prefixes()
+        runner = self.engine.runner
+        if runner.model_changed():
+            self.engine.scheduler.forget_prefixes()
         try:
             yield
         finally:
-            runner.watch.changed(runner.model)
+            runner.watch.changed(runner.model)  # (the new baseline)
 
     @property
     def live(self) -> list[str]:

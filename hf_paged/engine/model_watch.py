@@ -15,7 +15,8 @@ import torch
 
 from ..errors import ModelChangedError
 
-State = list  # [(id, version, data_ptr) or None per parameter slot, the adapters' state]
+# (each parameter slot's (id, version, data_ptr) or None; the adapters' names and state)
+State = tuple[list, tuple | None]
 
 
 class ModelWatch:
@@ -50,16 +51,16 @@ class ModelWatch:
     def changed(self, model) -> tuple[bool, bool]:
         """(whether the model's weights or adapters changed since the last look (or since
         the engine was built): K/V cached before came from another model; whether the
-        forward's tensors or path did: a parameter replaced or re-stored, an adapter
-        loaded, switched, disabled, merged or rescaled, which graphs captured before
-        would not see)."""
+        forward's tensors or path did: a parameter replaced or re-stored (its identity or
+        storage), an adapter loaded, switched, disabled, merged or rescaled, which graphs
+        captured before would not see)."""
         state = self.state(model)
         old, self._state = self._state, state
         if state == old:
             return False, False
-        path = len(state) != len(old) or state[-1] != old[-1] or any(
-            (s and s[::2]) != (o and o[::2]) for s, o in zip(state, old))
-        return True, path
+        (weights, adapters), (old_weights, old_adapters) = state, old
+        return True, adapters != old_adapters or (
+            [w and w[::2] for w in weights] != [w and w[::2] for w in old_weights])
 
     def state(self, model) -> State:
         """Each parameter's identity, version (bumped by in-place updates: an optimizer
@@ -82,8 +83,7 @@ class ModelWatch:
         except RuntimeError:  # an inference tensor (made under inference_mode) has no version
             weights = [None if p is None or p.is_meta else (
                 id(p), -1 if p.is_inference() else p._version, p.data_ptr()) for p in params]
-        weights.append(None if names is None else (names, adapters_state(self._layer)))
-        return weights
+        return weights, None if names is None else (names, adapters_state(self._layer))
 
 
 def first_tuner_layer(model):

@@ -297,8 +297,12 @@ class ModelRunner:
         holds what it ran before: graphs are captured anew, and a compiled forward is
         looked up anew (keyed by the model's modules), after a change of its path."""
         self.watch.check()
-        if not (admitting or self.graphs is not None or self.compiled is not None):
-            return False
+        return (admitting or self.graphs is not None or self.compiled is not None) and \
+            self.model_changed()
+
+    def model_changed(self) -> bool:
+        """Whether the model's weights or adapters changed since the last look; graphs and
+        a compiled forward made for another path of its forward are dropped."""
         changed, path = self.watch.changed(self.model)
         if path and self.graphs is not None:
             self.graphs.drop()

@@ -10,6 +10,8 @@ The last test captures real CUDA graphs (GPU only, also run by benchmarks/gpu_ch
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -194,17 +196,35 @@ def test_cuda_graphs_on_gpu_equal_eager(compile):
         model.to("cpu")
 
 
+def run_changing(prompts, params, changes, **options):
+    """Greedy tokens by request of an engine on a copy of the Llama test model, with
+    `changes[step](model)` applied before those steps (each while every request decodes
+    and none waits); and the engine."""
+    import copy
+
+    model = copy.deepcopy(long_model("llama_gqa"))
+    eng = engine(model, **options)
+    for i, prompt in enumerate(prompts):
+        eng.add_request(str(i), prompt, params)
+    done, step = {}, 0
+    while eng.has_unfinished_requests():
+        if step in changes:
+            assert not eng.scheduler.waiting and eng.scheduler.running
+            changes[step](model)
+        done.update({o.request_id: o.outputs[0].token_ids for o in eng.step() if o.finished})
+        step += 1
+    return done, eng
+
+
 def test_graphs_follow_weights_updated_or_replaced_between_steps(traced):
     """A graph reads the parameters it was captured with: an in-place update (an optimizer
     step) reaches it as it is, a replaced Parameter or `.data` makes it captured anew, even
     while every request decodes and none waits. Tokens equal an eager engine's on a copy
     of the model changed alike, step for step."""
-    import copy
-
     prompts = random_prompts(8, 4, 3, 9)
     params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
 
-    def change(model, step):
+    def change(model, step):  # (the engine's model: a copy of the test model)
         layers = model.model.layers
         if step == 4:  # in place
             with torch.no_grad():
@@ -214,21 +234,10 @@ def test_graphs_follow_weights_updated_or_replaced_between_steps(traced):
         elif step == 10:  # new storage
             layers[0].self_attn.k_proj.weight.data = layers[0].self_attn.k_proj.weight * 0.5
 
-    runs = []
-    for graphs in (False, True):
-        model = copy.deepcopy(long_model("llama_gqa"))
-        eng = engine(model, graphs)
-        for i, prompt in enumerate(prompts):
-            eng.add_request(str(i), prompt, params)
-        done, step = {}, 0
-        while eng.has_unfinished_requests():
-            if step in (4, 7, 10):
-                assert not eng.scheduler.waiting and eng.scheduler.running
-                change(model, step)
-            done.update({o.request_id: o.outputs[0].token_ids for o in eng.step() if o.finished})
-            step += 1
-        runs.append(done)
-    assert runs[0] == runs[1]
+    changes = {step: functools.partial(change, step=step) for step in (4, 7, 10)}
+    eager, _ = run_changing(prompts, params, changes, cuda_graphs=False)
+    graphed, eng = run_changing(prompts, params, changes, cuda_graphs=True)
+    assert eager == graphed
     assert eng.runner.graphs.stats()["replays"] > 8
 
 
@@ -254,19 +263,7 @@ def test_an_adapter_put_into_the_model_between_steps_reaches_graphs_and_compiled
     params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
     changes = {4: lambda m: m.load_adapter(str(tmp_path)), 7: lambda m: m.disable_adapters(),
                10: lambda m: m.enable_adapters()}
-    runs = []
-    for settings in (dict(cuda_graphs=False), options):
-        model = copy.deepcopy(long_model("llama_gqa"))
-        eng = engine(model, **settings)
-        for i, prompt in enumerate(prompts):
-            eng.add_request(str(i), prompt, params)
-        done, step = {}, 0
-        while eng.has_unfinished_requests():
-            if step in changes:
-                assert not eng.scheduler.waiting and eng.scheduler.running
-                changes[step](model)
-            done.update({o.request_id: o.outputs[0].token_ids for o in eng.step() if o.finished})
-            step += 1
-        runs.append(done)
-    assert runs[0] == runs[1]
+    eager, _ = run_changing(prompts, params, changes, cuda_graphs=False)
+    changed, eng = run_changing(prompts, params, changes, **options)
+    assert eager == changed
     assert eng.runner.compile_error is None
