@@ -2,8 +2,8 @@
 
 The engine runs the model object it was given, so what its owner does to that model later
 reaches the engine's steps: an optimizer step or `load_state_dict` between calls (the RL
-loop), a cast or a move, `model.train()`, and on a PEFT model an adapter loaded, switched,
-disabled, merged or rescaled. A cast, a move or dropout in training mode is an error (the
+loop), a layer replaced by another, a cast or a move, `model.train()`, and on a PEFT model
+an adapter loaded, switched, disabled, merged or rescaled. A cast, a move or dropout in training mode is an error (the
 pool holds one dtype on one device); any other change makes the K/V cached before it stale
 (the scheduler forgets its prefixes), and one that changes which tensors or which path the
 forward takes makes captured decode graphs stale too.
@@ -15,8 +15,9 @@ import torch
 
 from ..errors import ModelChangedError
 
-# (each parameter slot's (id, version, data_ptr) or None; the adapters' names and state)
-State = tuple[list, tuple | None]
+# (how often the modules were listed; each parameter slot's (id, version, data_ptr) or None;
+# the adapters' names and state)
+State = tuple[int, list, tuple | None]
 
 
 class ModelWatch:
@@ -32,6 +33,7 @@ class ModelWatch:
         self.built_for = self.watched is not None and (self.watched.dtype,
                                                        self.watched.device)
         self._listed = None  # (the model, its adapters) whose parameter slots `_slots` lists
+        self._layouts = 0  # how often they were listed
         self._state = self.state(model)
 
     def check(self) -> None:
@@ -52,28 +54,34 @@ class ModelWatch:
         """(whether the model's weights or adapters changed since the last look (or since
         the engine was built): K/V cached before came from another model; whether the
         forward's tensors or path did: a parameter replaced or re-stored (its identity or
-        storage), an adapter loaded, switched, disabled, merged or rescaled, which graphs
+        storage), a module replaced, an adapter loaded, switched, disabled, merged or rescaled, which graphs
         captured before would not see)."""
         state = self.state(model)
         old, self._state = self._state, state
         if state == old:
             return False, False
-        (weights, adapters), (old_weights, old_adapters) = state, old
-        return True, adapters != old_adapters or (
+        (layout, weights, adapters), (old_layout, old_weights, old_adapters) = state, old
+        return True, layout != old_layout or adapters != old_adapters or (
             [w and w[::2] for w in weights] != [w and w[::2] for w in old_weights])
 
     def state(self, model) -> State:
-        """Each parameter's identity, version (bumped by in-place updates: an optimizer
-        step, load_state_dict) and storage, None for one on "meta" (offloaded: its hooks
-        load a new tensor for each forward, from weights nothing updates); then the state
-        of a PEFT model's adapters (`adapters_state`)."""
+        """How often the model's modules were listed (again whenever one was put in place of
+        another, or adapters were added or removed); each parameter's identity, version
+        (bumped by in-place updates: an optimizer step, load_state_dict) and storage, None
+        for one on "meta" (offloaded: its hooks load a new tensor for each forward, from
+        weights nothing updates); then the state of a PEFT model's adapters
+        (`adapters_state`)."""
         adapters = getattr(model, "peft_config", None)
         names = None if adapters is None else tuple(adapters)
-        # Listed once per model and set of adapters: walking its modules costs more than
-        # reading every parameter.
-        if self._listed is None or self._listed[0] is not model or self._listed[1] != names:
-            self._listed = (model, names)
-            self._slots = [(m._parameters, name) for m in model.modules()
+        # Listed once per model, set of adapters and set of modules: walking the modules
+        # costs more than reading every parameter and every module's place.
+        if self._listed is None or self._listed[0] is not model or self._listed[1] != names \
+                or [places.get(name) for places, name in self._places] != self._children:
+            self._listed, self._layouts = (model, names), self._layouts + 1
+            modules = list(model.modules())
+            self._places = [(m._modules, name) for m in modules for name in m._modules]
+            self._children = [places.get(name) for places, name in self._places]
+            self._slots = [(m._parameters, name) for m in modules
                            for name, p in m._parameters.items() if p is not None]
             self._layer = None if names is None else first_tuner_layer(model)
         params = [slots.get(name) for slots, name in self._slots]  # (None: deleted since)
@@ -83,7 +91,8 @@ class ModelWatch:
         except RuntimeError:  # an inference tensor (made under inference_mode) has no version
             weights = [None if p is None or p.is_meta else (
                 id(p), -1 if p.is_inference() else p._version, p.data_ptr()) for p in params]
-        return weights, None if names is None else (names, adapters_state(self._layer))
+        return (self._layouts, weights,
+                None if names is None else (names, adapters_state(self._layer)))
 
 
 def first_tuner_layer(model):

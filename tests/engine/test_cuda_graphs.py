@@ -216,11 +216,17 @@ def run_changing(prompts, params, changes, **options):
     return done, eng
 
 
-def test_graphs_follow_weights_updated_or_replaced_between_steps(traced):
+@pytest.mark.parametrize("options", [dict(cuda_graphs=True), dict(cuda_graphs=False,
+                                                                   compile="eager")],
+                         ids=["graphs", "compiled"])
+def test_graphs_follow_weights_updated_or_replaced_between_steps(traced, options):
     """A graph reads the parameters it was captured with: an in-place update (an optimizer
-    step) reaches it as it is, a replaced Parameter or `.data` makes it captured anew, even
-    while every request decodes and none waits. Tokens equal an eager engine's on a copy
-    of the model changed alike, step for step."""
+    step) reaches it as it is, a replaced Parameter, `.data` or module makes it captured
+    anew (and a compiled forward looked up anew), even while every request decodes and
+    none waits. Tokens equal an eager engine's on a copy of the model changed alike, step
+    for step."""
+    import copy
+
     prompts = random_prompts(8, 4, 3, 9)
     params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
 
@@ -233,12 +239,17 @@ def test_graphs_follow_weights_updated_or_replaced_between_steps(traced):
             layers[1].mlp.up_proj.weight = torch.nn.Parameter(-layers[1].mlp.up_proj.weight)
         elif step == 10:  # new storage
             layers[0].self_attn.k_proj.weight.data = layers[0].self_attn.k_proj.weight * 0.5
+        elif step == 12:  # a new layer in place of one
+            mlp = layers[1].mlp = copy.deepcopy(layers[1].mlp)
+            with torch.no_grad():
+                mlp.gate_proj.weight.mul_(-2)
 
-    changes = {step: functools.partial(change, step=step) for step in (4, 7, 10)}
+    changes = {step: functools.partial(change, step=step) for step in (4, 7, 10, 12)}
     eager, _ = run_changing(prompts, params, changes, cuda_graphs=False)
-    graphed, eng = run_changing(prompts, params, changes, cuda_graphs=True)
+    graphed, eng = run_changing(prompts, params, changes, **options)
     assert eager == graphed
-    assert eng.runner.graphs.stats()["replays"] > 8
+    assert eng.runner.compile_error is None
+    assert eng.runner.graphs is None or eng.runner.graphs.stats()["replays"] > 8
 
 
 @pytest.mark.parametrize("options", [dict(cuda_graphs=True), dict(cuda_graphs=False,

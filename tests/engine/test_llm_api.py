@@ -308,6 +308,15 @@ def _tuned(model, step: int) -> None:
                    * 0.3 * p.std().clamp_min(1e-3))
 
 
+def _tuned_copy(module):
+    """A copy of `module` with other weights: what replacing a layer of the model brings."""
+    import copy
+
+    module = copy.deepcopy(module)
+    _tuned(module, 3)
+    return module
+
+
 def stock_checker(llm, model, prompts, max_tokens):
     """A call of `llm` on `prompts` that asserts stock greedy tokens of `model` as it is now
     and returns the prefix-cache hits so far."""
@@ -325,7 +334,8 @@ def stock_checker(llm, model, prompts, max_tokens):
 def test_cached_prefixes_of_other_weights_are_never_reused():
     """A model trained between calls (an RL loop reusing its LLM): prompts whose blocks the
     prefix cache holds from the old weights are computed anew, equal to stock generate on
-    the new weights. An in-place update, a new Parameter and a new `.data` each count."""
+    the new weights. An in-place update, a new Parameter, a new `.data` and a module
+    replaced by another (its weights never seen before) each count."""
     from conftest import make_model
 
     model = make_model("llama_gqa", seed=5)
@@ -339,7 +349,10 @@ def test_cached_prefixes_of_other_weights_are_never_reused():
             lambda: setattr(model.model.layers[0].mlp.down_proj, "weight", torch.nn.Parameter(
                 model.model.layers[0].mlp.down_proj.weight * 1.5)),
             lambda: setattr(model.model.layers[1].self_attn.k_proj.weight, "data",
-                            -model.model.layers[1].self_attn.k_proj.weight)]):
+                            -model.model.layers[1].self_attn.k_proj.weight),
+            lambda: setattr(model.model.layers[0], "mlp", _tuned_copy(model.model.layers[0].mlp)),
+            lambda: setattr(model.model.layers[1].mlp, "up_proj",
+                            _tuned_copy(model.model.layers[1].mlp.up_proj))]):
         change()
         hits = llm.stats().prefix_cache_hit_tokens
         assert check() == hits  # (all three start in one step: none hits another's blocks)
