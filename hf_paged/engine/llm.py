@@ -223,14 +223,16 @@ class LLM:
             for request in prepared:
                 engine.add_prepared(request)
             mine = set(ids) - set(results)
-            while mine:
-                if not engine.has_unfinished_requests():
-                    raise HFPagedError(f"the engine lost {len(mine)} request(s) of this call.")
-                for out in engine.step():
-                    if out.finished and out.request_id in mine:
-                        mine.discard(out.request_id)
-                        results[out.request_id] = out
-                        bar.update(1)
+            with engine.runner.attention_held():
+                while mine:
+                    if not engine.has_unfinished_requests():
+                        raise HFPagedError(f"the engine lost {len(mine)} request(s) of this "
+                                           "call.")
+                    for out in engine.step():
+                        if out.finished and out.request_id in mine:
+                            mine.discard(out.request_id)
+                            results[out.request_id] = out
+                            bar.update(1)
         except BaseException:
             for rid in ids:  # nothing of this call stays queued
                 engine.remove_request(rid)

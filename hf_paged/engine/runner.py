@@ -310,6 +310,11 @@ class ModelRunner:
             self.compiled = self._compile(self.compile_option)
         return changed
 
+    def attention_held(self):
+        """A context whose steps find the model's attention switched already (a forward's
+        own switch is then a lookup, not a change of the config): around a run of steps."""
+        return paged_attention(self.base)
+
     def prepare(self, work: DeviceStep) -> None:
         """Block moves and block-table entries of a step, before its forwards."""
         if work.swap_out:

@@ -331,6 +331,46 @@ def stock_checker(llm, model, prompts, max_tokens):
     return check
 
 
+def test_the_attention_switch_held_through_a_call_is_undone_and_shared(monkeypatch):
+    """`LLM.generate` keeps the model's attention switched to "paged" from its first step to
+    its last: stock `generate` calls on another thread meanwhile give stock tokens, and the
+    config's own implementation is back after the call, also after a call that failed."""
+    import threading
+
+    from conftest import make_model
+
+    model = make_model("llama_gqa", seed=8)
+    before = model.config._attn_implementation
+    llm = LLM(model, block_size=4, num_blocks=200)
+    prompts = [list(range(3 + i, 20 + 2 * i)) for i in range(6)]
+    ids = torch.tensor([prompts[0]])
+    ref = model.generate(ids, max_new_tokens=6, do_sample=False)
+    stock, done = [], threading.Event()
+
+    def stock_calls():
+        while not done.is_set() and len(stock) < 20:
+            stock.append(torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False),
+                                     ref))
+
+    thread = threading.Thread(target=stock_calls)
+    thread.start()
+    try:
+        check = stock_checker(llm, model, prompts, 40)
+        check()
+    finally:
+        done.set()
+        thread.join(60)
+    assert stock and all(stock)
+    assert model.config._attn_implementation == before
+    steps = iter(range(3))
+    step = llm.engine.step
+    monkeypatch.setattr(llm.engine, "step", lambda: step() if next(steps, None) is not None
+                        else 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        llm.generate(prompts, SamplingParams(max_tokens=20), use_tqdm=False)
+    assert model.config._attn_implementation == before
+
+
 def test_cached_prefixes_of_other_weights_are_never_reused():
     """A model trained between calls (an RL loop reusing its LLM): prompts whose blocks the
     prefix cache holds from the old weights are computed anew, equal to stock generate on
