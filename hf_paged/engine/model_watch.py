@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ModelChangedError
+from ..hf.switch import attention_configs
 
 # (how often the modules were listed; each parameter slot's (id, version, data_ptr) or None;
 # the adapters' names and state)
@@ -21,9 +22,11 @@ State = tuple[int, list, tuple | None]
 
 
 class ModelWatch:
-    """The model's dtype, device, dropout and weights as the engine last saw them."""
+    """The model's dtype, device, dropout and weights as the engine last saw them, and the
+    configs its attention layers read (`configs`: what the attention switch sets)."""
 
     def __init__(self, model, base):
+        self.base = base
         # Dropout the model would apply if put back in training mode.
         self.dropout = next((m for m in model.modules()
                              if isinstance(m, torch.nn.Dropout) and m.p > 0), None)
@@ -83,6 +86,7 @@ class ModelWatch:
             self._children = [places.get(name) for places, name in self._places]
             self._slots = [(m._parameters, name) for m in modules
                            for name, p in m._parameters.items() if p is not None]
+            self.configs = attention_configs(self.base, modules)
             self._layer = None if names is None else first_tuner_layer(model)
         params = [slots.get(name) for slots, name in self._slots]  # (None: deleted since)
         try:

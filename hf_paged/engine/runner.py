@@ -313,7 +313,7 @@ class ModelRunner:
     def attention_held(self):
         """A context whose steps find the model's attention switched already (a forward's
         own switch is then a lookup, not a change of the config): around a run of steps."""
-        return paged_attention(self.base)
+        return paged_attention(self.base, self.watch.configs)
 
     def prepare(self, work: DeviceStep) -> None:
         """Block moves and block-table entries of a step, before its forwards."""
@@ -400,7 +400,8 @@ class ModelRunner:
         elif self.compiled is not None:
             model = self.compiled
         paged_kv = self.access.forward(metas[0], group_metas=metas)
-        with torch.inference_mode(), paged_attention(self.base), self.linears():
+        with torch.inference_mode(), paged_attention(self.base, self.watch.configs), \
+                self.linears():
             try:
                 out = model(input_ids=ids[None], position_ids=positions[None],
                             past_key_values=paged_kv, use_cache=True, logits_to_keep=keep,

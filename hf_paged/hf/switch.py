@@ -14,6 +14,7 @@ import contextlib
 import threading
 
 from .attention import ATTENTION_NAME, remember_original
+from .falcon import ConfigView
 from .register import is_registered, register
 
 # id(config) -> [config, its own attention implementation, users of the switch]
@@ -21,26 +22,47 @@ _switched: dict[int, list] = {}
 _switch_lock = threading.Lock()
 
 
-def use_paged_attention(model, swapped: list | None) -> None:
+def attention_configs(model, modules: list | None = None) -> list:
+    """The configs the model's attention layers read their implementation from: the model's
+    own, then any other an attention layer holds (one copied with `copy.deepcopy` holds a
+    copy of the config, which a switch of the model's alone would not reach).
+    modules: the model's, if the caller has them listed (a wrapper's: a PEFT model's)."""
+    configs = {id(model.config): model.config}
+    for module in model.modules() if modules is None else modules:
+        config = module.__dict__.get("config") if "layer_idx" in module.__dict__ else None
+        if isinstance(config, ConfigView):  # (Falcon's: the config it views is switched)
+            config = config._config
+        if config is not None and id(config) not in configs \
+                and hasattr(config, "_attn_implementation_internal"):
+            configs[id(config)] = config
+    return list(configs.values())
+
+
+def use_paged_attention(model, swapped: list | None, configs: list | None = None) -> None:
     """Switches the model's attention to "paged". `swapped` records the switch so that
-    `release_paged_attention(swapped)` undoes it; None switches for good."""
-    config = model.config
+    `release_paged_attention(swapped)` undoes it; None switches for good. configs: the
+    model's `attention_configs`, if the caller has them."""
     with _switch_lock:
         if not is_registered():  # after hf_paged.disable(): an engine still needs "paged"
             register()
-        entry = _switched.get(id(config))
-        if entry is None:
-            if config._attn_implementation == ATTENTION_NAME:
-                return  # loaded with attn_implementation="paged", or switched for good
-            remember_original(config, config._attn_implementation)
-            if swapped is None:
-                config._attn_implementation_internal = ATTENTION_NAME
-                return
-            entry = _switched[id(config)] = [config, config._attn_implementation_internal, 0]
+        for config in configs or attention_configs(model):
+            _switch(config, swapped)
+
+
+def _switch(config, swapped: list | None) -> None:
+    entry = _switched.get(id(config))
+    if entry is None:
+        if config._attn_implementation == ATTENTION_NAME:
+            return  # loaded with attn_implementation="paged", or switched for good
+        remember_original(config, config._attn_implementation)
+        if swapped is None:
             config._attn_implementation_internal = ATTENTION_NAME
-        if swapped is not None:
-            entry[2] += 1
-            swapped.append(entry)
+            return
+        entry = _switched[id(config)] = [config, config._attn_implementation_internal, 0]
+        config._attn_implementation_internal = ATTENTION_NAME
+    if swapped is not None:
+        entry[2] += 1
+        swapped.append(entry)
 
 
 def release_paged_attention(entries: list) -> None:
@@ -53,11 +75,11 @@ def release_paged_attention(entries: list) -> None:
 
 
 @contextlib.contextmanager
-def paged_attention(model):
+def paged_attention(model, configs: list | None = None):
     """Inside, the model's attention is "paged" (shared with concurrent generate calls,
-    restored by the last one out)."""
+    restored by the last one out). configs: as `use_paged_attention`'s."""
     entries: list = []
-    use_paged_attention(model, entries)
+    use_paged_attention(model, entries, configs)
     try:
         yield
     finally:

@@ -374,8 +374,8 @@ def test_the_attention_switch_held_through_a_call_is_undone_and_shared(monkeypat
 def test_cached_prefixes_of_other_weights_are_never_reused():
     """A model trained between calls (an RL loop reusing its LLM): prompts whose blocks the
     prefix cache holds from the old weights are computed anew, equal to stock generate on
-    the new weights. An in-place update, a new Parameter, a new `.data` and a module
-    replaced by another (its weights never seen before) each count."""
+    the new weights. An in-place update, a new Parameter, a new `.data` and a module or a
+    whole layer replaced by another (its weights never seen before) each count."""
     from conftest import make_model
 
     model = make_model("llama_gqa", seed=5)
@@ -392,7 +392,9 @@ def test_cached_prefixes_of_other_weights_are_never_reused():
                             -model.model.layers[1].self_attn.k_proj.weight),
             lambda: setattr(model.model.layers[0], "mlp", _tuned_copy(model.model.layers[0].mlp)),
             lambda: setattr(model.model.layers[1].mlp, "up_proj",
-                            _tuned_copy(model.model.layers[1].mlp.up_proj))]):
+                            _tuned_copy(model.model.layers[1].mlp.up_proj)),
+            # (a whole layer: its attention holds a copy of the config, switched too)
+            lambda: model.model.layers.__setitem__(1, _tuned_copy(model.model.layers[1]))]):
         change()
         hits = llm.stats().prefix_cache_hit_tokens
         assert check() == hits  # (all three start in one step: none hits another's blocks)

@@ -163,6 +163,31 @@ def test_attention_implementation_restored(model, batch):
     assert model.config._attn_implementation == before
 
 
+@pytest.mark.parametrize("kind", ["llama_gqa", "falcon_new"])
+def test_a_layer_copied_with_its_own_config_runs_paged(kind):
+    """A decoder layer put in place of another as a deep copy (layer surgery) holds a copy
+    of the config: the switch reaches it too, so it attends on the paged cache (not SDPA
+    over the pool), the output equals stock generate, and both configs are restored."""
+    import copy
+
+    from conftest import make_model
+
+    model = make_model(kind)
+    layers = model.model.layers if hasattr(model, "model") else model.transformer.h
+    layers[1] = copy.deepcopy(layers[0])  # (layer 0's weights, run as layer 1)
+    copied = getattr(layers[1], "self_attn", None) or layers[1].self_attention
+    copied.layer_idx = 1
+    ids, mask = left_padded_batch([5, 11], seed=2)
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no fallback to Transformers' cache)
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8,
+                             do_sample=False, cache_implementation="paged")
+    assert torch.equal(out, ref)
+    assert copied.config is not model.config
+    assert model.config._attn_implementation == copied.config._attn_implementation == "sdpa"
+
+
 @pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
 def test_grad_modes_and_pool_reuse(llama, batch, context):
     cache_config = {"num_blocks": 64, "block_size": 8}
