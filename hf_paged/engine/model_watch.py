@@ -3,10 +3,10 @@
 The engine runs the model object it was given, so what its owner does to that model later
 reaches the engine's steps: an optimizer step or `load_state_dict` between calls (the RL
 loop), a layer replaced by another, a cast or a move, `model.train()`, and on a PEFT model
-an adapter loaded, switched, disabled, merged or rescaled. A cast, a move or dropout in training mode is an error (the
-pool holds one dtype on one device); any other change makes the K/V cached before it stale
-(the scheduler forgets its prefixes), and one that changes which tensors or which path the
-forward takes makes captured decode graphs stale too.
+an adapter loaded, switched, disabled, merged or rescaled. A cast, a move or dropout in
+training mode is an error (the pool holds one dtype on one device); any other change makes
+the K/V cached before it stale (the scheduler forgets its prefixes), and one that changes
+which tensors or which path the forward takes makes captured decode graphs stale too.
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ class ModelWatch:
         """(whether the model's weights or adapters changed since the last look (or since
         the engine was built): K/V cached before came from another model; whether the
         forward's tensors or path did: a parameter replaced or re-stored (its identity or
-        storage), a module replaced, an adapter loaded, switched, disabled, merged or rescaled, which graphs
-        captured before would not see)."""
+        storage), a module replaced, an adapter loaded, switched, disabled, merged or
+        rescaled, which graphs captured before would not see)."""
         state = self.state(model)
         old, self._state = self._state, state
         if state == old:
