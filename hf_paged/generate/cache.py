@@ -246,18 +246,22 @@ class PagedCache(PagedLayers, Cache):
         key_states, value_states: [R, Hkv, q, D] -> (k_cache, v_cache) [NB, bs, Hkv, D]
         (a packed forward passes [1, Hkv, N, D], N real tokens of all rows).
         """
-        if layer_idx == 0:
-            if not self._in_forward:
-                # Driven by hand (no model forward): each layer-0 update starts a forward
-                # that stores every new column, unless expect_forward said otherwise.
-                self._step = self._checked_plan(key_states.shape[0], key_states.shape[2],
-                                                None, None, by_hand=True)
-                self._forward = self._new_forward()
+        if layer_idx == 0 and not self._in_forward:
+            # Driven by hand (no model forward): each layer-0 update starts a forward that
+            # stores every new column, unless expect_forward said otherwise.
+            self._step = self._checked_plan(key_states.shape[0], key_states.shape[2],
+                                            None, None, by_hand=True)
+            self._forward = self._new_forward()
+        if self._forward is not None and self._forward.meta is None and (
+                self._in_forward or layer_idx == 0):
+            # The forward's first layer (layer 0, or the first left after layers were
+            # removed from the model) takes its slots for every layer.
             if self.pool is None:
                 self._bind_pool(None, key_states.dtype, key_states.device)
             self._prepare(self._step, self._forward)
         elif self._forward is None or self._forward.meta is None:
-            raise HFPagedError("PagedCache.update: layer 0 must be updated first in each forward.")
+            raise HFPagedError("PagedCache.update: layer 0 must be updated first in each forward "
+                               "driven by hand (outside a model forward).")
         return self._forward.write(key_states, value_states, layer_idx)
 
     def current_forward(self) -> PagedForward:

@@ -188,6 +188,42 @@ def test_a_layer_copied_with_its_own_config_runs_paged(kind):
     assert model.config._attn_implementation == copied.config._attn_implementation == "sdpa"
 
 
+@pytest.mark.parametrize("kind", ["llama_gqa", "falcon_alibi"])
+def test_a_model_with_its_first_layer_removed_runs_paged(kind):
+    """Layers removed from a model (pruning) leave the others their `layer_idx`: the
+    forward's first layer, whichever it is, takes the slots of all. Paged generate and the
+    engine give the tokens of the same model with its layers numbered anew (stock
+    Transformers does not: its DynamicCache reads the past length from layer 0, which no
+    longer runs)."""
+    import copy
+
+    from conftest import make_model
+    from hf_paged import LLM, SamplingParams
+
+    model = make_model(kind)
+    layers = model.model.layers if hasattr(model, "model") else model.transformer.h
+    del layers[0]
+    renumbered = copy.deepcopy(model)
+    kept = renumbered.model.layers if hasattr(renumbered, "model") else renumbered.transformer.h
+    for i, module in [(i, m) for i, layer in enumerate(kept) for m in layer.modules()]:
+        if "layer_idx" in module.__dict__:
+            module.layer_idx = i
+    renumbered.config.num_hidden_layers = len(kept)
+    ids, mask = left_padded_batch([6, 13], seed=7)
+    for options in (dict(do_sample=False), dict(num_beams=3, do_sample=False)):
+        ref = renumbered.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8,
+                                  **options)
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8,
+                             cache_implementation="paged", **options)
+        assert torch.equal(out, ref), options
+    prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+    outs = LLM(model, block_size=4, num_blocks=64).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    for prompt, o in zip(prompts, outs):
+        ref = renumbered.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)
+        assert o.outputs[0].token_ids == ref[0, len(prompt):].tolist()
+
+
 @pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
 def test_grad_modes_and_pool_reuse(llama, batch, context):
     cache_config = {"num_blocks": 64, "block_size": 8}
