@@ -2,11 +2,12 @@
 
 The engine runs the model object it was given, so what its owner does to that model later
 reaches the engine's steps: an optimizer step or `load_state_dict` between calls (the RL
-loop), a layer replaced by another, a cast or a move, `model.train()`, and on a PEFT model
-an adapter loaded, switched, disabled, merged or rescaled. A cast, a move or dropout in
-training mode is an error (the pool holds one dtype on one device); any other change makes
-the K/V cached before it stale (the scheduler forgets its prefixes), and one that changes
-which tensors or which path the forward takes makes captured decode graphs stale too.
+loop), a layer replaced, added or removed, a cast or a move, `model.train()`, and on a PEFT
+model an adapter loaded, switched, disabled, merged or rescaled. A cast, a move, dropout in
+training mode or a layer beyond those the pool holds is an error (the pool holds the K/V
+of those layers, in one dtype on one device); any other change makes the K/V cached before
+it stale (the scheduler forgets its prefixes), and one that changes which tensors or which
+path the forward takes makes captured decode graphs stale too.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class ModelWatch:
         self._listed = None  # (the model, its adapters) whose parameter slots `_slots` lists
         self._layouts = 0  # how often they were listed
         self._state = self.state(model)
+        self.layer_limit = self.layers  # the pool holds these layers' K/V
 
     def check(self) -> None:
         """ModelChangedError if the model was cast or moved since the pool was built, or put
@@ -58,8 +60,14 @@ class ModelWatch:
         the engine was built): K/V cached before came from another model; whether the
         forward's tensors or path did: a parameter replaced or re-stored (its identity or
         storage), a module replaced, an adapter loaded, switched, disabled, merged or
-        rescaled, which graphs captured before would not see)."""
+        rescaled, which graphs captured before would not see). ModelChangedError if it
+        now has layers beyond those the pool holds (added since)."""
         state = self.state(model)
+        if self.layers > self.layer_limit:  # (an error before anything runs)
+            raise ModelChangedError(
+                f"the model now has attention layers up to layer_idx {self.layers - 1}, but "
+                f"this engine's KV pool holds {self.layer_limit} layers. Build a new LLM (or "
+                "LLMEngine) on the model as it is now.")
         old, self._state = self._state, state
         if state == old:
             return False, False
@@ -79,14 +87,21 @@ class ModelWatch:
         # Listed once per model, set of adapters and set of modules: walking the modules
         # costs more than reading every parameter and every module's place.
         if self._listed is None or self._listed[0] is not model or self._listed[1] != names \
-                or [places.get(name) for places, name in self._places] != self._children:
+                or [places.get(name) for places, name in self._places] != self._children \
+                or [len(places) for places in self._parents] != self._sizes:
             self._listed, self._layouts = (model, names), self._layouts + 1
             modules = list(model.modules())
+            # Each module's children by name (one replaced) and how many (one added).
+            self._parents = [m._modules for m in modules]
+            self._sizes = [len(places) for places in self._parents]
             self._places = [(m._modules, name) for m in modules for name in m._modules]
             self._children = [places.get(name) for places, name in self._places]
             self._slots = [(m._parameters, name) for m in modules
                            for name, p in m._parameters.items() if p is not None]
             self.configs = attention_configs(self.base, modules)
+            # Layers the forward indexes its K/V by (added layers: more than the pool holds).
+            self.layers = 1 + max((m.__dict__["layer_idx"] for m in modules
+                                   if isinstance(m.__dict__.get("layer_idx"), int)), default=-1)
             self._layer = None if names is None else first_tuner_layer(model)
         params = [slots.get(name) for slots, name in self._slots]  # (None: deleted since)
         try:

@@ -274,6 +274,36 @@ def test_a_model_cast_or_moved_after_the_engine_is_built_is_a_named_error():
     assert engine.scheduler.pool.num_free == free and not engine.has_unfinished_requests()
 
 
+def test_layers_added_beyond_the_pool_are_a_named_error():
+    """A layer added to the model (depth up-scaling, the layers numbered anew) has K/V the
+    pool was not built for: ModelChangedError before anything runs, every block given back;
+    with the layer taken out again the engine serves the model as stock generate does."""
+    import copy
+
+    from conftest import make_model
+
+    model = make_model("llama_gqa", seed=4)
+    llm = LLM(model, block_size=4, num_blocks=64)
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)
+    free = llm.engine.scheduler.pool.num_free
+    layers = model.model.layers
+    layers.append(copy.deepcopy(layers[1]))
+    layers[2].self_attn.layer_idx = 2
+    model.config.num_hidden_layers = 3
+    for _ in range(2):  # (and again: the error holds while the layer does)
+        with pytest.raises(hf_paged.ModelChangedError, match="up to layer_idx 2, but this "
+                                                             "engine's KV pool holds 2 layers"):
+            llm.generate(prompts, params, use_tqdm=False)
+        assert not llm.engine.has_unfinished_requests()
+        assert llm.engine.scheduler.pool.num_free == free
+    del layers[2]
+    model.config.num_hidden_layers = 2
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [stock_greedy(model, p, 8) for p in prompts]
+
+
 def test_a_model_put_back_in_training_mode_with_dropout_is_a_named_error():
     """The engine runs a model in eval mode: one put back in training mode whose dropout
     would drop activations (random tokens) gets ModelChangedError before its step runs;
