@@ -42,6 +42,10 @@ def unsupported_reason(model) -> str | None:
     name = type(model).__name__
     config = getattr(model, "config", None)
     if config is None or not isinstance(model, GenerationMixin):
+        if isinstance(getattr(model, "_orig_mod", None), GenerationMixin):  # torch.compile's
+            return (f"{name} is torch.compile's wrapper of a {type(model._orig_mod).__name__}"
+                    "; pass the model itself (the engine compiles its own forward with "
+                    "LLM(..., compile=True))")
         return f"{name} is not a Transformers generative model"
     if getattr(config, "is_encoder_decoder", False):
         return f"{name} is an encoder-decoder model; the paged cache serves decoder-only models"

@@ -274,6 +274,16 @@ def test_a_model_cast_or_moved_after_the_engine_is_built_is_a_named_error():
     assert engine.scheduler.pool.num_free == free and not engine.has_unfinished_requests()
 
 
+def test_a_model_wrapped_by_torch_compile_is_refused_with_the_way_to_serve_it():
+    from conftest import make_model
+
+    wrapped = torch.compile(make_model("llama_gqa"), backend="eager")
+    with pytest.raises(hf_paged.UnsupportedModelError,
+                       match=r"torch.compile's wrapper of a LlamaForCausalLM; pass the model "
+                             r"itself .*compile=True"):
+        LLM(wrapped, block_size=4, num_blocks=16)
+
+
 def test_layers_added_beyond_the_pool_are_a_named_error():
     """A layer added to the model (depth up-scaling, the layers numbered anew) has K/V the
     pool was not built for: ModelChangedError before anything runs, every block given back;
