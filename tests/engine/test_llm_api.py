@@ -245,18 +245,24 @@ def test_async_llm_speaks_vllms_names():
     asyncio.run(main())
 
 
-def test_a_model_cast_or_moved_after_the_engine_is_built_is_a_named_error():
-    """The pool holds the dtype and device the engine was built for: a model cast since
-    gets ModelChangedError before its step changes anything (no request stays queued, no
-    block is held), and once cast back the engine serves it as stock generate does."""
+def _served(seed: int):
+    """A Llama test model, an LLM that has served two prompts on it, the prompts, their
+    greedy params and the free blocks after them."""
     from conftest import make_model
 
-    model = make_model("llama_gqa", seed=3)
+    model = make_model("llama_gqa", seed=seed)
     llm = LLM(model, block_size=4, num_blocks=64)
     prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)
-    free = llm.engine.scheduler.pool.num_free
+    return model, llm, prompts, params, llm.engine.scheduler.pool.num_free
+
+
+def test_a_model_cast_or_moved_after_the_engine_is_built_is_a_named_error():
+    """The pool holds the dtype and device the engine was built for: a model cast since
+    gets ModelChangedError before its step changes anything (no request stays queued, no
+    block is held), and once cast back the engine serves it as stock generate does."""
+    model, llm, prompts, params, free = _served(seed=3)
     model.to(torch.bfloat16)
     with pytest.raises(hf_paged.ModelChangedError,
                        match="now torch.bfloat16 on cpu, but this engine was built for "
@@ -290,14 +296,7 @@ def test_layers_added_beyond_the_pool_are_a_named_error():
     with the layer taken out again the engine serves the model as stock generate does."""
     import copy
 
-    from conftest import make_model
-
-    model = make_model("llama_gqa", seed=4)
-    llm = LLM(model, block_size=4, num_blocks=64)
-    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    llm.generate(prompts, params, use_tqdm=False)
-    free = llm.engine.scheduler.pool.num_free
+    model, llm, prompts, params, free = _served(seed=4)
     layers = model.model.layers
     layers.append(copy.deepcopy(layers[1]))
     layers[2].self_attn.layer_idx = 2
