@@ -188,6 +188,37 @@ def test_a_layer_copied_with_its_own_config_runs_paged(kind):
     assert model.config._attn_implementation == copied.config._attn_implementation == "sdpa"
 
 
+@pytest.mark.parametrize("arch", ["gemma2", "gpt_oss", "deepseek_v3", "qwen2_sliding"])
+def test_a_retrained_copy_of_a_layer_put_in_its_place_runs_paged(arch):
+    """Layer surgery on models with per-layer windows, sinks, soft-capping and latent KV: a
+    deep copy of layer 1, its weights changed, in place of it. Paged generate on a padded
+    batch and the engine give stock tokens."""
+    import copy
+
+    from hf_paged import LLM, SamplingParams
+    from test_engine import stock_greedy
+    from zoo import make_arch
+
+    model = make_arch(arch)
+    layer = copy.deepcopy(model.model.layers[1])
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.mul_(1.2)
+    model.model.layers[1] = layer
+    ids, mask = left_padded_batch([5, 11], seed=3)
+    ids = ids % model.config.vocab_size
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no fallback to Transformers' cache)
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6,
+                             do_sample=False, cache_implementation="paged")
+    assert torch.equal(out, ref)
+    prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+    outs = LLM(model, block_size=4, num_blocks=64).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [stock_greedy(model, p, 6) for p in prompts]
+
+
 @pytest.mark.parametrize("kind", ["llama_gqa", "falcon_alibi"])
 def test_a_model_with_its_first_layer_removed_runs_paged(kind):
     """Layers removed from a model (pruning) leave the others their `layer_idx`: the
