@@ -126,7 +126,6 @@ class LLMEngine:
         self.async_scheduling = async_scheduling
         self._in_flight: InFlight | None = None  # the last step's tokens, not landed yet
         self.sampler = Sampler(tokenizer)
-        self.vocab_size = base.get_output_embeddings().weight.shape[0]
         # incremental_text: decode every step (servers stream text), else only finished
         # completions; finished_only: outputs of finished requests only (LLM.generate).
         self.incremental_text = self.finished_only = False
@@ -255,6 +254,8 @@ class LLMEngine:
         if request is not None:
             for seq in request.seqs:
                 self.scheduler.abort(seq)
+
+    vocab_size = property(lambda self: self.runner.vocab_size, doc="ModelRunner.vocab_size")
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work or bool(self._aborts)

@@ -310,6 +310,11 @@ class ModelRunner:
             self.compiled = self._compile(self.compile_option)
         return changed
 
+    @property
+    def vocab_size(self) -> int:
+        """The model's logits per token, read each time: embeddings resized since count."""
+        return self.base.get_output_embeddings().weight.shape[0]
+
     def attention_held(self):
         """A context whose steps find the model's attention switched already (a forward's
         own switch is then a lookup, not a change of the config): around a run of steps."""

@@ -313,6 +313,22 @@ def test_layers_added_beyond_the_pool_are_a_named_error():
     assert [o.outputs[0].token_ids for o in outs] == [stock_greedy(model, p, 8) for p in prompts]
 
 
+def test_embeddings_resized_after_the_engine_is_built_set_the_prompts_vocabulary():
+    """Tokens added to the model after its engine was built (`resize_token_embeddings`)
+    are prompts like any other, with stock tokens; ids past a shrunk vocabulary are an
+    InvalidRequestError that names it, not a failed forward."""
+    model, llm, prompts, params, _ = _served(seed=5)
+    vocab = model.config.vocab_size
+    model.resize_token_embeddings(vocab + 8, mean_resizing=False)
+    grown = [prompts[0] + [vocab + 3, vocab + 7], [vocab + 1] + prompts[1]]
+    outs = llm.generate(grown, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [stock_greedy(model, p, 8) for p in grown]
+    model.resize_token_embeddings(vocab - 10, mean_resizing=False)
+    with pytest.raises(InvalidRequestError, match=rf"in \[0, {vocab - 10}\)"):
+        llm.generate([prompts[0] + [vocab - 5]], params, use_tqdm=False)
+    assert llm.engine.vocab_size == vocab - 10 and not llm.engine.has_unfinished_requests()
+
+
 def test_a_model_put_back_in_training_mode_with_dropout_is_a_named_error():
     """The engine runs a model in eval mode: one put back in training mode whose dropout
     would drop activations (random tokens) gets ModelChangedError before its step runs;
