@@ -163,6 +163,18 @@ def test_attention_implementation_restored(model, batch):
     assert model.config._attn_implementation == before
 
 
+def assert_paged_is_stock(model, ids, mask, max_new_tokens):
+    """Paged greedy generate of a left-padded batch, with no fallback to Transformers'
+    cache, equals stock generate."""
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                  do_sample=False)
+    ref = model.generate(**kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = model.generate(**kwargs, cache_implementation="paged")
+    assert torch.equal(out, ref)
+
+
 @pytest.mark.parametrize("kind", ["llama_gqa", "falcon_new"])
 def test_a_layer_copied_with_its_own_config_runs_paged(kind):
     """A decoder layer put in place of another as a deep copy (layer surgery) holds a copy
@@ -177,13 +189,7 @@ def test_a_layer_copied_with_its_own_config_runs_paged(kind):
     layers[1] = copy.deepcopy(layers[0])  # (layer 0's weights, run as layer 1)
     copied = getattr(layers[1], "self_attn", None) or layers[1].self_attention
     copied.layer_idx = 1
-    ids, mask = left_padded_batch([5, 11], seed=2)
-    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # (no fallback to Transformers' cache)
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8,
-                             do_sample=False, cache_implementation="paged")
-    assert torch.equal(out, ref)
+    assert_paged_is_stock(model, *left_padded_batch([5, 11], seed=2), 8)
     assert copied.config is not model.config
     assert model.config._attn_implementation == copied.config._attn_implementation == "sdpa"
 
@@ -207,12 +213,7 @@ def test_a_retrained_copy_of_a_layer_put_in_its_place_runs_paged(arch):
     model.model.layers[1] = layer
     ids, mask = left_padded_batch([5, 11], seed=3)
     ids = ids % model.config.vocab_size
-    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # (no fallback to Transformers' cache)
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6,
-                             do_sample=False, cache_implementation="paged")
-    assert torch.equal(out, ref)
+    assert_paged_is_stock(model, ids, mask, 6)
     prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
     outs = LLM(model, block_size=4, num_blocks=64).generate(
         prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
