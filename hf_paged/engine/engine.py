@@ -180,14 +180,14 @@ class LLMEngine:
             raise InvalidRequestError(f"priority must be an integer; got {priority!r}.",
                                       "priority")
         params = (params or SamplingParams()).resolved(self.defaults)
-        params.check_vocab(self.vocab_size)
+        params.check_vocab(vocab := self.vocab_size)  # (read from the model: once a request)
         params = salted(params, prompt, cache_salt)
-        text, prompt = prompt_ids(prompt, params, self.tokenizer, self.vocab_size,
+        text, prompt = prompt_ids(prompt, params, self.tokenizer, vocab,
                                   self.scheduler.max_model_len)
         self.scheduler.check_fits(len(prompt), params.max_tokens, params.n)
         bad_words = None
         if params.bad_words:
-            bad_words = bad_word_ids(params.bad_words, self.tokenizer, self.vocab_size)
+            bad_words = bad_word_ids(params.bad_words, self.tokenizer, vocab)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
         generators = [None] * params.n
         if params.seed is not None:
