@@ -351,4 +351,14 @@ def generation_defaults(generation_config) -> dict[str, Any]:
     return out
 
 
+def model_eos_ids(model, vocab: int) -> set[int]:
+    """The model's end-of-sequence token ids below `vocab`: its generation_config's, else
+    its text config's."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model.config.get_text_config(decoder=True), "eos_token_id", None)
+    eos = eos if isinstance(eos, (list, tuple)) else [eos]
+    return {e for e in eos if isinstance(e, int) and 0 <= e < vocab}
+
+
 PARAM_NAMES = tuple(f.name for f in fields(SamplingParams) if not f.name.startswith("_"))

@@ -29,9 +29,10 @@ from ..core.prefix_cache import namespace
 from ..core.scheduler import Scheduler, Step
 from ..core.sequence import Sequence, SeqStatus
 from ..distributed import tensor_parallel as tp
-from ..errors import HFPagedError, InvalidRequestError, IsolationError, describe
+from ..errors import (HFPagedError, InvalidRequestError, IsolationError, ModelChangedError,
+                      describe)
 from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
-from ..sampling_params import SamplingParams, generation_defaults
+from ..sampling_params import SamplingParams, generation_defaults, model_eos_ids
 from .debug import check_isolation
 from .detokenizer import IncrementalText
 from . import prompt_logprobs
@@ -129,16 +130,10 @@ class LLMEngine:
         # incremental_text: decode every step (servers stream text), else only finished
         # completions; finished_only: outputs of finished requests only (LLM.generate).
         self.incremental_text = self.finished_only = False
-        generation_config = getattr(base, "generation_config", None)
-        self.defaults = generation_defaults(generation_config)
-        eos = getattr(generation_config, "eos_token_id", None)
-        if eos is None:
-            eos = getattr(base.config.get_text_config(decoder=True), "eos_token_id", None)
-        eos = eos if isinstance(eos, (list, tuple)) else [eos]
+        self.defaults = generation_defaults(getattr(base, "generation_config", None))
         self.requests: dict[str, EngineRequest] = {}
-        self.output = OutputProcessor(
-            self.scheduler, self.requests,
-            {e for e in eos if isinstance(e, int) and 0 <= e < self.vocab_size})
+        self.output = OutputProcessor(self.scheduler, self.requests,
+                                      model_eos_ids(base, self.vocab_size))
         self._aborts: dict[str, str | None] = {}  # request id -> why (None: asked to)
         self._deadlines, self._arrivals = Deadlines(), itertools.count()
         self.prompt_tokens, self._stopped = 0, False  # (_stopped: TP ranks were told to stop)
@@ -261,13 +256,10 @@ class LLMEngine:
         return self.scheduler.has_work or bool(self._aborts)
 
     def num_waiting_sequences(self) -> int:
-        """Sequences queued and not started (a waiting request of n completions counts n).
-        Safe to read from another thread while the engine steps."""
+        """Sequences queued, not started (n per request); safe to read from other threads."""
         return sum(1 + s.forks for s in list(self.scheduler.waiting))
 
-    @property
-    def num_blocks(self) -> int:
-        return self.pool.blocks.num_blocks
+    num_blocks = property(lambda self: self.pool.blocks.num_blocks, doc="blocks in the pool")
 
     @property
     def model_name(self) -> str:
@@ -282,9 +274,8 @@ class LLMEngine:
     def eos_ids(self, ids) -> None:
         self.output.eos_ids = set(ids)
 
-    @property
-    def generation_tokens(self) -> int:
-        return self.output.generation_tokens
+    generation_tokens = property(lambda self: self.output.generation_tokens,
+                                 doc="tokens sampled so far")
 
     def stats(self) -> EngineStats:
         s, pool, cached = self.scheduler, self.pool.blocks, self.scheduler.prefix.num_evictable
@@ -400,29 +391,38 @@ class LLMEngine:
         return logits
 
     def _forward_isolated(self, f: Forward, items: list, adapter, logits: StepLogits,
-                          touched: dict, in_flight: InFlight | None) -> None:
+                          touched: dict, in_flight: InFlight | None, first=True) -> None:
         """Runs one forward; if it raises, runs each half apart (bisection) until the
         sequences that fail alone are found, and fails their requests alone. Re-running
-        writes the same K/V into the same slots, so the others are as if nothing happened."""
+        writes the same K/V into the same slots, so the others are as if nothing happened.
+        A forward that failed after the model was changed (a layer replaced while requests
+        decode: an eager engine looks at admission only) first runs anew on it as it is."""
         try:
             logits.add(items, self._forward(f, items))
             return
         except IsolationError:
             raise  # an engine bug, never a request's
         except Exception as err:  # noqa: BLE001
-            if len(items) == 1:
-                if in_flight is not None:  # it keeps its last token, as without async
+            error = f"the model's forward failed on it: {describe(err)}"
+            try:
+                if first and self.runner.model_changed():
+                    self.scheduler.forget_prefixes()
+                    return self._forward_isolated(f, items, adapter, logits, touched,
+                                                  in_flight, first=False)
+            except ModelChangedError as changed:  # (a layer beyond the pool's: for all)
+                error, first = str(changed), None
+            if len(items) == 1 or first is None:
+                if in_flight is not None:  # they keep their last token, as without async
                     self.output.land(in_flight, touched)
-                request = self.requests[items[0].seq.request_id]
-                self.output.fail(request, f"the model's forward failed on it: {describe(err)}",
-                                 touched)
+                for request_id in dict.fromkeys([i.seq.request_id for i in items]):
+                    self.output.fail(self.requests[request_id], error, touched)
                 return
         half = len(items) // 2
         for part in (items[:half], items[half:]):
             part = [i for i in part if not i.seq.finished]  # a sibling may have failed
             if part:
                 self._forward_isolated(Forward.of(part, adapter, in_flight), part, adapter,
-                                       logits, touched, in_flight)
+                                       logits, touched, in_flight, first=False)
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """Ends every request with `error` (after a failure no single request caused, or at

@@ -313,6 +313,59 @@ def test_layers_added_beyond_the_pool_are_a_named_error():
     assert [o.outputs[0].token_ids for o in outs] == [stock_greedy(model, p, 8) for p in prompts]
 
 
+def _drive(engine, prompts, params, change, at: int = 3) -> dict:
+    """Steps `engine` through `prompts`, calling `change()` after `at` steps (the
+    requests decoding, none waiting); returns each request's finished output."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"d{i}", prompt, params)
+    outs, steps = {}, 0
+    while engine.has_unfinished_requests() and steps < 100:
+        if steps == at:
+            change()
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+        steps += 1
+    return [outs[f"d{i}"] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_layer_replaced_while_requests_decode_runs_on_the_model_as_it_is(async_scheduling):
+    """An eager engine looks at the model's layout when it admits requests. A layer put in
+    place of another while requests decode (a copy holding its own config, which the
+    attention switch did not reach) fails that step's forward, which then runs anew on the
+    model as it is: stock tokens, nothing failed. A layer added beyond the pool's then ends
+    the running requests with the named error, no block held, and once it is taken out the
+    engine serves on."""
+    import copy
+
+    from conftest import make_model
+
+    model = make_model("llama_gqa", seed=6)
+    llm = LLM(model, block_size=4, num_blocks=64, async_scheduling=async_scheduling)
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19]]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    layers = model.model.layers
+
+    def replace():
+        layers[0] = copy.deepcopy(layers[0])
+
+    outs = _drive(llm.engine, prompts, params, replace)
+    assert [o.error for o in outs] == [None] * 3
+    assert [o.outputs[0].token_ids for o in outs] == [stock_greedy(model, p, 10) for p in prompts]
+
+    def add():
+        layers.append(copy.deepcopy(layers[1]))
+        layers[2].self_attn.layer_idx, model.config.num_hidden_layers = 2, 3
+
+    outs = _drive(llm.engine, prompts, params, add)
+    assert all("up to layer_idx 2, but this engine's KV pool holds 2 layers" in o.error
+               for o in outs)
+    assert llm.stats().blocks_used == 0 and not llm.engine.has_unfinished_requests()
+    del layers[2]
+    model.config.num_hidden_layers = 2
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [stock_greedy(model, p, 10) for p in prompts]
+
+
 def test_embeddings_resized_after_the_engine_is_built_set_the_prompts_vocabulary():
     """Tokens added to the model after its engine was built (`resize_token_embeddings`)
     are prompts like any other, with stock tokens; ids past a shrunk vocabulary are an
