@@ -29,9 +29,11 @@ def _framed(part: str | None) -> bytes:
     return b"\1" + struct.pack("<Q", len(data)) + data
 
 
-def namespace(adapter: str | None = None, cache_salt: str | None = None) -> bytes:
-    """The prefix-cache namespace of a request: its adapter and cache salt, framed."""
-    return _framed(adapter) + _framed(cache_salt)
+def namespace(adapter: str | None = None, cache_salt: str | None = None,
+              rope: str | None = None) -> bytes:
+    """The prefix-cache namespace of a request: its adapter and cache salt, framed, then
+    the rotary frequencies its prompt's length picks, if they depend on it (hf/rope.py)."""
+    return _framed(adapter) + _framed(cache_salt) + (b"" if rope is None else _framed(rope))
 
 
 def block_key(parent: bytes | None, tokens: Sequence[int], salt: bytes = b"") -> bytes:

@@ -198,7 +198,7 @@ class LLMEngine:
                         for _ in range(params.n)]
         return EngineRequest(
             request_id, text, prompt, params, priority, adapter,
-            namespace(adapter, params.cache_salt),
+            namespace(adapter, params.cache_salt, self.runner.prompt_class(len(prompt))),
             [CompletionOutput(i, logprobs=[] if logprobs else None,
                               cumulative_logprob=0.0 if logprobs else None)
              for i in range(params.n)],
@@ -341,7 +341,7 @@ class LLMEngine:
         self.prompt_tokens += sum([min(i.count, len(i.seq.prompt) - i.start) for i in scheduled
                                    if i.start < len(i.seq.prompt)])
         work = DeviceStep(plan.swap_out, plan.swap_in, plan.copies, plan.entries,
-                          [Forward.of(items, adapter, in_flight)
+                          [Forward.of(items, adapter, in_flight, bool(self.runner.rotaries))
                            for adapter, items in groups.items()])
         self.runner.broadcast(work)  # under tensor parallelism every rank runs the same step
         logits = StepLogits()
@@ -421,8 +421,8 @@ class LLMEngine:
         for part in (items[:half], items[half:]):
             part = [i for i in part if not i.seq.finished]  # a sibling may have failed
             if part:
-                self._forward_isolated(Forward.of(part, adapter, in_flight), part, adapter,
-                                       logits, touched, in_flight, first=False)
+                self._forward_isolated(Forward.of(part, adapter, in_flight, bool(f.prompts)),
+                                       part, adapter, logits, touched, in_flight, first=False)
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """Ends every request with `error` (after a failure no single request caused, or at

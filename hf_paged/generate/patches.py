@@ -48,6 +48,7 @@ from ..hf.architectures import (
 from ..hf.attention import ATTENTION_NAME, KWARG
 from ..hf.probe import route_reason
 from ..hf.register import register, unregister
+from ..hf.rope import recomputes_at_switch
 from ..hf.switch import paged_attention
 from ..hf.switch import release_paged_attention, use_paged_attention
 from ..kv.placement import group_layers
@@ -268,6 +269,8 @@ def _paged_forward(original):
             kwargs.update(kwargs.pop("kwargs", {}))
             args = ()
         cache = kwargs.get("past_key_values")
+        if cache is None and kwargs.get("use_cache") is not False and recomputes_at_switch(self):
+            cache = kwargs["past_key_values"] = _recomputed(cache)
         if not isinstance(cache, PagedCache):
             return original(self, *args, **kwargs)
         if cache.in_forward:  # the head's wrapper started this forward
@@ -291,6 +294,17 @@ def _paged_forward(original):
             cache.end_forward()
 
     return forward
+
+
+def _recomputed(cache):
+    """A model whose generate drops its cache to compute the sequences anew (Phi-3's
+    LongRoPE switch, `recomputes_at_switch`): inside a paged call, its PagedCache emptied
+    (the pool kept), which the forward then fills as a first one does."""
+    call = _call.get()
+    if call is None or not call.caches:
+        return cache
+    call.caches[-1].reset()
+    return call.caches[-1]
 
 
 def _is_paged_cache_config(cache_config) -> bool:

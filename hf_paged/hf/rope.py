@@ -1,0 +1,153 @@
+"""Rotary embeddings whose frequencies depend on a forward's length, token by token in the
+engine's packed forwards.
+
+Transformers' `dynamic_rope_update` picks a rotary embedding's frequencies from the longest
+position of each forward: LongRoPE (the Phi-3, Phi-3.5 and Phi-4 128K models) takes its long
+factors once a position passes `original_max_position_embeddings`, dynamic NTK scales its base
+past `max_position_embeddings`. Stock `generate` runs a request's prompt in one forward and then
+a token per forward, so its token at position p has the frequencies of length
+max(p + 1, prompt length). The engine packs many requests and prompt chunks into one forward,
+where one long request would change every other's frequencies (and a chunk of a long prompt
+would not yet see its length). In engine forwards each token gets the frequencies its own
+request has in stock `generate` alone (on a fresh model: Transformers' dynamic NTK also keeps
+the longest length it has seen, which the engine does not).
+
+`use_token_rope(model)` gives each such rotary module a subclass of its class whose forward
+reads the tokens' lengths that `token_rope(lengths)` sets for the calling thread around an
+engine forward; everywhere else (stock and paged `generate`, other threads) it is the class's
+own forward. Under torch.compile the lengths are an input of the engine's graphs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from ..errors import UnsupportedModelError
+
+
+# Model types whose generate drops its cache and computes a sequence anew once it holds more
+# than `original_max_position_embeddings` tokens (their `prepare_inputs_for_generation`), so
+# that LongRoPE's long factors apply to all of it.
+RECOMPUTED_AT_SWITCH = frozenset({"phi3", "phimoe", "phi4_multimodal"})
+
+
+def recomputes_at_switch(model) -> bool:
+    return getattr(model.config, "model_type", None) in RECOMPUTED_AT_SWITCH
+
+
+class _Thread(threading.local):
+    lengths = None  # [N] int64 on the model's device, inside `token_rope()` on this thread
+
+
+_THREAD = _Thread()
+_SUBCLASSES: dict[type, type] = {}  # a rotary class -> its per-token subclass
+
+
+def length_dependent(module) -> bool:
+    """Whether `module` is a rotary embedding whose frequencies follow the forward's length."""
+    rope_type = getattr(module, "rope_type", None)
+    kinds = rope_type.values() if isinstance(rope_type, dict) else [rope_type]
+    return hasattr(module, "original_inv_freq") and any(
+        isinstance(k, str) and (k == "longrope" or "dynamic" in k) for k in kinds)
+
+
+def use_token_rope(model) -> list:
+    """Switches the model's length-dependent rotary embeddings to per-token frequencies in
+    engine forwards; returns them. UnsupportedModelError for one that keeps such
+    frequencies per layer type (`rope_type` a dict), which this does not cover."""
+    found = []
+    for module in model.modules():
+        if not length_dependent(module):
+            continue
+        if isinstance(module.rope_type, dict):
+            raise UnsupportedModelError(
+                f"{type(module).__name__} scales its rotary frequencies by the forward's length "
+                f"per layer type ({module.rope_type}); the engine cannot give each request its "
+                "own. Serve it with generate(cache_implementation=\"paged\").")
+        if type(module) not in _SUBCLASSES.values():
+            module.__class__ = _subclass(type(module))
+        if module.rope_type == "longrope" and getattr(module, "long_inv_freq", None) is None:
+            # (what stock computes on its first long forward, kept as it keeps it)
+            module.long_inv_freq = ROPE_INIT_FUNCTIONS["longrope"](
+                module.config, module.original_inv_freq.device,
+                seq_len=_longrope_limit(module) + 1)[0]
+        found.append(module)
+    return found
+
+
+@contextlib.contextmanager
+def token_rope(lengths: torch.Tensor):
+    """Inside, switched rotary embeddings called on this thread give token i of their packed
+    positions the frequencies of length lengths[i] ([N] int64: max(position + 1, the
+    token's prompt length))."""
+    outer, _THREAD.lengths = _THREAD.lengths, lengths
+    try:
+        yield
+    finally:
+        _THREAD.lengths = outer
+
+
+def token_lengths(positions: torch.Tensor, prompt_lengths: torch.Tensor,
+                  counts: torch.Tensor) -> torch.Tensor:
+    """positions [N] int64 of a packed forward, its rows' prompt lengths and token counts
+    [R] -> each token's length, max(position + 1, its row's prompt length) [N]."""
+    prompts = torch.repeat_interleave(prompt_lengths, counts, output_size=positions.shape[0])
+    return torch.maximum(positions + 1, prompts)
+
+
+def prompt_class(rotaries: list, length: int) -> str | None:
+    """What, besides its tokens, decides the K/V of a prompt of `length` tokens under
+    `rotaries` (a prefix-cache namespace part): whether LongRoPE's long factors apply to
+    it, the length itself past dynamic NTK's limit; None where nothing does."""
+    parts = [("long" if length > _longrope_limit(m) else "") if m.rope_type == "longrope"
+             else (str(length) if length > m.original_max_seq_len else "") for m in rotaries]
+    return ",".join(parts) if any(parts) else None
+
+
+def _longrope_limit(module) -> int:
+    return module.config.rope_parameters["original_max_position_embeddings"]
+
+
+def _per_token(module, x: torch.Tensor, position_ids: torch.Tensor, lengths: torch.Tensor):
+    """cos, sin [1, N, dim] of packed positions [1, N], token i's from the frequencies of
+    length lengths[i], with the class's own arithmetic (`inv_freq` times the position, the
+    angles twice over, scaled by `attention_scaling`)."""
+    original = module.original_inv_freq.to(x.device)
+    if module.rope_type == "longrope":
+        long = lengths > _longrope_limit(module)
+        grown = module.long_inv_freq.to(x.device)
+    else:  # dynamic NTK: the base grown to each length past max_position_embeddings
+        long = lengths > module.original_max_seq_len
+        grown = ROPE_INIT_FUNCTIONS[module.rope_type](module.config, x.device,
+                                                      seq_len=lengths[:, None])[0]
+    inv_freq = torch.where(long[:, None], grown, original)  # [N, dim / 2]
+    freqs = position_ids[0, :, None].float() * inv_freq.float()
+    angles = torch.cat((freqs, freqs), dim=-1)[None]
+    scale = module.attention_scaling
+    return (angles.cos() * scale).to(x.dtype), (angles.sin() * scale).to(x.dtype)
+
+
+def _subclass(cls: type) -> type:
+    if cls not in _SUBCLASSES:
+        own = cls.forward
+
+        def forward(self, x, position_ids, *args, **kwargs):
+            lengths = _THREAD.lengths
+            if lengths is None or args or kwargs or position_ids.shape[0] != 1:
+                return own(self, x, position_ids, *args, **kwargs)
+            return _per_token(self, x, position_ids, lengths)
+
+        def __reduce_ex__(self, protocol):  # (pickled and copied as the class it switched)
+            reduced = super(switched, self).__reduce_ex__(protocol)
+            return (reduced[0], (reduced[1][0] if reduced[1][0] is not switched else cls,
+                                 *reduced[1][1:]), *reduced[2:])
+
+        switched = type(f"PerToken{cls.__name__}", (cls,),
+                        {"forward": forward, "__reduce_ex__": __reduce_ex__,
+                         "__module__": cls.__module__})
+        _SUBCLASSES[cls] = switched
+    return _SUBCLASSES[cls]
