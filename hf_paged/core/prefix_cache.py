@@ -33,7 +33,13 @@ def namespace(adapter: str | None = None, cache_salt: str | None = None,
               rope: str | None = None) -> bytes:
     """The prefix-cache namespace of a request: its adapter and cache salt, framed, then
     the rotary frequencies its prompt's length picks, if they depend on it (hf/rope.py)."""
-    return _framed(adapter) + _framed(cache_salt) + (b"" if rope is None else _framed(rope))
+    return _framed(adapter) + _framed(cache_salt) + rope_namespace(rope)
+
+
+def rope_namespace(rope: str | None) -> bytes:
+    """The namespace part of a prompt's rotary length class (None: its K/V does not depend
+    on it)."""
+    return b"" if rope is None else _framed(rope)
 
 
 def block_key(parent: bytes | None, tokens: Sequence[int], salt: bytes = b"") -> bytes:

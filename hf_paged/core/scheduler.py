@@ -39,7 +39,9 @@ from .block_pool import BlockPool
 from .block_table import FREED, blocks_to_add
 from .kv_groups import GroupedTables, KVGroups
 from ..errors import RequestRejectedError
+from .budgets import check_options
 from .prefix_cache import PrefixCache, block_key
+from .rope_switch import RopeSwitch
 from .sequence import Sequence, SeqStatus
 from .step import Scheduled, Step
 
@@ -47,27 +49,13 @@ from .step import Scheduled, Step
 class Scheduler:
     """Owns the block tables (a row per running sequence) and the prefix cache of a pool."""
 
-    @staticmethod
-    def check_options(max_num_seqs: int, max_num_batched_tokens: int,
-                      preemption_mode: str, admission_headroom: float = 1.0) -> None:
-        """Raises ValueError for budgets or a preemption mode the scheduler cannot run."""
-        if max_num_batched_tokens < max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least "
-                f"max_num_seqs ({max_num_seqs}): every running sequence decodes a token a step."
-            )
-        if preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode must be 'recompute' or 'swap'; got {preemption_mode!r}.")
-        if (isinstance(admission_headroom, bool) or not isinstance(admission_headroom, (int, float))
-                or not 0 <= admission_headroom <= 64):
-            raise ValueError("admission_headroom (free blocks kept per running sequence when "
-                             f"admitting) must be a number in [0, 64]; got {admission_headroom!r}.")
+    check_options = staticmethod(check_options)
 
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, sliding_window: int | None = None,
                  enable_prefix_caching: bool = True, preemption_mode: str = "recompute",
                  cpu_pool: BlockPool | None = None, groups: KVGroups | None = None,
-                 admission_headroom: float = 1.0):
+                 admission_headroom: float = 1.0, rope_switch: RopeSwitch | None = None):
         """sliding_window: of every layer (one KV group); groups: a hybrid model's KV groups
         instead (each with its window); admission_headroom: free blocks kept per running
         sequence and group when admitting one more (0: admit while the first chunk fits)."""
@@ -88,6 +76,7 @@ class Scheduler:
         self._pending_entries: list[tuple[int, int, int]] = []  # from rows filled outside append
         self._pending_swap_in: list[tuple[int, int]] = []
         self.num_preemptions = self.recomputed_tokens = 0  # (tokens computed again)
+        self.rope_switch = rope_switch  # Phi-3's LongRoPE switch (rope_switch.py), or None
 
     # -- requests --------------------------------------------------------------------------
     def blocks_at_once(self, total_tokens: int) -> int:
@@ -154,7 +143,8 @@ class Scheduler:
         # One group: a decode into a partly filled block of its own needs nothing (most rows).
         lengths, tables = (self.tables.lengths, self.tables.tables) \
             if self.groups.num_groups == 1 else (None, None)
-        for seq in list(self.running):
+        held = self.rope_switch.apply(self) if self.rope_switch is not None else ()
+        for seq in [s for s in self.running if s not in held] if held else list(self.running):
             if seq.status is not running or budget == 0:
                 continue
             row, done, draft = seq.row, seq.num_computed, seq.draft
@@ -304,7 +294,11 @@ class Scheduler:
             seq.status = SeqStatus.SWAPPED
             self._insert(self.swapped, seq)
             return
-        self._free(seq)  # recompute: prompt + output are prefilled again later
+        self.requeue(seq)  # recompute: prompt + output are prefilled again later
+
+    def requeue(self, seq: Sequence) -> None:
+        """Gives back the blocks of a sequence no longer running; it waits to compute anew."""
+        self._free(seq)
         seq.lost_tokens, seq.num_computed = seq.num_computed, 0
         seq.status = SeqStatus.WAITING
         self._insert(self.waiting, seq)

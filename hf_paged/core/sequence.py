@@ -56,6 +56,9 @@ class Sequence:
     # Prompt log-probabilities: the logits of prompt positions from here on are wanted (None:
     # none are); a prefix-cache hit may not cover them.
     prompt_logits_from: int | None = None
+    # The length its K/V's rotary frequencies follow where they depend on it (hf/rope.py):
+    # its prompt's (None), or all it held when computed anew at LongRoPE's switch.
+    rope_length: int | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -118,7 +118,7 @@ class LLMEngine:
                                    self.max_num_batched_tokens, self.max_model_len,
                                    None, enable_prefix_caching, preemption_mode,
                                    None if self.cpu_pool is None else self.cpu_pool.blocks,
-                                   runner.groups, admission_headroom)
+                                   runner.groups, admission_headroom, runner.rope.switch)
         self.speculator = Speculator.build(speculative_config, runner, self.max_num_batched_tokens)
         if async_scheduling and self.speculator is not None:  # (proposals need the tokens)
             logger.warning("hf-paged: speculative decoding plans each step after the last "
@@ -198,7 +198,7 @@ class LLMEngine:
                         for _ in range(params.n)]
         return EngineRequest(
             request_id, text, prompt, params, priority, adapter,
-            namespace(adapter, params.cache_salt, self.runner.prompt_class(len(prompt))),
+            namespace(adapter, params.cache_salt, self.runner.rope.prompt_class(len(prompt))),
             [CompletionOutput(i, logprobs=[] if logprobs else None,
                               cumulative_logprob=0.0 if logprobs else None)
              for i in range(params.n)],
@@ -341,7 +341,7 @@ class LLMEngine:
         self.prompt_tokens += sum([min(i.count, len(i.seq.prompt) - i.start) for i in scheduled
                                    if i.start < len(i.seq.prompt)])
         work = DeviceStep(plan.swap_out, plan.swap_in, plan.copies, plan.entries,
-                          [Forward.of(items, adapter, in_flight, bool(self.runner.rotaries))
+                          [Forward.of(items, adapter, in_flight, bool(self.runner.rope))
                            for adapter, items in groups.items()])
         self.runner.broadcast(work)  # under tensor parallelism every rank runs the same step
         logits = StepLogits()

@@ -28,7 +28,7 @@ from ..hf.attention import KWARG
 from ..hf.linear import onednn_linears, use_onednn_linears
 from ..hf.probe import route_reason
 from ..hf.register import register
-from ..hf.rope import prompt_class, token_lengths, token_rope, use_token_rope
+from ..hf.rope import TokenRope
 from ..hf.switch import paged_attention
 from ..kernels.dispatch import PoolAccess
 from ..kv.metadata import (DeviceBlockTable, ForwardMetadata, build_metadata,
@@ -68,18 +68,18 @@ class Forward:
     previous: torch.Tensor | None = None  # [R] long, on the sampler's device
     prompt_rows: list[int] = field(default_factory=list)
     prompt_spans: list[tuple] = field(default_factory=list)
-    prompts: list[int] | None = None  # the rows' prompt lengths, where the rotary needs them
+    prompts: list[int] | None = None  # the rows' rotary lengths, where the model needs them
 
     @classmethod
     def of(cls, items: list, adapter: str | None, in_flight=None,
            prompts: bool = False) -> "Forward":
         """The inputs of one forward over `items` (scheduled sequences); in_flight: the
         last step's sampling whose tokens some of them wait for (engine.InFlight);
-        prompts: keep each row's prompt length (`ModelRunner.rotaries`)."""
+        prompts: keep each row's rotary length (hf/rope.py)."""
         f = cls(adapter)
         seqs = [item.seq for item in items]
         if prompts:
-            f.prompts = [len(seq.prompt) for seq in seqs]
+            f.prompts = [seq.rope_length or len(seq.prompt) for seq in seqs]
         f.rows = [seq.row for seq in seqs]
         f.context = [item.start for item in items]
         f.counts = [item.count for item in items]
@@ -198,8 +198,7 @@ class ModelRunner:
         self.model.eval()
         self.watch = ModelWatch(self.model, base)
         self.base = base
-        # Rotary embeddings whose frequencies follow the forward's length: per token here.
-        self.rotaries = use_token_rope(base)
+        self.rope = TokenRope(base)  # rotary frequencies that follow a forward's length
         # (before compiling: a layer's class is part of what its graphs are keyed by)
         self.onednn_linear = flag("onednn_linear", onednn_linear)
         self.linears = (onednn_linears if onednn_linear and use_onednn_linears(self.model)
@@ -391,26 +390,13 @@ class ModelRunner:
         else:
             keep = to_device(want or [len(f.ids) - 1], self._index_device)
         try:
-            with self.token_rope(f, positions):
+            with self.rope.around(f.prompts, f.counts, positions):
                 logits = self.run_model(f.fill_pending(ids), positions, metas, keep,
                                         forward_adapter(self, f.adapter))
         except COMPILE_ERRORS as err:  # (raised again if the forward ran eagerly)
             run_eagerly(self, err)  # nothing ran: the step runs anew, eagerly
             return self.forward(f, check)
         return logits[:len(want)]
-
-    def token_rope(self, f: Forward, positions: torch.Tensor):
-        """Around a forward of `f`: its tokens' own rotary lengths (hf/rope.py), where the
-        model's rotary embeddings depend on them. A draft model's forwards (no prompt
-        lengths) take each token's position."""
-        if not self.rotaries:
-            return contextlib.nullcontext()
-        host = to_device((f.prompts or [0] * len(f.rows)) + f.counts, positions.device)
-        return token_rope(token_lengths(positions, *host.view(2, -1)))
-
-    def prompt_class(self, length: int) -> str | None:
-        """The prefix-cache namespace part of a prompt of `length` tokens (hf/rope.py)."""
-        return prompt_class(self.rotaries, length) if self.rotaries else None
 
     def run_model(self, ids: torch.Tensor, positions: torch.Tensor,
                   metas: list[ForwardMetadata], keep: torch.Tensor | int,

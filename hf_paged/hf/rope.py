@@ -21,12 +21,16 @@ own forward. Under torch.compile the lengths are an input of the engine's graphs
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 
 import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from ..core.prefix_cache import rope_namespace
+from ..core.rope_switch import RopeSwitch
 from ..errors import UnsupportedModelError
+from ..kv.metadata import to_device
 
 
 # Model types whose generate drops its cache and computes a sequence anew once it holds more
@@ -37,6 +41,40 @@ RECOMPUTED_AT_SWITCH = frozenset({"phi3", "phimoe", "phi4_multimodal"})
 
 def recomputes_at_switch(model) -> bool:
     return getattr(model.config, "model_type", None) in RECOMPUTED_AT_SWITCH
+
+
+class TokenRope:
+    """A served model's length-dependent rotary embeddings (none: nothing to do), switched
+    to per-token frequencies: what the engine's forwards, prefix cache and scheduler need."""
+
+    def __init__(self, model):
+        self.rotaries = use_token_rope(model)
+        # Phi-3's switch: sequences computed anew past it (core/rope_switch.py), or None.
+        self.switch = None
+        if recomputes_at_switch(model) and any(m.rope_type == "longrope" for m in self.rotaries):
+            limit = model.config.original_max_position_embeddings  # (what its generate reads)
+            self.switch = RopeSwitch(limit, rope_namespace(self.prompt_class(limit + 1)))
+
+    def __bool__(self) -> bool:
+        return bool(self.rotaries)
+
+    def prompt_class(self, length: int) -> str | None:
+        """What, besides its tokens, decides the K/V of a prompt of `length` tokens (a
+        prefix-cache namespace part): whether LongRoPE's long factors apply to it, the
+        length itself past dynamic NTK's limit; None where nothing does."""
+        parts = [("long" if length > _longrope_limit(m) else "") if m.rope_type == "longrope"
+                 else (str(length) if length > m.original_max_seq_len else "")
+                 for m in self.rotaries]
+        return ",".join(parts) if any(parts) else None
+
+    def around(self, prompts: list[int] | None, counts: list[int], positions: torch.Tensor):
+        """A context for a packed forward of rows of `counts` tokens at `positions` [N] (on
+        the device), whose rotary lengths are `prompts` (None: a draft model's, each
+        token's position): each token's own frequencies (`token_rope`)."""
+        if not self.rotaries:
+            return contextlib.nullcontext()
+        host = to_device((prompts or [0] * len(counts)) + counts, positions.device)
+        return token_rope(token_lengths(positions, *host.view(2, -1)))
 
 
 class _Thread(threading.local):
@@ -69,7 +107,7 @@ def use_token_rope(model) -> list:
                 f"per layer type ({module.rope_type}); the engine cannot give each request its "
                 "own. Serve it with generate(cache_implementation=\"paged\").")
         if type(module) not in _SUBCLASSES.values():
-            module.__class__ = _subclass(type(module))
+            module.__class__ = _subclass(type(module), module)
         if module.rope_type == "longrope" and getattr(module, "long_inv_freq", None) is None:
             # (what stock computes on its first long forward, kept as it keeps it)
             module.long_inv_freq = ROPE_INIT_FUNCTIONS["longrope"](
@@ -99,15 +137,6 @@ def token_lengths(positions: torch.Tensor, prompt_lengths: torch.Tensor,
     return torch.maximum(positions + 1, prompts)
 
 
-def prompt_class(rotaries: list, length: int) -> str | None:
-    """What, besides its tokens, decides the K/V of a prompt of `length` tokens under
-    `rotaries` (a prefix-cache namespace part): whether LongRoPE's long factors apply to
-    it, the length itself past dynamic NTK's limit; None where nothing does."""
-    parts = [("long" if length > _longrope_limit(m) else "") if m.rope_type == "longrope"
-             else (str(length) if length > m.original_max_seq_len else "") for m in rotaries]
-    return ",".join(parts) if any(parts) else None
-
-
 def _longrope_limit(module) -> int:
     return module.config.rope_parameters["original_max_position_embeddings"]
 
@@ -125,15 +154,50 @@ def _per_token(module, x: torch.Tensor, position_ids: torch.Tensor, lengths: tor
         grown = ROPE_INIT_FUNCTIONS[module.rope_type](module.config, x.device,
                                                       seq_len=lengths[:, None])[0]
     inv_freq = torch.where(long[:, None], grown, original)  # [N, dim / 2]
-    freqs = position_ids[0, :, None].float() * inv_freq.float()
-    angles = torch.cat((freqs, freqs), dim=-1)[None]
+    return _cos_sin(module, x, position_ids[0, :, None].float() * inv_freq.float())
+
+
+def _cos_sin(module, x: torch.Tensor, freqs: torch.Tensor):
+    """cos, sin [1, N, dim] of the angles `freqs` [N, dim / 2], laid out as the module's
+    class lays them out (`_LAYOUTS`), scaled by its `attention_scaling`."""
+    angles = _LAYOUTS[module._rope_layout](freqs)[None]
     scale = module.attention_scaling
     return (angles.cos() * scale).to(x.dtype), (angles.sin() * scale).to(x.dtype)
 
 
-def _subclass(cls: type) -> type:
+# How rotary classes lay their angles out over the head: twice over (Llama and most), as
+# pairs (Cohere), or once (gpt-oss, which rotates halves itself).
+_LAYOUTS = {"halves": lambda f: torch.cat((f, f), dim=-1),
+            "pairs": lambda f: torch.repeat_interleave(f, 2, dim=-1),
+            "once": lambda f: f}
+
+
+def _layout(cls: type, module) -> str:
+    """Which of `_LAYOUTS` gives the class's own forward, bit for bit, on a probe of
+    `module` (its frequencies as they are); UnsupportedModelError if none does."""
+    own = inspect.unwrap(cls.forward)  # (without the length update)
+    inv_freq = module.inv_freq.float()
+    x = torch.zeros(1, 1, 1, dtype=inv_freq.dtype, device=inv_freq.device)
+    positions = torch.arange(37, device=inv_freq.device)[None]
+    with torch.no_grad():
+        expected = own(module, x, positions)
+        try:
+            for name in _LAYOUTS:
+                module._rope_layout = name  # (tried on the module, then taken off)
+                got = _cos_sin(module, x, positions[0, :, None].float() * inv_freq)
+                if all(torch.equal(a, b) for a, b in zip(got, expected)):
+                    return name
+        finally:
+            del module._rope_layout
+    raise UnsupportedModelError(
+        f"{cls.__name__} scales its rotary frequencies by the forward's length, and computes "
+        "its angles in a way the engine does not reproduce for each request's own length. "
+        "Serve it with generate(cache_implementation=\"paged\").")
+
+
+def _subclass(cls: type, module) -> type:
     if cls not in _SUBCLASSES:
-        own = cls.forward
+        layout, own = _layout(cls, module), cls.forward
 
         def forward(self, x, position_ids, *args, **kwargs):
             lengths = _THREAD.lengths
@@ -142,12 +206,17 @@ def _subclass(cls: type) -> type:
             return _per_token(self, x, position_ids, lengths)
 
         def __reduce_ex__(self, protocol):  # (pickled and copied as the class it switched)
-            reduced = super(switched, self).__reduce_ex__(protocol)
-            return (reduced[0], (reduced[1][0] if reduced[1][0] is not switched else cls,
-                                 *reduced[1][1:]), *reduced[2:])
+            return _unswitched, (cls, self.__dict__)
 
         switched = type(f"PerToken{cls.__name__}", (cls,),
                         {"forward": forward, "__reduce_ex__": __reduce_ex__,
-                         "__module__": cls.__module__})
+                         "__module__": cls.__module__, "_rope_layout": layout})
         _SUBCLASSES[cls] = switched
     return _SUBCLASSES[cls]
+
+
+def _unswitched(cls: type, state: dict):
+    """A switched rotary module rebuilt (unpickled, copied) as its own class."""
+    module = cls.__new__(cls)
+    module.__setstate__(dict(state))
+    return module
