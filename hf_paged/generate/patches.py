@@ -297,9 +297,8 @@ def _paged_forward(original):
 
 
 def _recomputed(cache):
-    """A model whose generate drops its cache to compute the sequences anew (Phi-3's
-    LongRoPE switch, `recomputes_at_switch`): inside a paged call, its PagedCache emptied
-    (the pool kept), which the forward then fills as a first one does."""
+    """Where generate dropped the cache to compute anew (Phi-3's LongRoPE switch), inside a
+    paged call: its PagedCache emptied (the pool kept), for the forward to fill again."""
     call = _call.get()
     if call is None or not call.caches:
         return cache
