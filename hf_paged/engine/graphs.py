@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 
 import torch
 
+from ..hf.rope import token_rope
 from ..kv.metadata import build_metadata, to_device
 
 logger = logging.getLogger("hf_paged")
@@ -117,6 +119,9 @@ class DecodeGraphs:
         self.tables = [torch.full((most, table.table.shape[1]), pad_block, dtype=torch.int32,
                                   device=device) for _ in range(table.num_groups)]
         self.keep = torch.arange(most, device=runner._index_device)
+        # Each row's rotary length, where the model's rotary frequencies follow it (hf/rope.py).
+        self.lengths = torch.ones(most, dtype=torch.int64, device=device) if runner.rope \
+            else None
         self.bound = table.table.shape[1] * runner.block_size  # no row is longer
         self._graphs: dict[int, object] = {}
         self._pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
@@ -173,8 +178,9 @@ class DecodeGraphs:
         """Copies the step's inputs into the buffers; rows n..size become padding."""
         runner = self.runner
         # One copy to the device (the model is on one device: ids, tables, positions alike).
-        host = to_device(f.ids + f.positions + f.rows, runner.kv_device)
-        rows = host[2 * n:]
+        rope = [] if self.lengths is None else f.prompts or [0] * n  # the rows' rotary lengths
+        host = to_device(f.ids + f.positions + f.rows + rope, runner.kv_device)
+        rows = host[2 * n:3 * n]
         for g, table in enumerate(self.tables):
             torch.index_select(runner.device_table.group(g), 0, rows, out=table[:n])
             table[n:size].fill_(self.pad_block)
@@ -182,6 +188,9 @@ class DecodeGraphs:
         self.positions[:n].copy_(host[n:2 * n])
         self.ids[n:size].zero_()
         self.positions[n:size].zero_()
+        if self.lengths is not None:
+            torch.maximum(host[n:2 * n] + 1, host[3 * n:], out=self.lengths[:n])
+            self.lengths[n:size].fill_(1)
 
     def _capture(self, size: int):
         runner = self.runner
@@ -192,8 +201,9 @@ class DecodeGraphs:
                                     runner.block_size, packed=True,
                                     uniform=runner.compiled is not None)
                      for table in self.tables]
-            return runner.run_model(self.ids[:size], self.positions[:size], metas,
-                                    self.keep[:size])
+            with nullcontext() if self.lengths is None else token_rope(self.lengths[:size]):
+                return runner.run_model(self.ids[:size], self.positions[:size], metas,
+                                        self.keep[:size])
 
         cuda = self._pool is not None
         before = torch.cuda.memory_reserved(runner.kv_device) if cuda else 0

@@ -20,6 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_paged
 from hf_paged import LLM, SamplingParams
+from hf_paged.engine import graphs as graphs_module
 from hf_paged.generate.cache import PagedCache
 from hf_paged.hf.rope import length_dependent, token_rope, use_token_rope
 from conftest import VOCAB, sharpen_and_check
@@ -115,14 +116,17 @@ OPTIONS = {
     "ngram": dict(speculative_config=dict(method="ngram", num_speculative_tokens=3,
                                           prompt_lookup_min=1, prompt_lookup_max=3)),
     "compiled": dict(compile="aot_eager"),
+    "graphs": dict(cuda_graphs=True, max_num_seqs=8),  # (aten traces on CPU: `traced`)
 }
 
 
 @pytest.mark.parametrize("option", OPTIONS)
 @pytest.mark.parametrize("name", MODELS)
-def test_each_request_gets_the_frequencies_of_its_own_length(name, option):
+def test_each_request_gets_the_frequencies_of_its_own_length(name, option, monkeypatch):
     """All prompts in one call, then each alone on the same engine (prefix-cache hits on
     the blocks of the first call): stock tokens and log-probabilities every time."""
+    if option == "graphs":
+        monkeypatch.setattr(graphs_module, "capture_for", lambda device: graphs_module.TracedGraph)
     model = model_of(name)
     extra = dict(max_model_len=96) if name == "qwen2_dynamic" else {}
     llm = LLM(model, block_size=4, **{"num_blocks": 200, **OPTIONS[option]}, **extra)
@@ -133,6 +137,8 @@ def test_each_request_gets_the_frequencies_of_its_own_length(name, option):
         assert_stock(name, llm.generate([prompt], params, use_tqdm=False), [prompt])
     assert llm.stats().blocks_used == 0
     assert llm.engine.runner.compile_error is None
+    if option == "graphs":
+        assert llm.engine.runner.graphs.replays > 0
 
 
 def test_parallel_samples_and_seeds_match_across_engines():
