@@ -418,6 +418,13 @@ class PagedCache(PagedLayers, Cache):
             self.device_table.lengths = to_device(lengths, self.device_table.device)
         self._seen = keep
 
+    def recompute(self) -> None:
+        """Empties the cache for a forward that computes every row anew (Phi-3's generate
+        at its LongRoPE switch), the peak so far kept."""
+        peak = self.peak_blocks
+        self.reset()
+        self.peak_blocks = peak
+
     def reset(self) -> None:
         """Frees this cache's blocks; the pool stays allocated for reuse."""
         if self.tables is not None:

@@ -302,7 +302,7 @@ def _recomputed(cache):
     call = _call.get()
     if call is None or not call.caches:
         return cache
-    call.caches[-1].reset()
+    call.caches[-1].recompute()
     return call.caches[-1]
 
 
