@@ -28,12 +28,11 @@ class RopeSwitch:
         is computed only with all the sequence's K/V long."""
         anew, held, limit = [], [], self.limit
         for seq in running:
-            if (seq.rope_length or len(seq.prompt)) > limit:
-                continue
             total = seq.num_tokens
             if total <= limit:
-                del seq.draft[limit - total:]
-            else:
+                if seq.draft:
+                    del seq.draft[limit - total:]
+            elif (seq.rope_length or len(seq.prompt)) <= limit:
                 (held if seq.pending else anew).append(seq)
         return anew, held
 
