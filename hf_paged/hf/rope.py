@@ -51,8 +51,9 @@ class TokenRope:
         self.rotaries = use_token_rope(model)
         # Phi-3's switch: sequences computed anew past it (core/rope_switch.py), or None.
         self.switch = None
-        if recomputes_at_switch(model) and any(m.rope_type == "longrope" for m in self.rotaries):
-            limit = model.config.original_max_position_embeddings  # (what its generate reads)
+        limit = getattr(model.config, "original_max_position_embeddings", None)  # (as generate)
+        if recomputes_at_switch(model) and limit is not None \
+                and any(m.rope_type == "longrope" for m in self.rotaries):
             self.switch = RopeSwitch(limit, rope_namespace(self.prompt_class(limit + 1)))
 
     def __bool__(self) -> bool:
