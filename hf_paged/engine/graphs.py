@@ -120,8 +120,7 @@ class DecodeGraphs:
                                   device=device) for _ in range(table.num_groups)]
         self.keep = torch.arange(most, device=runner._index_device)
         # Each row's rotary length, where the model's rotary frequencies follow it (hf/rope.py).
-        self.lengths = torch.ones(most, dtype=torch.int64, device=device) if runner.rope \
-            else None
+        self.lengths = torch.ones(most, dtype=torch.int64, device=device)
         self.bound = table.table.shape[1] * runner.block_size  # no row is longer
         self._graphs: dict[int, object] = {}
         self._pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
@@ -178,7 +177,7 @@ class DecodeGraphs:
         """Copies the step's inputs into the buffers; rows n..size become padding."""
         runner = self.runner
         # One copy to the device (the model is on one device: ids, tables, positions alike).
-        rope = [] if self.lengths is None else f.prompts or [0] * n  # the rows' rotary lengths
+        rope = (f.prompts or [0] * n) if runner.rope else []  # the rows' rotary lengths
         host = to_device(f.ids + f.positions + f.rows + rope, runner.kv_device)
         rows = host[2 * n:3 * n]
         for g, table in enumerate(self.tables):
@@ -188,7 +187,7 @@ class DecodeGraphs:
         self.positions[:n].copy_(host[n:2 * n])
         self.ids[n:size].zero_()
         self.positions[n:size].zero_()
-        if self.lengths is not None:
+        if runner.rope:
             torch.maximum(host[n:2 * n] + 1, host[3 * n:], out=self.lengths[:n])
             self.lengths[n:size].fill_(1)
 
@@ -201,7 +200,7 @@ class DecodeGraphs:
                                     runner.block_size, packed=True,
                                     uniform=runner.compiled is not None)
                      for table in self.tables]
-            with nullcontext() if self.lengths is None else token_rope(self.lengths[:size]):
+            with token_rope(self.lengths[:size]) if runner.rope else nullcontext():
                 return runner.run_model(self.ids[:size], self.positions[:size], metas,
                                         self.keep[:size])
 

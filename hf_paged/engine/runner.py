@@ -28,7 +28,7 @@ from ..hf.attention import KWARG
 from ..hf.linear import onednn_linears, use_onednn_linears
 from ..hf.probe import route_reason
 from ..hf.register import register
-from ..hf.rope import TokenRope
+from ..hf.rope import TokenRope, use_token_rope
 from ..hf.switch import paged_attention
 from ..kernels.dispatch import PoolAccess
 from ..kv.metadata import (DeviceBlockTable, ForwardMetadata, build_metadata,
@@ -311,6 +311,8 @@ class ModelRunner:
         """Whether the model's weights or adapters changed since the last look; graphs and
         a compiled forward made for another path of its forward are dropped."""
         changed, path = self.watch.changed(self.model)
+        if path:  # (a rotary module put in place of another is switched too)
+            self.rope.rotaries = use_token_rope(self.base)
         if path and self.graphs is not None:
             self.graphs.drop()
         if path and self.compiled is not None:

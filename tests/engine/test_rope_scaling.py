@@ -250,3 +250,24 @@ def test_phi3_generate_stays_paged_past_the_switch(mode):
                              do_sample=False, pad_token_id=0, eos_token_id=None,
                              return_dict_in_generate=True)
     assert isinstance(out.past_key_values, PagedCache)
+
+
+def test_a_rotary_module_put_in_place_while_serving_is_switched():
+    """The engine looks at the model's modules before admitting requests: a length-dependent
+    rotary embedding put in place of a plain one between calls gets per-token frequencies
+    from the next call on (stock tokens and log-probabilities, with decode graphs too)."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    model = copy.deepcopy(model_of("llama_longrope"))
+    scaled = model.model.rotary_emb
+    plain = copy.deepcopy(model.config)
+    plain.rope_parameters = dict(rope_type="default", rope_theta=100.0)
+    model.model.rotary_emb = LlamaRotaryEmbedding(plain)
+    llm = LLM(model, block_size=4, num_blocks=200)
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logprobs=0)
+    given = prompts()
+    llm.generate(given, params, use_tqdm=False)
+    assert not llm.engine.runner.rope
+    model.model.rotary_emb = scaled
+    _built["llama_longrope_put_back"] = model
+    assert_stock("llama_longrope_put_back", llm.generate(given, params, use_tqdm=False), given)
