@@ -21,7 +21,6 @@ own forward. Under torch.compile the lengths are an input of the engine's graphs
 from __future__ import annotations
 
 import contextlib
-import inspect
 import threading
 
 import torch
@@ -107,13 +106,13 @@ def use_token_rope(model) -> list:
                 f"{type(module).__name__} scales its rotary frequencies by the forward's length "
                 f"per layer type ({module.rope_type}); the engine cannot give each request its "
                 "own. Serve it with generate(cache_implementation=\"paged\").")
-        if type(module) not in _SUBCLASSES.values():
-            module.__class__ = _subclass(type(module), module)
         if module.rope_type == "longrope" and getattr(module, "long_inv_freq", None) is None:
             # (what stock computes on its first long forward, kept as it keeps it)
             module.long_inv_freq = ROPE_INIT_FUNCTIONS["longrope"](
                 module.config, module.original_inv_freq.device,
                 seq_len=_longrope_limit(module) + 1)[0]
+        if type(module) not in _SUBCLASSES.values():
+            module.__class__ = _subclass(type(module), module)
         found.append(module)
     return found
 
@@ -144,25 +143,23 @@ def _longrope_limit(module) -> int:
 
 def _per_token(module, x: torch.Tensor, position_ids: torch.Tensor, lengths: torch.Tensor):
     """cos, sin [1, N, dim] of packed positions [1, N], token i's from the frequencies of
-    length lengths[i], with the class's own arithmetic (`inv_freq` times the position, the
-    angles twice over, scaled by `attention_scaling`)."""
-    original = module.original_inv_freq.to(x.device)
+    length lengths[i], with the class's own arithmetic (`inv_freq` times the position, laid
+    out as the class does, times its scale)."""
+    original, scale = module.original_inv_freq.to(x.device), module.attention_scaling
     if module.rope_type == "longrope":
-        long = lengths > _longrope_limit(module)
-        grown = module.long_inv_freq.to(x.device)
+        long = (lengths > _longrope_limit(module))[:, None]
+        rope = module.config.rope_parameters
+        if module._rope_scaled:  # (PhiMoE: short factors throughout, its scale by length)
+            inv_freq = original
+            scale = torch.where(long, rope["long_mscale"], rope["short_mscale"]).float()
+        else:
+            inv_freq = torch.where(long, module.long_inv_freq.to(x.device), original)
     else:  # dynamic NTK: the base grown to each length past max_position_embeddings
-        long = lengths > module.original_max_seq_len
         grown = ROPE_INIT_FUNCTIONS[module.rope_type](module.config, x.device,
                                                       seq_len=lengths[:, None])[0]
-    inv_freq = torch.where(long[:, None], grown, original)  # [N, dim / 2]
-    return _cos_sin(module, x, position_ids[0, :, None].float() * inv_freq.float())
-
-
-def _cos_sin(module, x: torch.Tensor, freqs: torch.Tensor):
-    """cos, sin [1, N, dim] of the angles `freqs` [N, dim / 2], laid out as the module's
-    class lays them out (`_LAYOUTS`), scaled by its `attention_scaling`."""
-    angles = _LAYOUTS[module._rope_layout](freqs)[None]
-    scale = module.attention_scaling
+        inv_freq = torch.where((lengths > module.original_max_seq_len)[:, None], grown, original)
+    angles = _LAYOUTS[module._rope_layout](position_ids[0, :, None].float() * inv_freq.float())
+    angles = angles[None]  # [1, N, dim]
     return (angles.cos() * scale).to(x.dtype), (angles.sin() * scale).to(x.dtype)
 
 
@@ -173,32 +170,52 @@ _LAYOUTS = {"halves": lambda f: torch.cat((f, f), dim=-1),
             "once": lambda f: f}
 
 
-def _layout(cls: type, module) -> str:
-    """Which of `_LAYOUTS` gives the class's own forward, bit for bit, on a probe of
-    `module` (its frequencies as they are); UnsupportedModelError if none does."""
-    own = inspect.unwrap(cls.forward)  # (without the length update)
-    inv_freq = module.inv_freq.float()
-    x = torch.zeros(1, 1, 1, dtype=inv_freq.dtype, device=inv_freq.device)
-    positions = torch.arange(37, device=inv_freq.device)[None]
-    with torch.no_grad():
-        expected = own(module, x, positions)
-        try:
-            for name in _LAYOUTS:
-                module._rope_layout = name  # (tried on the module, then taken off)
-                got = _cos_sin(module, x, positions[0, :, None].float() * inv_freq)
-                if all(torch.equal(a, b) for a, b in zip(got, expected)):
-                    return name
-        finally:
-            del module._rope_layout
+def _layout(cls: type, module) -> tuple[str, bool]:
+    """Which of `_LAYOUTS` the class's own forward takes, and whether its length scales the
+    result rather than the frequencies (PhiMoE's forward: its factors stay short, and its
+    `long_mscale` or `short_mscale` apply). Probed on `module` at a length under the limit
+    and, for LongRoPE, one past it: the class's own forward and `_per_token` must agree bit
+    for bit (dynamic NTK's grown base is Transformers' own function: probed short only).
+    UnsupportedModelError where no layout does."""
+    scalings = [False] + ([True] if module.rope_type == "longrope"
+                          and "long_mscale" in module.config.rope_parameters else [])
+    limit = _longrope_limit(module) if module.rope_type == "longrope" else \
+        module.original_max_seq_len
+    probes = [min(16, limit)] + ([limit + 2] if module.rope_type == "longrope" else [])
+    x = torch.zeros(1, 1, 1, device=module.original_inv_freq.device)
+    buffers = dict(module._buffers)
+    values, state = {k: v.clone() for k, v in buffers.items() if v is not None}, \
+        dict(module.__dict__)
+    try:
+        for name, scaled in [(name, scaled) for scaled in scalings for name in _LAYOUTS]:
+            module._rope_layout, module._rope_scaled = name, scaled  # (tried, then taken off)
+            if all(_agrees(cls, module, x, n) for n in probes):
+                return name, scaled
+    finally:  # (the class's own forward updates the module's frequencies)
+        module.__dict__.clear()
+        module.__dict__.update(state)
+        module._buffers.clear()
+        module._buffers.update(buffers)
+        with torch.no_grad():
+            for key, value in values.items():
+                buffers[key].copy_(value)
     raise UnsupportedModelError(
         f"{cls.__name__} scales its rotary frequencies by the forward's length, and computes "
         "its angles in a way the engine does not reproduce for each request's own length. "
         "Serve it with generate(cache_implementation=\"paged\").")
 
 
+def _agrees(cls, module, x: torch.Tensor, n: int) -> bool:
+    positions = torch.arange(n, device=x.device)[None]
+    with torch.no_grad():
+        expected = cls.forward(module, x, positions)
+        got = _per_token(module, x, positions, torch.full((n,), n, device=x.device))
+    return all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
 def _subclass(cls: type, module) -> type:
     if cls not in _SUBCLASSES:
-        layout, own = _layout(cls, module), cls.forward
+        (layout, scaled), own = _layout(cls, module), cls.forward
 
         def forward(self, x, position_ids, *args, **kwargs):
             lengths = _THREAD.lengths
@@ -211,7 +228,8 @@ def _subclass(cls: type, module) -> type:
 
         switched = type(f"PerToken{cls.__name__}", (cls,),
                         {"forward": forward, "__reduce_ex__": __reduce_ex__,
-                         "__module__": cls.__module__, "_rope_layout": layout})
+                         "__module__": cls.__module__, "_rope_layout": layout,
+                         "_rope_scaled": scaled})
         _SUBCLASSES[cls] = switched
     return _SUBCLASSES[cls]
 

@@ -41,6 +41,11 @@ def phi3_longrope():
                      max_position_embeddings=96, original_max_position_embeddings=LIMIT)
 
 
+def phimoe_longrope():
+    rope = dict(longrope(8), short_mscale=1.0, long_mscale=1.0)  # (PhiMoE's config needs them)
+    return make_arch("phimoe", rope_parameters=rope, max_position_embeddings=96)
+
+
 def llama_longrope():
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
@@ -55,8 +60,8 @@ def qwen2_dynamic():
                                                    factor=4.0), max_position_embeddings=LIMIT)
 
 
-MODELS = {"phi3_longrope": phi3_longrope, "llama_longrope": llama_longrope,
-          "qwen2_dynamic": qwen2_dynamic}
+MODELS = {"phi3_longrope": phi3_longrope, "phimoe_longrope": phimoe_longrope,
+          "llama_longrope": llama_longrope, "qwen2_dynamic": qwen2_dynamic}
 _built: dict = {}
 _stock: dict = {}
 
@@ -122,7 +127,8 @@ OPTIONS = {
 
 @pytest.mark.parametrize("name,option", [
     (name, option) for name in MODELS for option in OPTIONS
-    if not (option == "compiled" and name == "llama_longrope")])  # (Phi-3's covers LongRoPE)
+    if not (option == "compiled" and name in ("llama_longrope", "phimoe_longrope"))])
+    # (Phi-3's compiled run covers LongRoPE)
 def test_each_request_gets_the_frequencies_of_its_own_length(name, option, monkeypatch):
     """All prompts in one call, then each alone on the same engine (prefix-cache hits on
     the blocks of the first call): stock tokens and log-probabilities every time."""
