@@ -58,7 +58,8 @@ class Scheduler:
                  admission_headroom: float = 1.0, rope_switch: RopeSwitch | None = None):
         """sliding_window: of every layer (one KV group); groups: a hybrid model's KV groups
         instead (each with its window); admission_headroom: free blocks kept per running
-        sequence and group when admitting one more (0: admit while the first chunk fits)."""
+        sequence and group when admitting one more (0: admit while the first chunk fits);
+        rope_switch: Phi-3's LongRoPE switch (rope_switch.py), or None."""
         self.check_options(max_num_seqs, max_num_batched_tokens, preemption_mode,
                            admission_headroom)
         self.admission_headroom, self.pool, self.block_size = (admission_headroom, pool,

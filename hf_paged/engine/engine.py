@@ -421,7 +421,7 @@ class LLMEngine:
         for part in (items[:half], items[half:]):
             part = [i for i in part if not i.seq.finished]  # a sibling may have failed
             if part:
-                self._forward_isolated(Forward.of(part, adapter, in_flight, bool(f.prompts)),
+                self._forward_isolated(Forward.of(part, adapter, in_flight, bool(f.rope_lengths)),
                                        part, adapter, logits, touched, in_flight, first=False)
 
     def fail_all(self, error: str) -> list[RequestOutput]:

@@ -177,7 +177,7 @@ class DecodeGraphs:
         """Copies the step's inputs into the buffers; rows n..size become padding."""
         runner = self.runner
         # One copy to the device (the model is on one device: ids, tables, positions alike).
-        rope = (f.prompts or [0] * n) if runner.rope else []  # the rows' rotary lengths
+        rope = (f.rope_lengths or [0] * n) if runner.rope else []
         host = to_device(f.ids + f.positions + f.rows + rope, runner.kv_device)
         rows = host[2 * n:3 * n]
         for g, table in enumerate(self.tables):

@@ -68,18 +68,18 @@ class Forward:
     previous: torch.Tensor | None = None  # [R] long, on the sampler's device
     prompt_rows: list[int] = field(default_factory=list)
     prompt_spans: list[tuple] = field(default_factory=list)
-    prompts: list[int] | None = None  # the rows' rotary lengths, where the model needs them
+    rope_lengths: list[int] | None = None  # the rows' rotary lengths, where the model needs them
 
     @classmethod
     def of(cls, items: list, adapter: str | None, in_flight=None,
-           prompts: bool = False) -> "Forward":
+           rope: bool = False) -> "Forward":
         """The inputs of one forward over `items` (scheduled sequences); in_flight: the
         last step's sampling whose tokens some of them wait for (engine.InFlight);
-        prompts: keep each row's rotary length (hf/rope.py)."""
+        rope: keep each row's rotary length (hf/rope.py)."""
         f = cls(adapter)
         seqs = [item.seq for item in items]
-        if prompts:
-            f.prompts = [seq.rope_length or len(seq.prompt) for seq in seqs]
+        if rope:
+            f.rope_lengths = [seq.rope_length or len(seq.prompt) for seq in seqs]
         f.rows = [seq.row for seq in seqs]
         f.context = [item.start for item in items]
         f.counts = [item.count for item in items]
@@ -392,7 +392,7 @@ class ModelRunner:
         else:
             keep = to_device(want or [len(f.ids) - 1], self._index_device)
         try:
-            with self.rope.around(f.prompts, f.counts, positions):
+            with self.rope.around(f.rope_lengths, f.counts, positions):
                 logits = self.run_model(f.fill_pending(ids), positions, metas, keep,
                                         forward_adapter(self, f.adapter))
         except COMPILE_ERRORS as err:  # (raised again if the forward ran eagerly)

@@ -67,13 +67,14 @@ class TokenRope:
                  for m in self.rotaries]
         return ",".join(parts) if any(parts) else None
 
-    def around(self, prompts: list[int] | None, counts: list[int], positions: torch.Tensor):
+    def around(self, lengths: list[int] | None, counts: list[int], positions: torch.Tensor):
         """A context for a packed forward of rows of `counts` tokens at `positions` [N] (on
-        the device), whose rotary lengths are `prompts` (None: a draft model's, each
-        token's position): each token's own frequencies (`token_rope`)."""
+        the device), whose rotary lengths (prompt lengths, or all a sequence held when
+        computed anew) are `lengths` (None: a draft model's, each token's position): each
+        token's own frequencies (`token_rope`)."""
         if not self.rotaries:
             return contextlib.nullcontext()
-        host = to_device((prompts or [0] * len(counts)) + counts, positions.device)
+        host = to_device((lengths or [0] * len(counts)) + counts, positions.device)
         return token_rope(token_lengths(positions, *host.view(2, -1)))
 
 
