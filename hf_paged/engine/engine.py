@@ -403,15 +403,15 @@ class LLMEngine:
         except IsolationError:
             raise  # an engine bug, never a request's
         except Exception as err:  # noqa: BLE001
-            error = f"the model's forward failed on it: {describe(err)}"
+            error, every = f"the model's forward failed on it: {describe(err)}", False
             try:
                 if first and self.runner.model_changed():
                     self.scheduler.forget_prefixes()
                     return self._forward_isolated(f, items, adapter, logits, touched,
                                                   in_flight, first=False)
             except ModelChangedError as changed:  # (a layer beyond the pool's: for all)
-                error, first = str(changed), None
-            if len(items) == 1 or first is None:
+                error, every = str(changed), True
+            if len(items) == 1 or every:
                 if in_flight is not None:  # they keep their last token, as without async
                     self.output.land(in_flight, touched)
                 for request_id in dict.fromkeys([i.seq.request_id for i in items]):
@@ -421,7 +421,7 @@ class LLMEngine:
         for part in (items[:half], items[half:]):
             part = [i for i in part if not i.seq.finished]  # a sibling may have failed
             if part:
-                self._forward_isolated(Forward.of(part, adapter, in_flight, bool(f.rope_lengths)),
+                self._forward_isolated(Forward.of(part, adapter, in_flight, bool(self.runner.rope)),
                                        part, adapter, logits, touched, in_flight, first=False)
 
     def fail_all(self, error: str) -> list[RequestOutput]:

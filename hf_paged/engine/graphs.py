@@ -26,7 +26,7 @@ from contextlib import nullcontext
 
 import torch
 
-from ..hf.rope import token_rope
+from ..hf.rope import token_lengths, token_rope
 from ..kv.metadata import build_metadata, to_device
 
 logger = logging.getLogger("hf_paged")
@@ -188,7 +188,7 @@ class DecodeGraphs:
         self.ids[n:size].zero_()
         self.positions[n:size].zero_()
         if runner.rope:
-            torch.maximum(host[n:2 * n] + 1, host[3 * n:], out=self.lengths[:n])
+            self.lengths[:n].copy_(token_lengths(host[n:2 * n], host[3 * n:]))
             self.lengths[n:size].fill_(1)
 
     def _capture(self, size: int):

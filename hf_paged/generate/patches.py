@@ -270,7 +270,7 @@ def _paged_forward(original):
             args = ()
         cache = kwargs.get("past_key_values")
         if cache is None and kwargs.get("use_cache") is not False and recomputes_at_switch(self):
-            cache = kwargs["past_key_values"] = _recomputed(cache)
+            cache = kwargs["past_key_values"] = _recomputed()
         if not isinstance(cache, PagedCache):
             return original(self, *args, **kwargs)
         if cache.in_forward:  # the head's wrapper started this forward
@@ -296,12 +296,12 @@ def _paged_forward(original):
     return forward
 
 
-def _recomputed(cache):
+def _recomputed():
     """Where generate dropped the cache to compute anew (Phi-3's LongRoPE switch), inside a
     paged call: its PagedCache emptied (the pool kept), for the forward to fill again."""
     call = _call.get()
     if call is None or not call.caches:
-        return cache
+        return None
     call.caches[-1].recompute()
     return call.caches[-1]
 

@@ -74,7 +74,10 @@ class TokenRope:
         token's own frequencies (`token_rope`)."""
         if not self.rotaries:
             return contextlib.nullcontext()
-        host = to_device((lengths or [0] * len(counts)) + counts, positions.device)
+        rows = lengths or [0] * len(counts)
+        if len(counts) == positions.shape[0]:  # a token per row (decodes): nothing to repeat
+            return token_rope(token_lengths(positions, to_device(rows, positions.device)))
+        host = to_device(rows + counts, positions.device)
         return token_rope(token_lengths(positions, *host.view(2, -1)))
 
 
@@ -130,12 +133,14 @@ def token_rope(lengths: torch.Tensor):
         _THREAD.lengths = outer
 
 
-def token_lengths(positions: torch.Tensor, prompt_lengths: torch.Tensor,
-                  counts: torch.Tensor) -> torch.Tensor:
-    """positions [N] int64 of a packed forward, its rows' prompt lengths and token counts
-    [R] -> each token's length, max(position + 1, its row's prompt length) [N]."""
-    prompts = torch.repeat_interleave(prompt_lengths, counts, output_size=positions.shape[0])
-    return torch.maximum(positions + 1, prompts)
+def token_lengths(positions: torch.Tensor, row_lengths: torch.Tensor,
+                  counts: torch.Tensor | None = None) -> torch.Tensor:
+    """positions [N] int64 of a packed forward, its rows' rotary lengths and token counts
+    [R] (None: a token per row) -> each token's length, max(position + 1, its row's) [N]."""
+    if counts is not None:
+        row_lengths = torch.repeat_interleave(row_lengths, counts,
+                                              output_size=positions.shape[0])
+    return torch.maximum(positions + 1, row_lengths)
 
 
 def _longrope_limit(module) -> int:
