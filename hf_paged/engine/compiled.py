@@ -69,9 +69,15 @@ def compile_forward(model, backend: str, variant: tuple = (), model_guards: bool
 
         own = types.FunctionType(forward.__code__.replace(), forward.__globals__, "forward",
                                  None, forward.__closure__)
+        options = {"guard_filter_fn": not_on_weights if model_guards else on_inputs}
+        if backend == "inductor":
+            # Inductor computes a fused kernel's float16 / bfloat16 intermediates in float32
+            # unless told to round them where eager does: an 8-bit K/V's bfloat16 scale
+            # divided its values unrounded (5% of int8 values off by one from eager's),
+            # Falcon's bfloat16 ALiBi terms and a half-precision model's casts drifted.
+            options["emulate_precision_casts"] = True
         compiled[key] = torch.compile(own, fullgraph=True, dynamic=True, backend=backend,
-                                      options={"guard_filter_fn": not_on_weights
-                                               if model_guards else on_inputs})
+                                      options=options)
     return functools.partial(_traced, compiled[key], model, model_guards)
 
 
