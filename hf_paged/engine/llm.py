@@ -17,7 +17,7 @@ from numbers import Integral
 from dataclasses import replace
 
 from .engine import LLMEngine
-from .request import prompt_fields
+from .request import is_array, prompt_fields, tensor_ids
 from ..distributed import tensor_parallel as tp
 from ..errors import HFPagedError
 from ..outputs import CompletionOutput, RequestOutput
@@ -155,7 +155,7 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: list[int] | None = None,
                  adapter: str | list[str | None] | None = None) -> list[RequestOutput]:
-        """prompts: a string, a list of token ids, a prompt dict ({"prompt": text} or
+        """prompts: a string, a list (or 1-D tensor) of token ids, a prompt dict ({"prompt": text} or
         {"prompt_token_ids": ids}, optionally with "cache_salt"), or a list of these.
         adapter: the LoRA adapter of every prompt, or one per prompt (see
         `LLMEngine.add_request`). A request that can never run (too long for the model or
@@ -164,8 +164,10 @@ class LLM:
         InvalidRequestError before anything runs. If the call raises (or is interrupted),
         none of its requests stays queued: the `LLM` serves the next call as if this one
         had not happened. Calls from several threads run one after another."""
-        if isinstance(prompts, (str, Mapping)) or (isinstance(prompts, list) and prompts
-                                                   and isinstance(prompts[0], Integral)):
+        if is_array(prompts):  # one prompt's ids (2-D: refused, named)
+            prompts = [tensor_ids(prompts)]
+        elif isinstance(prompts, (str, Mapping)) or (isinstance(prompts, list) and prompts
+                                                     and isinstance(prompts[0], Integral)):
             prompts = [prompts]
         prompts = list(prompts)
         params = _per_prompt("sampling params", sampling_params, prompts)

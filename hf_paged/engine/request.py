@@ -45,6 +45,8 @@ def prompt_ids(prompt, params: SamplingParams, tokenizer, vocab_size: int,
             raise InvalidRequestError("A text prompt needs a tokenizer; pass token ids, or "
                                       "give the engine a tokenizer.", "prompt")
         text, prompt = prompt, tokenizer(prompt)["input_ids"]
+    if is_array(prompt):  # (a tokenizer's input_ids[0])
+        prompt = tensor_ids(prompt)
     try:
         prompt = list(prompt)
     except TypeError:
@@ -59,6 +61,24 @@ def prompt_ids(prompt, params: SamplingParams, tokenizer, vocab_size: int,
         raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size}); "
                                   f"got {bad}.", "prompt")
     return text, truncated(prompt, params.truncate_prompt_tokens, context)
+
+
+def is_array(prompt) -> bool:
+    """Whether `prompt` is a tensor or a numpy array."""
+    return isinstance(prompt, torch.Tensor) or type(prompt).__module__ == "numpy"
+
+
+def tensor_ids(prompt) -> list[int]:
+    """A prompt's token ids given as a tensor or numpy array [T] of integers -> list. A 2-D
+    one is refused: a tokenizer's batch is padded, and its pad tokens would run as prompt."""
+    prompt = torch.as_tensor(prompt)
+    if prompt.dim() != 1 or prompt.dtype.is_floating_point or prompt.dtype.is_complex \
+            or prompt.dtype == torch.bool:
+        raise InvalidRequestError(
+            f"a prompt tensor or array must hold one prompt's token ids, 1-D integers; got "
+            f"shape {tuple(prompt.shape)} of {prompt.dtype}. For a batch, pass a list of prompts "
+            "(a padded batch's rows would run its pad tokens as prompt).", "prompt")
+    return prompt.tolist()
 
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")

@@ -42,6 +42,31 @@ def test_prompt_dicts_run_like_their_text_and_ids(llm):
     assert len(single) == 1 and single[0].outputs[0].token_ids == ref
 
 
+def test_token_ids_as_a_tensor_or_array_run_like_the_list(llm):
+    """A tokenizer's `input_ids[0]` (tensor or numpy), alone, in a list or in a dict."""
+    import numpy as np
+
+    ids = llm.get_tokenizer()("w5 w6 w7")["input_ids"]
+    ref = stock_greedy(long_model("llama_gqa"), ids, 5)
+    for prompts in (torch.tensor(ids), np.array(ids), torch.tensor(ids, dtype=torch.int32),
+                    [torch.tensor(ids), np.array(ids), {"prompt_token_ids": torch.tensor(ids)}]):
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [ref] * len(outs)
+        assert all(o.prompt_token_ids == ids and type(o.prompt_token_ids[0]) is int
+                   for o in outs)
+
+
+@pytest.mark.parametrize("prompt", [torch.tensor([[5, 6, 7]]), torch.tensor([5.0, 6.0]),
+                                    torch.tensor(5), [torch.tensor([[5, 6], [0, 7]])]])
+def test_a_batch_tensor_or_one_of_floats_is_refused_by_name(llm, prompt):
+    """A 2-D tensor is a padded batch whose pad tokens would run as prompt: refused."""
+    with pytest.raises(InvalidRequestError, match="1-D integers; got shape") as err:
+        llm.generate(prompt, GREEDY, use_tqdm=False)
+    assert err.value.param == "prompt"
+    stats = llm.stats()
+    assert stats.waiting == stats.running == stats.blocks_used == 0
+
+
 @pytest.mark.parametrize("prompt, match", [
     ({"prompt_token_ids": [5], "multi_modal_data": {}}, "multi_modal_data"),
     ({"cache_salt": "b"}, "needs"),
