@@ -72,9 +72,8 @@ def compile_forward(model, backend: str, variant: tuple = (), model_guards: bool
         options = {"guard_filter_fn": not_on_weights if model_guards else on_inputs}
         if backend == "inductor":
             # Inductor computes a fused kernel's float16 / bfloat16 intermediates in float32
-            # unless told to round them where eager does: an 8-bit K/V's bfloat16 scale
-            # divided its values unrounded (5% of int8 values off by one from eager's),
-            # Falcon's bfloat16 ALiBi terms and a half-precision model's casts drifted.
+            # unless told to round them where eager does: a half-precision model (whose
+            # RMSNorm, rotary and softmax round between float32 ops) drifted from eager.
             options["emulate_precision_casts"] = True
         compiled[key] = torch.compile(own, fullgraph=True, dynamic=True, backend=backend,
                                       options=options)

@@ -155,8 +155,9 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: list[int] | None = None,
                  adapter: str | list[str | None] | None = None) -> list[RequestOutput]:
-        """prompts: a string, a list (or 1-D tensor) of token ids, a prompt dict ({"prompt": text} or
-        {"prompt_token_ids": ids}, optionally with "cache_salt"), or a list of these.
+        """prompts: a string, a list (or 1-D tensor or array) of token ids, a prompt dict
+        ({"prompt": text} or {"prompt_token_ids": ids}, optionally with "cache_salt"), or a
+        list of these.
         adapter: the LoRA adapter of every prompt, or one per prompt (see
         `LLMEngine.add_request`). A request that can never run (too long for the model or
         the pool) comes back with finish_reason "error" and `error` set, as does one that

@@ -76,8 +76,8 @@ def tensor_ids(prompt) -> list[int]:
             or prompt.dtype == torch.bool:
         raise InvalidRequestError(
             f"a prompt tensor or array must hold one prompt's token ids, 1-D integers; got "
-            f"shape {tuple(prompt.shape)} of {prompt.dtype}. For a batch, pass a list of prompts "
-            "(a padded batch's rows would run its pad tokens as prompt).", "prompt")
+            f"shape {tuple(prompt.shape)} of {prompt.dtype}. For a batch, pass a list of "
+            "prompts (a padded batch's rows would run its pad tokens as prompt).", "prompt")
     return prompt.tolist()
 
 
