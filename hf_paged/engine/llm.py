@@ -17,7 +17,7 @@ from numbers import Integral
 from dataclasses import replace
 
 from .engine import LLMEngine
-from .request import is_array, prompt_fields, tensor_ids
+from .request import is_array, prompt_fields
 from ..distributed import tensor_parallel as tp
 from ..errors import HFPagedError
 from ..outputs import CompletionOutput, RequestOutput
@@ -165,11 +165,9 @@ class LLM:
         InvalidRequestError before anything runs. If the call raises (or is interrupted),
         none of its requests stays queued: the `LLM` serves the next call as if this one
         had not happened. Calls from several threads run one after another."""
-        if is_array(prompts):  # one prompt's ids (2-D: refused, named)
-            prompts = [tensor_ids(prompts)]
-        elif isinstance(prompts, (str, Mapping)) or (isinstance(prompts, list) and prompts
-                                                     and isinstance(prompts[0], Integral)):
-            prompts = [prompts]
+        if is_array(prompts) or isinstance(prompts, (str, Mapping)) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], Integral)):
+            prompts = [prompts]  # (one prompt; a tensor's ids are read, and checked, as any)
         prompts = list(prompts)
         params = _per_prompt("sampling params", sampling_params, prompts)
         priority = _per_prompt("priorities", priority, prompts)
