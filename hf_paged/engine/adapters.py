@@ -102,6 +102,12 @@ class RuntimeAdapters:
         if not os.path.isfile(os.path.join(str(path), "adapter_config.json")):
             raise InvalidRequestError(f"lora_path {path!r} is not a PEFT adapter folder (no "
                                       "adapter_config.json).", "lora_path")
+        if runner.model is runner.base and getattr(runner.model, "peft_config", None):
+            raise InvalidRequestError(
+                "This model holds adapters that Transformers' own load_adapter put in, which "
+                "run on every request as part of the model; PEFT could not pick one per "
+                "request beside them. Serve a peft.PeftModel instead (its adapters are named "
+                "per request), or the model without adapters.", "lora_path")
         from peft import PeftConfig, PeftModel
 
         config = PeftConfig.from_pretrained(path)
@@ -184,6 +190,18 @@ class RuntimeAdapters:
             yield
         finally:
             runner.watch.changed(runner.model)  # (the new baseline)
+
+    def check_name(self, adapter: str) -> None:
+        """InvalidRequestError unless a request may name `adapter` (a live one, or the base
+        model, except where adapters Transformers put in run as part of the model)."""
+        runner = self.engine.runner
+        built_in = runner.model is runner.base and getattr(runner.model, "peft_config", None)
+        if adapter not in self.live + [BASE] or built_in:
+            raise InvalidRequestError(
+                f"unknown adapter {adapter!r}; the model has {self.live}." + (
+                    f" (Its adapters {list(built_in)}, which Transformers' load_adapter put "
+                    "in, run on every request as part of the model: serve a peft.PeftModel "
+                    "to name one per request.)" if built_in else ""), "model")
 
     @property
     def live(self) -> list[str]:

@@ -166,10 +166,9 @@ class LLMEngine:
         `add_prepared` then queues it."""
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError(f"request ids are non-empty strings; got {request_id!r}.")
-        if adapter is not None and adapter not in self.lora.live + [BASE]:
-            raise InvalidRequestError(f"unknown adapter {adapter!r}; the model has "
-                                      f"{self.lora.live}.", "model")
-        if adapter is None:  # named: its cached blocks are that adapter's, as its hold on it
+        if adapter is not None:
+            self.lora.check_name(adapter)
+        else:  # named: its cached blocks are that adapter's, as its hold on it
             adapter = default_adapter(self.runner)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError(f"priority must be an integer; got {priority!r}.",

@@ -102,7 +102,7 @@ class ModelWatch:
             # Layers the forward indexes its K/V by (added layers: more than the pool holds).
             self.layers = 1 + max((m.__dict__["layer_idx"] for m in modules
                                    if isinstance(m.__dict__.get("layer_idx"), int)), default=-1)
-            self._layer = None if names is None else first_tuner_layer(model)
+            self._tuners = () if names is None else tuner_layers(modules)
         params = [slots.get(name) for slots, name in self._slots]  # (None: deleted since)
         try:
             weights = [None if p is None or p.is_meta else (id(p), p._version, p.data_ptr())
@@ -111,22 +111,21 @@ class ModelWatch:
             weights = [None if p is None or p.is_meta else (
                 id(p), -1 if p.is_inference() else p._version, p.data_ptr()) for p in params]
         return (self._layouts, weights,
-                None if names is None else (names, adapters_state(self._layer)))
+                None if names is None else (names, [adapters_state(t) for t in self._tuners]))
 
 
-def first_tuner_layer(model):
-    """A PEFT model's first adapter layer (they are switched, disabled and merged as one)."""
+def tuner_layers(modules) -> list:
+    """A PEFT model's adapter layers. Each is watched: an adapter may sit on some layers
+    only, and `set_scale` or a merge can reach one layer alone."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    return next((m for m in model.modules() if isinstance(m, BaseTunerLayer)), None)
+    return [m for m in modules if isinstance(m, BaseTunerLayer)]
 
 
-def adapters_state(layer) -> tuple | None:
+def adapters_state(layer) -> tuple:
     """What decides which adapters a PEFT layer adds, and how: the active ones, whether
     they are disabled (`with model.disable_adapter()`), those merged into the base weights,
     and their scalings."""
-    if layer is None:
-        return None
     scaling = getattr(layer, "scaling", None)
     return (tuple(layer.active_adapters), layer.disable_adapters, tuple(layer.merged_adapters),
             None if not isinstance(scaling, dict) else tuple(scaling.items()))

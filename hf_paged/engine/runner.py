@@ -162,9 +162,12 @@ class DeviceStep:
 
 
 def unwrap(model):
-    """(model to call, the Transformers model under it, its PEFT adapter names)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    config = getattr(model, "peft_config", None) or {}
+    """(model to call, the Transformers model under it, its PEFT adapter names). Adapters
+    Transformers put into the model itself (`model.load_adapter`) are not among the names:
+    its forward runs the active ones on every row, as part of the model's weights."""
+    peft = hasattr(model, "get_base_model")
+    base = model.get_base_model() if peft else model
+    config = (getattr(model, "peft_config", None) or {}) if peft else {}
     for name, adapter in config.items():
         if getattr(adapter, "is_prompt_learning", False):
             raise UnsupportedModelError(

@@ -571,6 +571,7 @@ def test_adapters_changed_by_the_models_owner_reuse_no_cached_prefix(tmp_path):
     under the same name, none, for the second), trains it, switches, merges, unmerges. Each
     call equals stock generate on the model as it is and finds no block cached before."""
     from peft import LoraConfig, TaskType, get_peft_model
+    from peft.tuners.lora.layer import LoraLayer
     from transformers import LlamaForCausalLM
 
     model = two_adapter_model("a", "b")
@@ -591,12 +592,49 @@ def test_adapters_changed_by_the_models_owner_reuse_no_cached_prefix(tmp_path):
         with torch.no_grad():  # an adapter the engine has never seen
             model.base_model.model.model.layers[0].self_attn.k_proj.lora_B["d"].weight.mul_(3)
 
+    def rescaled():  # on its last layer alone: the engine watches every adapter layer
+        [*_, last] = (m for m in model.modules() if isinstance(m, LoraLayer))
+        last.set_scale("b", 0.5)
+
     disabled = model.disable_adapter()
     assert check() < check()
     for change in [disabled.__enter__, lambda: disabled.__exit__(None, None, None),
                    lambda: loaded("c"), lambda: loaded("d"), trained,
-                   lambda: model.set_adapter("b"), model.merge_adapter, model.unmerge_adapter]:
+                   lambda: model.set_adapter("b"), rescaled, model.merge_adapter,
+                   model.unmerge_adapter]:
         change()
         hits = llm.stats().prefix_cache_hit_tokens
         assert check() == hits
         assert check() > hits
+
+
+def test_adapters_transformers_loaded_run_as_part_of_the_model(tmp_path):
+    """Adapters put in by Transformers' own `model.load_adapter` (no PeftModel) run on every
+    row as the model's forward runs them: served as given and watched like weights (switched
+    or disabled: no cached prefix reused). Naming one per request, or loading one at runtime
+    beside them, is refused by name: PEFT could not pick one per row there."""
+    from peft import LoraConfig, TaskType, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    model = long_model("llama_gqa")
+    for name, seed in (("a", 21), ("b", 22)):
+        torch.manual_seed(seed)
+        get_peft_model(LlamaForCausalLM(model.config), LoraConfig(
+            task_type=TaskType.CAUSAL_LM, r=4, target_modules="all-linear",
+            init_lora_weights=False)).save_pretrained(tmp_path / name)
+        model.load_adapter(str(tmp_path / name), adapter_name=name)
+    model.set_adapter("a")
+    llm = LLM(model, block_size=4, num_blocks=120)
+    shared = list(range(20, 44))
+    check = stock_checker(llm, model, [shared + [5, 6], shared + [7]], 6)
+    assert check() < check()
+    for change in [lambda: model.set_adapter("b"), model.disable_adapters]:
+        change()
+        hits = llm.stats().prefix_cache_hit_tokens
+        assert check() == hits
+    params = SamplingParams(temperature=0, max_tokens=2)
+    with pytest.raises(InvalidRequestError, match="load_adapter put in"):
+        llm.generate([shared], params, use_tqdm=False, adapter=["b"])
+    with pytest.raises(InvalidRequestError, match="peft.PeftModel"):
+        llm.engine.lora.load("c", str(tmp_path / "a"))
+    assert check() > llm.stats().prefix_cache_hit_tokens - 100  # (still serving)
