@@ -343,7 +343,7 @@ class ChatCompletionRequest(_Sampling, ChatTemplateOptions):
         choice = self.tool_choice or ("auto" if self.tools else "none")
         if choice == "none":
             return None
-        return ToolMode(parser, choice, self.parallel_tool_calls)
+        return ToolMode(parser, choice, self.parallel_tool_calls, self.skip_special_tokens)
 
     def forced_tool_schema(self, mode: ToolMode | None) -> dict | None:
         if mode is None or not mode.forced:
@@ -418,16 +418,16 @@ def completion_response(request_id: str, model: str, results: list[RequestOutput
 
 
 def chat_response(request_id: str, model: str, result: RequestOutput, pieces: TokenPieces,
-                  top: int, tools: ToolMode | None = None, raw_text=None, echo: str = "",
+                  top: int, tools: ToolMode | None = None, tokenizer=None, echo: str = "",
                   prompt_logprobs: int | None = None) -> dict:
-    """tools: how answers become tool calls; raw_text(out): its text with special tokens;
-    echo: text before each answer's content; prompt_logprobs: vLLM's field, asked for."""
+    """tools: how answers become tool calls (read with `tokenizer`); echo: text before
+    each answer's content; prompt_logprobs: vLLM's field, asked for."""
     choices = []
     for out in result.outputs:
         message = {"role": "assistant", "content": echo + out.text}
         finish = out.finish_reason
         if tools is not None and out.finished:
-            content, calls = tools.answer(out.text, raw_text(out))
+            content, calls = tools.answer(out, tokenizer)
             if calls:
                 message = {"role": "assistant",
                            "content": echo + (content or "") if echo else content,

@@ -136,14 +136,6 @@ class _Server:
         tokenizer = self.llm.tokenizer
         return "" if tokenizer is None else await self.off_loop(tokenizer.decode, ids)
 
-    def raw_text(self, out) -> str:
-        """A completion's text with special tokens (tool-call markers may be special), the
-        EOS or stop token that ended it left out."""
-        ids = out.token_ids
-        if out.finish_reason == "stop" and not isinstance(out.stop_reason, str) and ids:
-            ids = ids[:-1]  # (an EOS or a stop token)
-        return self.llm.tokenizer.decode(ids, skip_special_tokens=False)
-
     async def chat_tokens(self, messages: list, options: ChatTemplateOptions,
                           add_special_tokens: bool = False, tools: list | None = None
                           ) -> list[int]:
@@ -441,7 +433,7 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
         if results is None:
             return Response(status_code=499)
         return await server.respond(chat_response, rid, body.model, results[0], server.pieces,
-                                    top or 0, tools, server.raw_text, body.echoed(),
+                                    top or 0, tools, server.llm.tokenizer, body.echoed(),
                                     body.prompt_logprobs)
 
     document(app, [CompletionRequest, ChatCompletionRequest, *EXTRA_BODIES])

@@ -157,7 +157,7 @@ async def completion_events(server, body, rid, streams, echo=None):
 def _tool_choice(server, tools, c, sent: list, top: int) -> dict:
     """The last chunk of a held answer: what is left of its content, then its calls, with
     the logprobs of the tokens held (as a response without streaming has them)."""
-    content, calls = tools.answer(c.text, server.raw_text(c))
+    content, calls = tools.answer(c, server.llm.tokenizer)
     delta: dict = {}
     rest = (content or "")[sent[1]:] if calls else c.text[sent[1]:]
     if rest:
@@ -191,7 +191,7 @@ async def chat_events(server, body, rid, stream, top, tools=None):
                         "role": "assistant", "content": body.echoed()}, "logprobs": None,
                         "finish_reason": None}]))
                     deltas.sent.setdefault(c.index, [0, 0, False])
-                if tools is not None and (c.index in held or tools.holds(server.raw_text(c))):
+                if tools is not None and (c.index in held or tools.holds(c, server.llm.tokenizer)):
                     held.add(c.index)
                     if c.finished and not deltas.sent[c.index][2]:  # (once: with n > 1,
                         # later outputs still show a choice that has ended)

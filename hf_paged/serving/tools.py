@@ -161,34 +161,65 @@ def parse(parser: str, text: str) -> tuple[str, list[ToolCall]]:
     is all content. `text` is decoded with special tokens (markers may be special). The
     content before a call loses its trailing whitespace only (a stream sends the rest as
     it comes, and holds whitespace back until something follows it)."""
+    start, calls = calls_at(parser, text)
+    return (text[:start].rstrip(), calls) if calls else (text, [])
+
+
+def calls_at(parser: str, text: str) -> tuple[int, list[ToolCall]]:
+    """(where in `text` the calls begin, the calls); (len(text), []) with no complete call."""
+    none = len(text), []
     if parser == "hermes":
         calls = []
         for match in _HERMES.finditer(text):
             found = _json_calls(match.group(1), "arguments")
             if found is None:
-                return text, []
+                return none
             calls += found
-        if not calls:
-            return text, []
-        return text[:text.index("<tool_call>")].rstrip(), calls
+        return (text.index("<tool_call>"), calls) if calls else none
     if parser == "mistral":
         if "[TOOL_CALLS]" not in text:
-            return text, []
-        head, _, body = text.partition("[TOOL_CALLS]")
-        calls = _json_calls(body.strip(), "arguments")
-        return (text, []) if calls is None else (head.rstrip(), calls)
+            return none
+        start = text.index("[TOOL_CALLS]")
+        calls = _json_calls(text[start + len("[TOOL_CALLS]"):].strip(), "arguments")
+        return none if calls is None else (start, calls)
     if parser == "llama3_json":
         body = text.strip().removeprefix("<|python_tag|>").strip()
         if not body.startswith("{"):
-            return text, []
+            return none
         calls = []
         for part in body.split(";"):
             found = _json_calls(part.strip(), "parameters")
             if found is None:
-                return text, []
+                return none
             calls += found
-        return "", calls
+        return 0, calls
     raise ValueError(f"unknown tool-call parser {parser!r}; known: {PARSERS}")
+
+
+def raw_text(tokenizer, out) -> str:
+    """A completion's text with special tokens (tool-call markers may be special), the
+    EOS or stop token that ended it left out."""
+    ids = out.token_ids
+    if out.finish_reason == "stop" and not isinstance(out.stop_reason, str) and ids:
+        ids = ids[:-1]  # (an EOS or a stop token)
+    return tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def shown_text(ids: list[int], raw: str, end: int, decode, skip_special_tokens: bool) -> str:
+    """The client's text of `raw[:end]`, where `raw` is `ids` decoded with special tokens:
+    the tokens whose raw text ends by `end`, decoded as the request decodes (special tokens
+    left out where it skips them), and the start of a token that runs past `end`."""
+    low, high = 0, len(ids)
+    while low < high:  # (the raw text grows with the tokens)
+        mid = (low + high + 1) // 2
+        if len(decode(ids[:mid], skip_special_tokens=False)) <= end:
+            low = mid
+        else:
+            high = mid - 1
+    head = decode(ids[:low], skip_special_tokens=False)
+    if not raw.startswith(head):  # (no token boundary to cut at)
+        return raw[:end]
+    return decode(ids[:low], skip_special_tokens=skip_special_tokens) + raw[len(head):end]
 
 
 def marker(parser: str) -> str:
@@ -203,28 +234,33 @@ class ToolMode:
     parser: str
     choice: object  # "auto", "required" or {"type": "function", "function": {"name": ...}}
     parallel: bool
+    skip_special_tokens: bool = True  # the request's: how its content reads
 
     @property
     def forced(self) -> bool:
         return self.choice != "auto"
 
-    def answer(self, text: str, raw: str) -> tuple[str | None, list[ToolCall]]:
-        """(content, calls) of a finished answer: `text` as the client would see it, `raw`
-        decoded with special tokens (its EOS left out)."""
+    def answer(self, out, tokenizer) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls) of a finished completion: calls are found in its text with
+        special tokens (`raw_text`), the content before them reads as `out.text` does."""
         if self.forced:
             try:
-                return None, forced_calls(text, self.choice)
+                return None, forced_calls(out.text, self.choice)
             except (json.JSONDecodeError, KeyError, TypeError):
-                return text, []  # cut short by max_tokens: not a call
-        content, calls = parse(self.parser, raw)
+                return out.text, []  # cut short by max_tokens: not a call
+        raw = raw_text(tokenizer, out)
+        start, calls = calls_at(self.parser, raw)
         if not calls:
-            return text, []
-        return content or None, calls if self.parallel else calls[:1]
+            return out.text, []
+        content = shown_text(out.token_ids, raw, start, tokenizer.decode,
+                             self.skip_special_tokens)
+        return content.rstrip() or None, calls if self.parallel else calls[:1]
 
-    def holds(self, raw: str) -> bool:
+    def holds(self, out, tokenizer) -> bool:
         """While streaming: the answer so far may be a call (stop sending it as content)."""
         if self.forced:
             return True
+        raw = raw_text(tokenizer, out)
         if self.parser == "llama3_json":
             return raw.lstrip().startswith(("{", "<|python_tag|>"))
         return marker(self.parser) in raw

@@ -278,13 +278,13 @@ def test_logit_bias_allowed_tokens_and_vllm_text_options(served):
 
     # the text tool calls are parsed from leaves out the EOS or stop token that ended it
     from hf_paged import CompletionOutput
+    from hf_paged.serving.tools import raw_text
 
-    state = served.server.config.app.state.server
     for reason, stop_reason in (("stop", None), ("stop", 9), ("stop", "w9"), ("length", None)):
         c = CompletionOutput(0, token_ids=[7, 8, 9], finish_reason=reason,
                              stop_reason=stop_reason)
         kept = [7, 8] if not isinstance(stop_reason, str) and reason == "stop" else [7, 8, 9]
-        assert state.raw_text(c) == served.tok.decode(kept, skip_special_tokens=False)
+        assert raw_text(served.tok, c) == served.tok.decode(kept, skip_special_tokens=False)
 
 
 def test_a_truncated_chat_prompt_leaves_room_for_its_default_max_tokens():

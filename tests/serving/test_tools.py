@@ -165,6 +165,23 @@ def test_auto_parses_the_models_own_calls(served, before):
     assert none.choices[0].message.content == call and not none.choices[0].message.tool_calls
 
 
+@pytest.mark.parametrize("skip", [True, False])
+def test_content_before_a_call_reads_as_the_text_does(served, skip):
+    """A special token in the content before a call (<s> here, pushed by logit_bias; a
+    Mistral-style marker is one itself) is left out of the content as it is of the text
+    when skip_special_tokens is on, kept when off; streamed content equals it."""
+    bos = served.tok.convert_tokens_to_ids("<s>")
+    kw = dict(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=200, temperature=0,
+              logit_bias={str(bos): 100}, extra_body={
+                  "skip_special_tokens": skip,
+                  "structured_outputs": {"regex": _regex("ab<s>cd " + CALL[5:])}})
+    choice = served.client.chat.completions.create(**kw).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == ("abcd" if skip else "ab<s>cd")
+    chunks = [c for c in served.client.chat.completions.create(**kw, stream=True) if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
+
+
 def test_tool_results_go_back_through_the_template(served):
     messages = MESSAGES + [
         {"role": "assistant", "content": None, "tool_calls": [{
