@@ -46,6 +46,21 @@ def _xgrammar():
 _SOURCE = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
 
+def _special_matches_no_text(xgr, info, tokenizer):
+    """`info` with the tokenizer's special tokens (those a decode with skip_special_tokens
+    leaves out) matching no text: xgrammar reads some as their literal text (a byte-level
+    BPE's "<s>"), which would satisfy a constraint with text the completion then lacks."""
+    special = {i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()
+               if t.special} | set(tokenizer.all_special_ids)
+    special = {i for i in special if i < info.vocab_size and info.decoded_vocab[i]}
+    if not special:
+        return info
+    vocab = [b"" if i in special else piece for i, piece in enumerate(info.decoded_vocab)]
+    return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=info.vocab_size,
+                             stop_token_ids=info.stop_token_ids,
+                             add_prefix_space=info.add_prefix_space)
+
+
 class Grammars:
     """Compiles constraints for one tokenizer and vocabulary, once per distinct constraint
     (any thread may call `compile`; matchers belong to the engine's thread)."""
@@ -61,6 +76,7 @@ class Grammars:
         # The model's own EOS ids end a completion (a tokenizer may name another one).
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=sorted(eos_ids) or None)
+        info = _special_matches_no_text(xgr, info, tokenizer)
         self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
         # JSON text (compact, as compiled here) never holds a byte below 0x20: xgrammar's
         # strings would take raw control characters, which JSON parsers refuse. Tokens

@@ -271,6 +271,20 @@ def test_a_slow_compile_holds_up_no_other_constraint(monkeypatch):
     assert len(got) == 2 and got[0] is got[1] and grammars.compiles == 2
 
 
+def test_a_special_token_never_stands_for_its_text():
+    """A constraint spelling a special token's text ("<s>") gets that text from ordinary
+    tokens, never from the special token (which the completion's text leaves out), however
+    strongly the model favours it."""
+    model, tok = setup()
+    bos = tok.convert_tokens_to_ids("<s>")
+    spec = S(regex=r"ab<s>cd|<s>x")
+    outs = LLM(model, tok, block_size=4, num_blocks=256).generate(
+        ["hello", "the fox"], SamplingParams(temperature=0, max_tokens=20, structured_outputs=spec,
+                                           logit_bias={bos: 100.0}), use_tqdm=False)
+    for out in outs:
+        assert bos not in out.outputs[0].token_ids and in_language(spec, out.outputs[0].text)
+
+
 def test_a_constraint_the_vocabulary_cannot_start_is_refused():
     """A WordPiece vocabulary of words and punctuation has no digit, brace or kana: such a
     constraint would fail its request at the first sample, so it is refused when added."""

@@ -167,19 +167,21 @@ def test_auto_parses_the_models_own_calls(served, before):
 
 @pytest.mark.parametrize("skip", [True, False])
 def test_content_before_a_call_reads_as_the_text_does(served, skip):
-    """A special token in the content before a call (<s> here, pushed by logit_bias; a
-    Mistral-style marker is one itself) is left out of the content as it is of the text
-    when skip_special_tokens is on, kept when off; streamed content equals it."""
-    bos = served.tok.convert_tokens_to_ids("<s>")
-    kw = dict(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=200, temperature=0,
-              logit_bias={str(bos): 100}, extra_body={
-                  "skip_special_tokens": skip,
-                  "structured_outputs": {"regex": _regex("ab<s>cd " + CALL[5:])}})
-    choice = served.client.chat.completions.create(**kw).choices[0]
-    assert choice.finish_reason == "tool_calls"
-    assert choice.message.content == ("abcd" if skip else "ab<s>cd")
-    chunks = [c for c in served.client.chat.completions.create(**kw, stream=True) if c.choices]
-    assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
+    """A special token in the content before a call (a Mistral-style marker is one itself)
+    is left out of the content as it is of the text when skip_special_tokens is on, kept
+    when off; a token running into the marker keeps its part before it."""
+    from hf_paged import CompletionOutput
+    from hf_paged.serving.tools import ToolMode
+
+    tok, bos = served.tok, served.tok.convert_tokens_to_ids("<s>")
+    for head in ("ab", "ab <"):
+        ids = tok.encode(head) + [bos] + tok.encode("cd " + CALL[5:])
+        out = CompletionOutput(0, text=tok.decode(ids, skip_special_tokens=skip), token_ids=ids,
+                               finish_reason="length")
+        content, calls = ToolMode("hermes", "auto", True, skip).answer(out, tok)
+        assert [c.name for c in calls] == ["get_weather"]
+        assert content == (head + ("" if skip else "<s>") + "cd")
+        assert out.text.startswith(content)  # (what a stream sent of the text goes on here)
 
 
 def test_tool_results_go_back_through_the_template(served):
