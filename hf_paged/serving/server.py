@@ -219,7 +219,13 @@ class _Server:
         def encode() -> bytes:
             return json.dumps(build(*args), ensure_ascii=False, allow_nan=False,
                               separators=(",", ":")).encode()
-        return Response(await self.off_loop(encode), media_type="application/json")
+        try:
+            body = await self.off_loop(encode)
+        except APIError:
+            if not self.draining:
+                raise
+            body = encode()  # (at shutdown, with the workers gone: the request's own error)
+        return Response(body, media_type="application/json")
 
     async def collect(self, streams: list[RequestStream], request: Request):
         """The final outputs of `streams`, or None if the client left first (then they are

@@ -463,6 +463,8 @@ def test_streamed_text_equals_the_final_text_with_a_byte_level_tokenizer(bytes_s
 
 # -- SIGTERM ------------------------------------------------------------------------------------
 def test_sigterm_ends_open_streams_with_an_error_and_done(tmp_path):
+    """Streams end with an error event and [DONE]; a running request without streaming
+    gets its answer so far with the error; one still compiling its constraint a 503."""
     model, tok = long_model("llama_gqa"), tokenizer_with_template()
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
@@ -486,6 +488,10 @@ def test_sigterm_ends_open_streams_with_an_error_and_done(tmp_path):
         compiling = ThreadPoolExecutor(1).submit(
             httpx.post, url + "/v1/completions", timeout=60, headers={"Authorization": "Bearer k1"},
             json={"model": "tiny", "prompt": [5, 6], "guided_regex": "(w5*)*" * 3000})
+        # A request without streaming, running: its partial answer, with the error.
+        running = ThreadPoolExecutor(1).submit(
+            httpx.post, url + "/v1/completions", timeout=60, headers={"Authorization": "Bearer k1"},
+            json={**body, "stream": False})
         time.sleep(0.5)
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60,
                           headers={"Authorization": "Bearer k2"}) as r:
@@ -504,6 +510,9 @@ def test_sigterm_ends_open_streams_with_an_error_and_done(tmp_path):
         assert time.time() - started < 30  # nothing waited for the compile
         r = compiling.result()
         assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
+        r = running.result()
+        assert r.status_code == 200 and "shutting down" in r.json()["error"]["message"]
+        assert r.json()["choices"][0]["finish_reason"] == "error"
     finally:
         proc.kill()
 
