@@ -164,10 +164,13 @@ class RuntimeAdapters:
             return False
         runner = self.engine.runner
         with self._own_change():
+            active = [a for a in runner.model.active_adapters if a != name]
             runner.model.delete_adapter(name)
             runner.adapters.remove(name)
             self.unloading.discard(name)
-            if not runner.model.peft_config:
+            if runner.model.peft_config:  # every layer runs what the model runs unnamed
+                _activate(runner.model, active or [next(iter(runner.model.peft_config))])
+            else:
                 # The last one: back to the plain model. (PEFT keeps the deleted adapter as
                 # the active one, and every forward after a later load then fails on its name.)
                 runner.model = runner.base if runner.none_means_base else \
@@ -207,6 +210,20 @@ class RuntimeAdapters:
     def live(self) -> list[str]:
         """Adapters that take requests."""
         return [a for a in self.engine.runner.adapters if a not in self.unloading]
+
+
+def _activate(model, active: list[str]) -> None:
+    """Makes `active` the adapters of every layer of a PEFT model (its parameters' trainable
+    flags kept). After a delete, PEFT moves each layer that ran the deleted adapter to one
+    of that layer's own (or keeps the deleted name as the model's): layers would disagree,
+    and the model's name for what it runs unnamed would be wrong."""
+    trainable = [(p, p.requires_grad) for p in model.parameters()]
+    try:
+        model.base_model.set_adapter(active if len(active) > 1 else active[0])
+        model.active_adapter = active[0]  # (PeftModel's own: the config its forward reads)
+    finally:
+        for parameter, flag in trainable:
+            parameter.requires_grad_(flag)
 
 
 def check_side_by_side(runner) -> None:

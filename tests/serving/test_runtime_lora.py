@@ -277,6 +277,29 @@ def test_adapters_load_after_the_last_one_was_unloaded(adapters, last):
     assert engine_text(engine) == stock(PROMPT)
 
 
+@pytest.mark.parametrize("given", [False, True])
+def test_unloading_the_active_adapter_leaves_the_others_whole(tmp_path, given):
+    """Adapters on different layers; the first (the one PEFT runs unnamed) is unloaded.
+    PEFT moved each layer that ran it to an adapter of that layer's own (one with a head of
+    its own kept running on the head), or kept its name as the model's (every later forward
+    failed). The rest run as stock; a request naming none runs the base model, or, in a PEFT
+    model given to the engine, the adapter that is now active (as PEFT's own delete picks)."""
+    made = {name: save_adapter(tmp_path / name, seed, target_modules=targets)
+            for name, seed, targets in (("qv", 5, ["q_proj", "v_proj"]), ("head", 6, ["lm_head"]),
+                                        ("mlp", 7, ["down_proj", "up_proj"]))}
+    model = make_model("llama_gqa")
+    if given:
+        model = PeftModel.from_pretrained(model, made["qv"], adapter_name="qv").eval()
+    engine = LLMEngine(model, block_size=4, num_blocks=200)
+    for name in ("qv", "head", "mlp")[given:]:
+        engine.lora.load(name, made[name])
+    engine.lora.begin_unload("qv")
+    assert engine.lora.finish_unload("qv")
+    for name in ("head", "mlp"):
+        assert engine_text(engine, name) == stock(PROMPT, made[name])
+    assert engine_text(engine) == stock(PROMPT, made["head"] if given else None)
+
+
 @pytest.mark.parametrize("first, second", [("head", "a"), ("a", "dora")])
 def test_adapters_peft_cannot_run_side_by_side_are_refused(adapters, first, second):
     """A DoRA adapter cannot be named per request, and an adapter beside one with
