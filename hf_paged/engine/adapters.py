@@ -21,7 +21,7 @@ import types
 import torch
 
 from ..core.prefix_cache import namespace
-from ..errors import InvalidRequestError, UnsupportedModelError
+from ..errors import InvalidRequestError, ModelChangedError, UnsupportedModelError
 
 BASE = "__base__"  # the adapter name of a PEFT model's base model (PEFT's own name for it)
 
@@ -115,26 +115,27 @@ class RuntimeAdapters:
             raise InvalidRequestError(f"The engine loads LoRA adapters; {path!r} is "
                                       f"{config.peft_type}.", "lora_path")
         with self._own_change():
-            before = (_snapshot(runner.model), runner.model, runner.none_means_base)
+            before = (_snapshot(runner.model), runner.model, runner.copied)
             try:
                 if hasattr(runner.model, "load_adapter") and hasattr(runner.model, "peft_config"):
                     runner.model.load_adapter(path, adapter_name=name)
                 else:  # a plain model: wrapped, its requests without an adapter stay on the base
                     trainable = [(p, p.requires_grad) for p in runner.model.parameters()]
+                    copied = []
                     try:  # (PEFT freezes every base parameter: shared with the caller's model)
                         runner.model = PeftModel.from_pretrained(
-                            private_copy(runner.model), path, adapter_name=name).eval()
+                            private_copy(runner.model, copied), path, adapter_name=name).eval()
                     finally:
                         for parameter, flag in trainable:
                             parameter.requires_grad_(flag)
-                    runner.none_means_base = True
+                    runner.copied = copied
                 runner.adapters.append(name)
                 check_side_by_side(runner)
             except Exception as err:  # noqa: BLE001 (shapes that do not fit this model, ...)
                 # PEFT put the adapter's layers in before its weights failed (or before it
                 # turned out not to run beside the others): the model goes back as it was.
                 _restore(before[0])
-                runner.model, runner.none_means_base = before[1:]
+                runner.model, runner.copied = before[1:]
                 if name in runner.adapters:
                     runner.adapters.remove(name)
                 if isinstance(err, UnsupportedModelError):
@@ -175,7 +176,7 @@ class RuntimeAdapters:
                 # the active one, and every forward after a later load then fails on its name.)
                 runner.model = runner.base if runner.none_means_base else \
                     runner.model.base_model.unload().eval()
-                runner.none_means_base = False
+                runner.copied = None
                 self.engine.model = runner.model
         for adapter in (name, None):  # every salt of it; None: blocks of the sum of several
             self.engine.scheduler.prefix.forget(namespace(adapter)[:-1])
@@ -249,13 +250,17 @@ def check_side_by_side(runner) -> None:
                 "runs unnamed).") from err
 
 
-def private_copy(model):
+def private_copy(model, copied: list | None = None):
     """A copy of `model`'s module tree for PEFT to put adapter layers into: new module
     objects sharing every parameter, buffer and config with `model`. Each copy's dicts,
     lists and sets are copied, with references to modules of the tree turned into the
     copies' and methods and partials bound to a module (accelerate's device hooks) rebound
-    to its copy."""
+    to its copy. copied: gets (module, its copy, its children now, its name) for
+    each (`follow`)."""
     copies = {id(m): object.__new__(type(m)) for m in model.modules()}
+    if copied is not None:
+        copied += [(m, copies[id(m)], dict(m._modules), name)
+                   for name, m in model.named_modules()]
 
     def mapped(value, module):
         if isinstance(value, (dict, list, set)):
@@ -282,6 +287,25 @@ def private_copy(model):
         copies[id(module)].__dict__.update(
             (key, mapped(value, module)) for key, value in module.__dict__.items())
     return copies[id(model)]
+
+
+def follow(copied: list) -> None:
+    """Parameters and buffers the caller put into its model in place of others since it was
+    copied (a new Parameter, load_state_dict(assign=True)) go into the copy too (tensors
+    updated in place are shared already). ModelChangedError for a module put in place of
+    another, added or removed: the copy, with PEFT's adapter layers in it, cannot follow."""
+    for module, mine, children, name in copied:
+        if module._modules != children:
+            raise ModelChangedError(
+                f"the model's {name or 'top'} module has had modules put in, replaced or "
+                "removed since this engine loaded a runtime adapter into its own copy of the "
+                "model's modules, which cannot follow. Build a new LLM (or LLMEngine) on the "
+                "model as it is now, or put the modules back.")
+        for slots in ("_parameters", "_buffers"):
+            theirs, ours = getattr(module, slots), getattr(mine, slots)
+            if any(ours.get(k, k) is not v for k, v in theirs.items()) or len(theirs) != len(ours):
+                ours.clear()
+                ours.update(theirs)
 
 
 def _snapshot(model) -> list:

@@ -37,7 +37,7 @@ from ..kv.placement import group_layers
 from ..kv import quant
 from ..kv.pool import KVPool, block_bytes
 from ..utils import cdiv
-from .adapters import drop_row_hooks, forward_adapter
+from .adapters import drop_row_hooks, follow, forward_adapter
 from .compiled import COMPILE_ERRORS, compile_forward, run_eagerly
 from .graphs import DecodeGraphs, wants_graphs
 from .model_watch import ModelWatch
@@ -192,8 +192,9 @@ class ModelRunner:
         (default 256 on CUDA, 64 elsewhere, and never more than a step's token budget
         `max_num_batched_tokens`: each running sequence decodes a token a step)."""
         self.model, base, self.adapters = unwrap(model)
-        # Requests with no adapter run the model as given, or its base once wrapped for one.
-        self.none_means_base = False
+        # A plain model wrapped for runtime adapters runs the engine's copy of its modules:
+        # (each module of the caller's, its copy, its children then, its name).
+        self.copied: list | None = None
         reason = unsupported_reason(base)
         if reason is not None:
             raise UnsupportedModelError(f"The engine cannot serve this model: {reason}.")
@@ -310,9 +311,17 @@ class ModelRunner:
         return (admitting or self.graphs is not None or self.compiled is not None) and \
             self.model_changed()
 
+    @property
+    def none_means_base(self) -> bool:
+        """Whether requests with no adapter run the base model (the model is wrapped for
+        runtime adapters), not the model as given."""
+        return self.copied is not None
+
     def model_changed(self) -> bool:
         """Whether the model's weights or adapters changed since the last look; graphs and
         a compiled forward made for another path of its forward are dropped."""
+        if self.copied is not None:
+            follow(self.copied)
         changed, path = self.watch.changed(self.model)
         if path:  # (a rotary module put in place of another is switched too)
             self.rope.rotaries = use_token_rope(self.base)

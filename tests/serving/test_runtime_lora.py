@@ -14,7 +14,7 @@ import torch
 from peft import LoraConfig, PeftModel, TaskType, get_peft_model
 
 from hf_paged import LLMEngine, SamplingParams
-from hf_paged.errors import InvalidRequestError, UnsupportedModelError
+from hf_paged.errors import InvalidRequestError, ModelChangedError, UnsupportedModelError
 from hf_paged.server import build_app
 from conftest import make_model, make_tokenizer
 from test_server import ServerThread
@@ -355,6 +355,34 @@ def test_a_runtime_adapter_stays_out_of_the_callers_model(adapters):
     assert engine_text(engine) == stock(PROMPT)
     with torch.no_grad():
         assert torch.equal(model(ids).logits, before)
+
+
+def test_the_engines_copy_follows_the_callers_new_parameters(adapters):
+    """With a runtime adapter, the engine runs its own copy of the model's modules: a
+    Parameter the caller puts in place of another reaches it (base and adapter requests
+    alike); a module put in place of another is a ModelChangedError naming it, until it is
+    put back."""
+    model = make_model("llama_gqa")
+    engine = LLMEngine(model, block_size=4, num_blocks=200)
+    engine.lora.load("a", adapters["a"])
+    assert engine_text(engine) == stock(PROMPT)
+    head = model.lm_head
+    with torch.no_grad():
+        model.lm_head.weight = torch.nn.Parameter(head.weight.flip(0).clone())
+    with_a = PeftModel.from_pretrained(make_model("llama_gqa"), adapters["a"]).eval()
+    texts = {}
+    for adapter, reference in ((None, make_model("llama_gqa")), ("a", with_a)):
+        reference.get_output_embeddings().weight = model.lm_head.weight  # ("a" has no head)
+        with torch.no_grad():
+            out = reference.generate(torch.tensor([PROMPT]), max_new_tokens=6,
+                                     do_sample=False, pad_token_id=0)[0, len(PROMPT):]
+        texts[adapter] = TOKENIZER.decode(out, skip_special_tokens=True)
+        assert engine_text(engine, adapter) == texts[adapter]
+    model.lm_head = torch.nn.Linear(head.in_features, head.out_features, bias=False)
+    with pytest.raises(ModelChangedError, match="the model's top module"):
+        engine_text(engine)
+    model.lm_head = head  # (the request stays queued, and runs now)
+    assert engine_text(engine, request_id="r2") == texts[None]
 
 
 def test_a_runtime_adapter_runs_in_a_model_with_device_hooks(adapters):
