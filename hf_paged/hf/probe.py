@@ -73,7 +73,8 @@ def _probe(model, placement: Placement | None, device: torch.device) -> str | No
     paged_kv = access.forward(metas[0], group_metas=metas)
     ids = torch.zeros(1, 1, dtype=torch.long, device=device)
     try:
-        with torch.no_grad(), paged_attention(model), _without_call_hooks(model):
+        with torch.no_grad(), paged_attention(model), _without_call_hooks(model), \
+                _state_kept(model):
             model(input_ids=ids, position_ids=torch.zeros_like(ids), past_key_values=paged_kv,
                   use_cache=True, **{KWARG: paged_kv})
     except PagedRouteError as err:
@@ -83,6 +84,25 @@ def _probe(model, placement: Placement | None, device: torch.device) -> str | No
         return (f"a one-token forward of {type(model).__name__} on the paged cache failed "
                 f"({type(err).__name__}: {err})")
     return None
+
+
+@contextlib.contextmanager
+def _state_kept(model):
+    """What a forward changes in its modules goes back as it was after the probe: it is the
+    state the caller's own forwards left (a dynamic-NTK rotary embedding grows its
+    frequencies with the longest input so far, and a one-token forward resets them)."""
+    saved = [(m, dict(m._buffers), {k: v for k, v in vars(m).items() if not k.startswith("_")})
+             for m in model.modules()]
+    try:
+        yield
+    finally:
+        for module, buffers, attributes in saved:
+            module._buffers.clear()
+            module._buffers.update(buffers)
+            for name in [k for k in vars(module) if not k.startswith("_")]:
+                if name not in attributes:
+                    delattr(module, name)
+            vars(module).update(attributes)
 
 
 @contextlib.contextmanager

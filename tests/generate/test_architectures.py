@@ -325,6 +325,37 @@ def test_the_probe_judges_each_kv_layout_of_a_class_apart():
         assert paged == stock and engine == stock
 
 
+def test_the_probe_leaves_the_state_the_models_forwards_left(monkeypatch):
+    """Dynamic NTK: a 150-token forward grew the rotary base past 64 positions; the probe's
+    one-token forward would reset it, and paged generate's tokens then differ from stock's
+    on the same model with the same history."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_paged.hf import probe
+
+    def model():
+        torch.manual_seed(0)
+        made = LlamaForCausalLM(LlamaConfig(
+            vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+            pad_token_id=0, rope_parameters={"rope_type": "dynamic", "factor": 4.0,
+                                             "rope_theta": 10000.0})).eval()
+        with torch.no_grad():
+            made.lm_head.weight.mul_(8.0)
+            made(torch.randint(3, 96, (1, 150), generator=torch.Generator().manual_seed(0)))
+        return made
+
+    stock, paged = model(), model()
+    rotary = paged.model.rotary_emb
+    grown = (rotary.inv_freq.clone(), rotary.max_seq_len_cached)
+    monkeypatch.setattr(probe, "_checked", {})  # (probed anew in this process)
+    assert route_reason(paged) is None
+    assert torch.equal(rotary.inv_freq, grown[0]) and rotary.max_seq_len_cached == grown[1]
+    ids = torch.randint(3, 96, (1, 80), generator=torch.Generator().manual_seed(1))
+    kwargs = dict(max_new_tokens=20, do_sample=False, pad_token_id=0, eos_token_id=None)
+    assert torch.equal(paged_run(paged, inputs=ids, **kwargs), stock.generate(ids, **kwargs))
+
+
 def test_values_of_their_own_size_without_a_latent():
     """MiMo-V2-Flash's values are narrower than its keys (v_head_dim) with no latent KV: the
     pool holds each at its size. (Its real layer pattern, whose sliding layers have twice
