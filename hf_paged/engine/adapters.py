@@ -245,9 +245,9 @@ def check_side_by_side(runner) -> None:
             raise UnsupportedModelError(
                 f"PEFT cannot run {what} beside the others of {runner.adapters} "
                 f"({type(err).__name__}: {str(err).rstrip('.')}): PEFT runs an adapter named "
-                "per request only if it is LoRA without DoRA and no adapter loaded beside it "
-                "has modules_to_save. Serve it apart, or load it first (the first adapter "
-                "runs unnamed).") from err
+                "per request only if it is LoRA without DoRA, none is merged into the weights "
+                "and no adapter loaded beside it has modules_to_save. Serve it apart, unmerge, "
+                "or load it first (the first adapter runs unnamed).") from err
 
 
 def private_copy(model, copied: list | None = None):

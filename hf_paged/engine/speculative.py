@@ -100,7 +100,13 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: prompt_lookup_min "
                              f"({config.prompt_lookup_min}) exceeds prompt_lookup_max "
                              f"({config.prompt_lookup_max}).")
-        if not 0 <= config.min_acceptance <= 1:
+        budget = config.draft_kv_cache_bytes
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
+                                   or budget < 1):
+            raise ValueError(f"speculative_config['draft_kv_cache_bytes'] must be a positive "
+                             f"integer (or None: the target's block count); got {budget!r}.")
+        if isinstance(config.min_acceptance, bool) or not isinstance(
+                config.min_acceptance, (int, float)) or not 0 <= config.min_acceptance <= 1:
             raise ValueError(f"speculative_config['min_acceptance'] must be in [0, 1]; got "
                              f"{config.min_acceptance!r}.")
         if (config.method == "draft_model") != (config.model is not None):

@@ -351,6 +351,10 @@ def test_a_draft_that_completes_a_constraint_and_ends_it():
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "unknown"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5}, "exceeds"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "draft_kv_cache_bytes": 0},
+     "draft_kv_cache_bytes"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "min_acceptance": "0.1"}, "min_acceptance"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "min_acceptance": None}, "min_acceptance"),
     ("ngram", "dict"),
 ])
 def test_bad_configs_are_named(config, message):
