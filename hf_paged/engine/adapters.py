@@ -24,6 +24,7 @@ from ..core.prefix_cache import namespace
 from ..errors import InvalidRequestError, ModelChangedError, UnsupportedModelError
 
 BASE = "__base__"  # the adapter name of a PEFT model's base model (PEFT's own name for it)
+_SHARED = ("_parameters", "_buffers")  # what `private_copy`'s modules share with the caller's
 
 
 def default_adapter(runner) -> str | None:
@@ -166,11 +167,14 @@ class RuntimeAdapters:
         runner = self.engine.runner
         with self._own_change():
             active = [a for a in runner.model.active_adapters if a != name]
-            runner.model.delete_adapter(name)
+            trainable = [(p, p.requires_grad) for p in runner.model.parameters()]
+            runner.model.delete_adapter(name)  # (which marks an adapter it activates trainable)
             runner.adapters.remove(name)
             self.unloading.discard(name)
             if runner.model.peft_config:  # every layer runs what the model runs unnamed
                 _activate(runner.model, active or [next(iter(runner.model.peft_config))])
+                for parameter, flag in trainable:
+                    parameter.requires_grad_(flag)
             else:
                 # The last one: back to the plain model. (PEFT keeps the deleted adapter as
                 # the active one, and every forward after a later load then fails on its name.)
@@ -196,11 +200,11 @@ class RuntimeAdapters:
             runner.watch.changed(runner.model)  # (the new baseline)
 
     def check_name(self, adapter: str) -> None:
-        """InvalidRequestError unless a request may name `adapter` (a live one, or the base
-        model, except where adapters Transformers put in run as part of the model)."""
-        runner = self.engine.runner
-        built_in = runner.model is runner.base and getattr(runner.model, "peft_config", None)
-        if adapter not in self.live + [BASE] or built_in:
+        """InvalidRequestError unless a request may name `adapter`: a live one, or BASE (the
+        served model; with adapters Transformers put in, the model with them, as it runs)."""
+        if adapter not in self.live + [BASE]:
+            runner = self.engine.runner
+            built_in = runner.model is runner.base and getattr(runner.model, "peft_config", None)
             raise InvalidRequestError(
                 f"unknown adapter {adapter!r}; the model has {self.live}." + (
                     f" (Its adapters {list(built_in)}, which Transformers' load_adapter put "
@@ -214,17 +218,12 @@ class RuntimeAdapters:
 
 
 def _activate(model, active: list[str]) -> None:
-    """Makes `active` the adapters of every layer of a PEFT model (its parameters' trainable
-    flags kept). After a delete, PEFT moves each layer that ran the deleted adapter to one
-    of that layer's own (or keeps the deleted name as the model's): layers would disagree,
-    and the model's name for what it runs unnamed would be wrong."""
-    trainable = [(p, p.requires_grad) for p in model.parameters()]
-    try:
-        model.base_model.set_adapter(active if len(active) > 1 else active[0])
-        model.active_adapter = active[0]  # (PeftModel's own: the config its forward reads)
-    finally:
-        for parameter, flag in trainable:
-            parameter.requires_grad_(flag)
+    """Makes `active` the adapters of every layer of a PEFT model. After a delete, PEFT
+    moves each layer that ran the deleted adapter to one of that layer's own (or keeps the
+    deleted name as the model's): layers would disagree, and the model's name for what it
+    runs unnamed would be wrong."""
+    model.base_model.set_adapter(active if len(active) > 1 else active[0])
+    model.active_adapter = active[0]  # (PeftModel's own: the config its forward reads)
 
 
 def check_side_by_side(runner) -> None:
@@ -252,15 +251,15 @@ def check_side_by_side(runner) -> None:
 
 def private_copy(model, copied: list | None = None):
     """A copy of `model`'s module tree for PEFT to put adapter layers into: new module
-    objects sharing every parameter, buffer and config with `model`. Each copy's dicts,
-    lists and sets are copied, with references to modules of the tree turned into the
-    copies' and methods and partials bound to a module (accelerate's device hooks) rebound
-    to its copy. copied: gets (module, its copy, its children now, its name) for
-    each (`follow`)."""
+    objects sharing every parameter, buffer and config with `model`, and each module's
+    dicts of them (a parameter or buffer the caller puts in place of another is the copy's
+    too). Each copy's other dicts, lists and sets are copied, with references to modules of
+    the tree turned into the copies' and methods and partials bound to a module
+    (accelerate's device hooks) rebound to its copy. copied: gets (module, its children
+    now, its name) for each (`follow`)."""
     copies = {id(m): object.__new__(type(m)) for m in model.modules()}
     if copied is not None:
-        copied += [(m, copies[id(m)], dict(m._modules), name)
-                   for name, m in model.named_modules()]
+        copied += [(m, dict(m._modules), name) for name, m in model.named_modules()]
 
     def mapped(value, module):
         if isinstance(value, (dict, list, set)):
@@ -285,27 +284,25 @@ def private_copy(model, copied: list | None = None):
 
     for module in model.modules():
         copies[id(module)].__dict__.update(
-            (key, mapped(value, module)) for key, value in module.__dict__.items())
+            (key, value if key in _SHARED else mapped(value, module))
+            for key, value in module.__dict__.items())
     return copies[id(model)]
 
 
 def follow(copied: list) -> None:
-    """Parameters and buffers the caller put into its model in place of others since it was
-    copied (a new Parameter, load_state_dict(assign=True)) go into the copy too (tensors
-    updated in place are shared already). ModelChangedError for a module put in place of
-    another, added or removed: the copy, with PEFT's adapter layers in it, cannot follow."""
-    for module, mine, children, name in copied:
+    """ModelChangedError for a module the caller put into its model in place of another,
+    added or removed since the engine copied its modules (`private_copy`): the copy, with
+    PEFT's layers in it, cannot follow. (Parameters and buffers need nothing: shared.)"""
+    for module, children, name in copied:
         if module._modules != children:
+            changed = sorted(k for k in module._modules.keys() | children.keys()
+                             if module._modules.get(k) is not children.get(k))
             raise ModelChangedError(
-                f"the model's {name or 'top'} module has had modules put in, replaced or "
-                "removed since this engine loaded a runtime adapter into its own copy of the "
-                "model's modules, which cannot follow. Build a new LLM (or LLMEngine) on the "
-                "model as it is now, or put the modules back.")
-        for slots in ("_parameters", "_buffers"):
-            theirs, ours = getattr(module, slots), getattr(mine, slots)
-            if any(ours.get(k, k) is not v for k, v in theirs.items()) or len(theirs) != len(ours):
-                ours.clear()
-                ours.update(theirs)
+                f"the model's {', '.join(f'{name}.{k}' if name else k for k in changed)} "
+                "changed (a module put in, replaced or removed) since this engine loaded a "
+                "runtime adapter into its own copy of the model's modules, which cannot "
+                "follow. Build a new LLM (or LLMEngine) on the model as it is now, or put "
+                "the module back.")
 
 
 def _snapshot(model) -> list:

@@ -168,8 +168,8 @@ class LLMEngine:
             raise InvalidRequestError(f"request ids are non-empty strings; got {request_id!r}.")
         if adapter is not None:
             self.lora.check_name(adapter)
-        else:  # named: its cached blocks are that adapter's, as its hold on it
-            adapter = default_adapter(self.runner)
+        else:  # one naming none gets the adapter it runs by name: its cached blocks and its
+            adapter = default_adapter(self.runner)  # hold on the adapter are that one's
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError(f"priority must be an integer; got {priority!r}.",
                                       "priority")

@@ -111,7 +111,7 @@ class ModelWatch:
             weights = [None if p is None or p.is_meta else (
                 id(p), -1 if p.is_inference() else p._version, p.data_ptr()) for p in params]
         return (self._layouts, weights,
-                None if names is None else (names, [adapters_state(t) for t in self._tuners]))
+                None if names is None else (names, adapters_state(self._tuners)))
 
 
 def tuner_layers(modules) -> list:
@@ -122,10 +122,16 @@ def tuner_layers(modules) -> list:
     return [m for m in modules if isinstance(m, BaseTunerLayer)]
 
 
-def adapters_state(layer) -> tuple:
-    """What decides which adapters a PEFT layer adds, and how: the active ones, whether
-    they are disabled (`with model.disable_adapter()`), those merged into the base weights,
-    and their scalings."""
-    scaling = getattr(layer, "scaling", None)
-    return (tuple(layer.active_adapters), layer.disable_adapters, tuple(layer.merged_adapters),
-            None if not isinstance(scaling, dict) else tuple(scaling.items()))
+def adapters_state(layers: list) -> tuple | None:
+    """What decides which adapters a PEFT model's layers add, and how: the active ones,
+    whether they are disabled (`with model.disable_adapter()`) and those merged into the
+    base weights, as the first layer has them (PEFT switches every layer at once), and each
+    layer's scalings and merges (`set_scale` and a merge can reach one layer alone)."""
+    if not layers:
+        return None
+    first = layers[0]
+    return (tuple(first.active_adapters), first.disable_adapters,
+            tuple(first.merged_adapters),
+            [(len(layer.merged_adapters), tuple(layer.scaling.values())
+              if isinstance(getattr(layer, "scaling", None), dict) else None)
+             for layer in layers])

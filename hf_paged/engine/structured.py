@@ -49,7 +49,9 @@ _SOURCE = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 def _special_matches_no_text(xgr, info, tokenizer):
     """`info` with the tokenizer's special tokens (those a decode with skip_special_tokens
     leaves out) matching no text: xgrammar reads some as their literal text (a byte-level
-    BPE's "<s>"), which would satisfy a constraint with text the completion then lacks."""
+    BPE's "<s>"), which would satisfy a constraint with text the completion then lacks.
+    (For every request: one that keeps special tokens in its text spells that text with
+    ordinary tokens too.)"""
     special = {i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()
                if t.special} | set(tokenizer.all_special_ids)
     special = {i for i in special if i < info.vocab_size and info.decoded_vocab[i]}

@@ -222,7 +222,7 @@ class _Server:
         try:
             body = await self.off_loop(encode)
         except APIError:
-            if not self.draining:
+            if not self.workers.closed:
                 raise
             body = encode()  # (at shutdown, with the workers gone: the request's own error)
         return Response(body, media_type="application/json")

@@ -210,15 +210,18 @@ def shown_text(ids: list[int], raw: str, end: int, decode, skip_special_tokens: 
     the tokens whose raw text ends by `end`, decoded as the request decodes (special tokens
     left out where it skips them), and the start of a token that runs past `end`."""
     low, high = 0, len(ids)
-    while low < high:  # (the raw text grows with the tokens)
+    while low < high:  # (the raw text grows with the tokens, mostly: see below)
         mid = (low + high + 1) // 2
         if len(decode(ids[:mid], skip_special_tokens=False)) <= end:
             low = mid
         else:
             high = mid - 1
+    # A character's byte tokens decode to a replacement character each until its last one:
+    # back to a boundary of whole characters.
     head = decode(ids[:low], skip_special_tokens=False)
-    if not raw.startswith(head):  # (no token boundary to cut at)
-        return raw[:end]
+    while not raw.startswith(head):
+        low -= 1
+        head = decode(ids[:low], skip_special_tokens=False)
     return decode(ids[:low], skip_special_tokens=skip_special_tokens) + raw[len(head):end]
 
 

@@ -47,6 +47,11 @@ class Workers:
         """fn(*args) on a worker; awaiting it from the event loop."""
         return await asyncio.wrap_future(self.submit(fn, *args))
 
+    @property
+    def closed(self) -> bool:
+        """Whether `fail` ended them (they take no work)."""
+        return self._error is not None
+
     def fail(self, error: BaseException) -> None:
         """Ends every open future with `error`, refuses new work and lets the threads end
         (a running call goes on to its end, unheard)."""

@@ -139,6 +139,22 @@ def test_bad_loads_are_400s(served, body, param):
     assert text_of(served, "base") == stock(PROMPT)
 
 
+def test_a_model_with_adapters_transformers_loaded_is_served_as_it_runs(adapters):
+    """Requests name the served model (BASE to the engine): it runs with the adapter its
+    own `load_adapter` put in; a runtime load beside it is a 400 that says why."""
+    model = make_model("llama_gqa")
+    model.load_adapter(adapters["a"], adapter_name="a")
+    app = build_app(model, TOKENIZER, served_model_name="m", block_size=4, num_blocks=128,
+                    runtime_lora=True)
+    with ServerThread(app) as server:
+        server.http = httpx.Client(base_url=server.url, timeout=120)
+        assert text_of(server, "m") == stock(PROMPT, adapters["a"])
+        r = server.http.post("/v1/load_lora_adapter",
+                             json={"lora_name": "b", "lora_path": adapters["b"]})
+        assert r.status_code == 400 and "peft.PeftModel" in r.json()["error"]["message"]
+        assert text_of(server, "m") == stock(PROMPT, adapters["a"])
+
+
 def test_runtime_lora_is_off_by_default(adapters):
     app = build_app(make_model("llama_gqa"), None, served_model_name="base", block_size=4,
                     num_blocks=64)
@@ -293,8 +309,10 @@ def test_unloading_the_active_adapter_leaves_the_others_whole(tmp_path, given):
     engine = LLMEngine(model, block_size=4, num_blocks=200)
     for name in ("qv", "head", "mlp")[given:]:
         engine.lora.load(name, made[name])
+    trainable = {id(p): p.requires_grad for p in engine.runner.model.parameters()}
     engine.lora.begin_unload("qv")
     assert engine.lora.finish_unload("qv")
+    assert all(trainable[id(p)] == p.requires_grad for p in engine.runner.model.parameters())
     for name in ("head", "mlp"):
         assert engine_text(engine, name) == stock(PROMPT, made[name])
     assert engine_text(engine) == stock(PROMPT, made["head"] if given else None)
@@ -379,7 +397,7 @@ def test_the_engines_copy_follows_the_callers_new_parameters(adapters):
         texts[adapter] = TOKENIZER.decode(out, skip_special_tokens=True)
         assert engine_text(engine, adapter) == texts[adapter]
     model.lm_head = torch.nn.Linear(head.in_features, head.out_features, bias=False)
-    with pytest.raises(ModelChangedError, match="the model's top module"):
+    with pytest.raises(ModelChangedError, match="the model's lm_head changed"):
         engine_text(engine)
     model.lm_head = head  # (the request stays queued, and runs now)
     assert engine_text(engine, request_id="r2") == texts[None]

@@ -172,16 +172,23 @@ def test_content_before_a_call_reads_as_the_text_does(served, skip):
     when off; a token running into the marker keeps its part before it."""
     from hf_paged import CompletionOutput
     from hf_paged.serving.tools import ToolMode
+    from conftest import make_byte_fallback_tokenizer
 
-    tok, bos = served.tok, served.tok.convert_tokens_to_ids("<s>")
-    for head in ("ab", "ab <"):
-        ids = tok.encode(head) + [bos] + tok.encode("cd " + CALL[5:])
-        out = CompletionOutput(0, text=tok.decode(ids, skip_special_tokens=skip), token_ids=ids,
-                               finish_reason="length")
-        content, calls = ToolMode("hermes", "auto", True, skip).answer(out, tok)
-        assert [c.name for c in calls] == ["get_weather"]
-        assert content == (head + ("" if skip else "<s>") + "cd")
-        assert out.text.startswith(content)  # (what a stream sent of the text goes on here)
+    # (byte fallback: a character's byte tokens decode to replacement characters until its
+    # last one, so the decoded text does not only grow token by token)
+    for tok in (served.tok, make_byte_fallback_tokenizer()):
+        bos = tok.convert_tokens_to_ids("<s>")
+        for head, tail in (("ab", "cd"), ("ab <", "cd"), ("a b", "😀"), ("", "é 😀")):
+            ids = [*tok.encode(head, add_special_tokens=False), bos]
+            content_ids = ids + tok.encode(tail, add_special_tokens=False)
+            ids = content_ids + tok.encode(CALL[5:], add_special_tokens=False)
+            out = CompletionOutput(0, text=tok.decode(ids, skip_special_tokens=skip),
+                                   token_ids=ids, finish_reason="length")
+            content, calls = ToolMode("hermes", "auto", True, skip).answer(out, tok)
+            assert [c.name for c in calls] == ["get_weather"]
+            assert content == tok.decode(content_ids, skip_special_tokens=skip).strip()
+            assert "<s>" not in content if skip else "<s>" in content
+            assert out.text.startswith(content)  # (what a stream sent of the text goes on)
 
 
 def test_tool_results_go_back_through_the_template(served):
