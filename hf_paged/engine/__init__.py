@@ -13,6 +13,9 @@ def run_worker(model, **options) -> None:
     """A tensor-parallel rank above 0: builds only the model runner (from LLMEngine
     `options`, the others checked as rank 0 checks them, so that an option rank 0 refuses
     every rank refuses) and runs the steps rank 0 broadcasts until it stops."""
+    from .llm import check_option_names
+
+    check_option_names("run_worker", options)
     runner_options, scheduler_options = engine_options(options)
     runner = ModelRunner(model, **runner_options,
                          max_num_batched_tokens=scheduler_options.get("max_num_batched_tokens"))

@@ -75,10 +75,9 @@ def load_tokenizer(path, required: bool = True):
         return None
 
 
-def model_and_tokenizer(front_end: str, model, tokenizer, dtype, options: dict):
-    """What `LLM` and `AsyncLLM` serve: `model` and `tokenizer` as given, each loaded if it
-    is a folder (the model in `dtype`, "auto": as saved). Options the engine does not take
-    are refused first, before anything loads."""
+def check_option_names(front_end: str, options: dict) -> None:
+    """TypeError naming the options LLMEngine does not take (`front_end`: who was given
+    them)."""
     import inspect
 
     parameters = inspect.signature(LLMEngine.__init__).parameters
@@ -88,6 +87,13 @@ def model_and_tokenizer(front_end: str, model, tokenizer, dtype, options: dict):
     if unknown and not any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
         raise TypeError(f"{front_end}() got unknown options {unknown}; the engine takes "
                         f"{known} (and dtype, for a model loaded from a folder).")
+
+
+def model_and_tokenizer(front_end: str, model, tokenizer, dtype, options: dict):
+    """What `LLM` and `AsyncLLM` serve: `model` and `tokenizer` as given, each loaded if it
+    is a folder (the model in `dtype`, "auto": as saved). Options the engine does not take
+    are refused first, before anything loads."""
+    check_option_names(front_end, options)
     if isinstance(model, (str, os.PathLike)):
         model, found = load_model(model, dtype=dtype)
         tokenizer = tokenizer if tokenizer is not None else found

@@ -16,10 +16,10 @@ The forward of every served model class (and of its decoder stack) is wrapped to
 (`_paged_forward`; Llama, Mistral and Falcon at `enable()`, any other class the first time
 generate or `prepare_model` sees it): on a `PagedCache` it has the cache plan the forward
 from the forward's own 2D mask (or a packed plan) and passes the forward's `PagedForward`
-down to the attention as the `paged_kv` keyword. Falcon computes
-attention inline, so `FalconAttention.forward` is wrapped (see `hf/falcon.py`). With PEFT
-loaded, `PeftModel.get_prompt` is wrapped on first use,
-so that prefix tuning's virtual tokens go into the paged cache. `disable()` undoes all of it
+down to the attention as the `paged_kv` keyword. Falcon computes attention inline, so
+`FalconAttention.forward` is wrapped (see `hf/falcon.py`). With PEFT loaded,
+`PeftModel.get_prompt` is wrapped on first use, so that prefix tuning's virtual tokens go
+into the paged cache. `disable()` undoes all of it
 and leaves a warning for `cache_implementation="paged"`, which Transformers would then
 route to its own continuous batching.
 """
@@ -32,6 +32,7 @@ import inspect
 import os
 import sys
 import threading
+import types
 import warnings
 from dataclasses import dataclass, field
 
@@ -43,14 +44,13 @@ from ..distributed.placement import input_device, model_placement
 from ..errors import HFPagedError, UnsupportedModelError
 from ..hf.architectures import (
     EAGER_MODELS, SUPPORTED_ARCHITECTURES, attention_features, attention_tp_size,
-    check_supported, kv_spec, tp_heads, unsupported_reason,
+    check_supported, forward_owner, kv_spec, tp_heads, unsupported_reason,
 )
 from ..hf.attention import ATTENTION_NAME, KWARG
 from ..hf.probe import route_reason
 from ..hf.register import register, unregister
 from ..hf.rope import recomputes_at_switch
-from ..hf.switch import paged_attention
-from ..hf.switch import release_paged_attention, use_paged_attention
+from ..hf.switch import paged_attention, release_paged_attention, use_paged_attention
 from ..kv.placement import group_layers
 from ..kv.pool import kept_pool
 from . import prefill as paged_prefill
@@ -381,30 +381,24 @@ _WRAPPERS = {
 }
 
 
-def _forward_owner(module) -> type | None:
-    """The class in `module`'s MRO that defines its forward, when it takes past_key_values."""
-    for cls in type(module).__mro__:
-        forward = cls.__dict__.get("forward")
-        if forward is not None:
-            params = inspect.signature(forward).parameters
-            return cls if "past_key_values" in params else None
-    return None
-
-
 def _wrap_forwards(model) -> None:
     """Wraps the forward of `model`'s class and of its decoder stack's (`model.model`), once
     per class, so that a PagedCache passed to them is prepared (see `_paged_forward`)."""
     if not _originals:  # disabled
         return
     for module in (model, getattr(model, "base_model", model)):
-        owner = _forward_owner(module)
-        if owner is None or (owner, "forward") in _originals:
+        owner = forward_owner(module)
+        if owner is None:
             continue
         with _patch_lock:
             if (owner, "forward") not in _originals:
-                original = owner.__dict__["forward"]
-                _originals[owner, "forward"] = original
+                _originals[owner, "forward"] = original = owner.__dict__["forward"]
                 owner.forward = _paged_forward(original)
+        # accelerate's hooks (device_map, offload) call the forward the module had when they
+        # were attached, bound to it: one bound before the class was wrapped ran unwrapped.
+        hooked = module.__dict__.get("_old_forward")
+        if getattr(hooked, "__func__", None) is _originals[owner, "forward"]:
+            module._old_forward = types.MethodType(owner.forward, module)
 
 
 def prepare_model(model) -> None:

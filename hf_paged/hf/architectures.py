@@ -274,3 +274,13 @@ def model_features(model) -> list[str]:
     if getattr(config, "alibi", False):
         features.append("ALiBi")
     return features
+
+
+def forward_owner(module) -> type | None:
+    """The class in `module`'s MRO that defines its forward, when it takes past_key_values."""
+    for cls in type(module).__mro__:
+        forward = cls.__dict__.get("forward")
+        if forward is not None:
+            params = inspect.signature(forward).parameters
+            return cls if "past_key_values" in params else None
+    return None

@@ -159,6 +159,26 @@ def test_offloaded_device_map_runs_on_one_pool_and_equals_stock(tmp_path, tokeni
         assert done[str(i)].outputs[0].token_ids == stock_greedy(model, prompt, 6)
 
 
+def test_a_class_first_served_after_accelerate_hooked_its_model(tmp_path, monkeypatch):
+    """accelerate's hooks call the forward a module had when the model was dispatched: the
+    forward of a class hf-paged wraps at its first paged call (all but Llama, Mistral and
+    Falcon), wrapped after that, was not reached (HFPagedError: the cache not prepared)."""
+    from hf_paged.generate import patches
+    from zoo import make_arch
+
+    model = make_arch("qwen3")
+    model.save_pretrained(tmp_path / "m")
+    for owner in (type(model), type(model.model)):  # as in a process new to the class
+        if (owner, "forward") in patches._originals:
+            monkeypatch.setattr(owner, "forward", patches._originals[owner, "forward"])
+            monkeypatch.delitem(patches._originals, (owner, "forward"))
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "m", device_map={"": "disk"},
+                                                 offload_folder=str(tmp_path / "off")).eval()
+    ids, mask = left_padded_batch([5, 9, 2])
+    assert_same(*both(model, input_ids=ids, attention_mask=mask, max_new_tokens=6,
+                      do_sample=False, return_dict_in_generate=True))
+
+
 @pytest.mark.parametrize("offload", ["cpu_offload", "disk_offload"])
 def test_a_model_offloaded_module_by_module_runs_where_its_hooks_run_it(
         tmp_path, monkeypatch, offload):

@@ -113,15 +113,17 @@ def test_tp_engine_equals_the_single_process_engine(kind, tmp_path):
 
 
 def test_options_rank_0_refuses_every_rank_refuses(tmp_path):
-    """A speculative_config or an engine flag that rank 0's LLM refuses, the other ranks'
-    run_worker refuses too, with the same message, instead of waiting for steps that never
-    come (the group then went on, and deadlocked, when rank 0 built another LLM)."""
+    """A speculative_config, an engine flag or an unknown option that rank 0's LLM refuses,
+    the other ranks' run_worker refuses too, with the same message, instead of waiting for
+    steps that never come (the group then went on, and deadlocked, when rank 0 built
+    another LLM)."""
     make_model("llama_gqa").save_pretrained(tmp_path / "model")
     torchrun("tp_engine.py", tmp_path / "model", tmp_path / "out.json", "refuse", timeout=240)
     rank0 = json.loads((tmp_path / "out.json").read_text())
     rank1 = json.loads((tmp_path / "out.json.1").read_text())
     assert rank0["refused"] == rank1 and "accepted" not in rank1
     assert "one device" in rank1[1] and "enable_prefix_caching" in rank1[2]
+    assert "unknown options ['bogus_option']" in rank1[3]
     assert len(rank0["greedy"]) == 10  # the group serves the next LLM
 
 
