@@ -59,6 +59,8 @@ ENCDEC = dict(d_model=64, decoder_layers=2, encoder_layers=2, decoder_attention_
 OVERRIDES = {
     "axk1": dict(MLA, n_shared_experts=1, q_lora_rank=32),
     "deepseek_v2": dict(MLA, n_shared_experts=1, seed=1),
+    "deepseek_v3": dict(MLA, n_shared_experts=1),
+    "falcon": dict(head_dim=UNSET),  # (a property of FalconConfig)
     "glm4_moe_lite": dict(MLA, n_shared_experts=1),
     "minicpm3": MLA,
     "youtu": MLA,
@@ -100,6 +102,10 @@ OVERRIDES = {
     "lfm2": dict(num_hidden_layers=4, full_attn_idxs=[1, 3]),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
     "granitemoehybrid": dict(layer_types=["mamba", "attention"]),
+    # (hybrids whose two default layers would hold no attention layer)
+    "qwen3_next": dict(layer_types=["linear_attention", "full_attention"]),
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1),
+    "recurrent_gemma": dict(block_types=["recurrent", "attention"]),
     **{mt: ENCDEC for mt in ["bart", "mbart", "pegasus", "blenderbot", "blenderbot-small",
                              "mvp", "plbart"]},
     "marian": dict(ENCDEC, decoder_vocab_size=VOCAB),

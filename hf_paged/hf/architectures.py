@@ -65,11 +65,16 @@ def unsupported_reason(model) -> str | None:
         return None
     other = sorted(set(getattr(text, "layer_types", None) or ()) - set(ATTENTION_LAYER_TYPES))
     if other:
-        return (f"{name} has {', '.join(other)} layers (not softmax attention: linear "
-                "attention, convolution, state-space or chunked layers), which a KV cache of "
-                "blocks cannot hold")
+        return (f"{name} has {', '.join(other)} layers; the paged cache serves models whose "
+                "layers are all full or sliding-window attention (linear-attention, "
+                "state-space and convolution layers keep a state of another kind, and "
+                "sparse, compressed or chunked attention picks its keys by rules of its own)")
     if getattr(model, "_is_stateful", False):
         return f"{name} carries recurrent state, which a KV cache of blocks cannot hold"
+    if not getattr(model, "_supports_attention_backend", False):
+        return (f"{name} does not declare that its attention runs on Transformers' "
+                "attention backends (its class's _supports_attention_backend), of which the "
+                "paged attention is one")
     # Cached self-attention (a layer_idx) that attends both ways: BERT-style heads without
     # is_decoder=True. Neither a decoder's cross-attention (to encoder states a causal LM
     # never gets) nor an uncached encoder (a vision tower's) counts.
@@ -80,9 +85,6 @@ def unsupported_reason(model) -> str | None:
     if bidirectional:
         return (f"{name}'s attention is bidirectional ({bidirectional[0]}.is_causal is False), "
                 "and the paged attention is causal")
-    if not getattr(model, "_supports_attention_backend", False):
-        return (f"{name}'s attention does not go through Transformers' attention interface, "
-                "so no attention implementation can read its keys from blocks")
     if getattr(text, "num_kv_shared_layers", 0):
         return f"{name}'s layers share other layers' KV caches, which the paged cache does not"
     if "past_key_values" not in inspect.signature(type(model).forward).parameters:
@@ -92,6 +94,12 @@ def unsupported_reason(model) -> str | None:
     except Exception as err:  # noqa: BLE001 - e.g. Gemma 4's head_dim differs per layer
         return (f"{name}'s layers do not share one KV shape (heads and head size), which one "
                 f"pool of equal blocks needs ({type(err).__name__}: {err})")
+    # (MiMo-V2-Flash's sliding layers hold twice the KV heads of its full ones, by its code)
+    widths = {getattr(m.k_proj, "out_features", None) for m in model.modules()
+              if hasattr(m, "layer_idx") and hasattr(m, "k_proj")} - {None}
+    if len(widths) > 1:
+        return (f"{name}'s layers do not share one KV shape (keys of {sorted(widths)} "
+                "features per token), which one pool of equal blocks needs")
     return None
 
 

@@ -221,7 +221,7 @@ def _refused():
     yield "eager ALiBi", make_model("falcon_alibi", attn_implementation="eager")
 
 
-_WHY = {"bypasses": "does not go through Transformers' attention interface",
+_WHY = {"bypasses": "does not declare that its attention runs on Transformers' attention",
         "recurrent": "recurrent state|state-space",
         "linear": "linear_attention layers",
         "encoder-decoder": "encoder-decoder",

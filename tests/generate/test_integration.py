@@ -73,7 +73,7 @@ def test_unsupported_architecture_warns_and_keeps_stock_behaviour():
                                          pad_token_id=0)).eval()
     ids = torch.randint(1, 64, (2, 7))
     ref = model.generate(ids, max_new_tokens=6, do_sample=False)
-    with pytest.warns(UserWarning, match="BloomForCausalLM's attention does not go through"):
+    with pytest.warns(UserWarning, match="BloomForCausalLM does not declare that its attention"):
         out = model.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation="paged")
     assert torch.equal(ref, out)
     assert model.config._attn_implementation != "paged"
