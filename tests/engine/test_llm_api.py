@@ -616,7 +616,9 @@ def test_adapters_transformers_loaded_run_as_part_of_the_model(tmp_path):
     from peft import LoraConfig, TaskType, get_peft_model
     from transformers import LlamaForCausalLM
 
-    model = long_model("llama_gqa")
+    from conftest import make_model
+
+    model = make_model("llama_gqa")  # (its own: load_adapter changes the model in place)
     for name, seed in (("a", 21), ("b", 22)):
         torch.manual_seed(seed)
         get_peft_model(LlamaForCausalLM(model.config), LoraConfig(
