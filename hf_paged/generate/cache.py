@@ -335,7 +335,7 @@ class PagedCache(PagedLayers, Cache):
         (all or nothing: the commit point of a forward)."""
         counts = step.counts
         rows = len(counts)
-        if self.device_table is None:
+        if first := self.device_table is None:
             self.tables.resize(rows)
             self.hidden.resize(rows)
             cols = cdiv(self.max_cache_len or 1, self.block_size) + 1
@@ -349,6 +349,10 @@ class PagedCache(PagedLayers, Cache):
                                   held=self.tables.num_held)
             plan = self.tables.append(counts, needed)
         except KVCacheExhaustedError as err:  # nothing was taken: the step can be retried
+            if first:  # (with any batch: the cache stays uninitialized)
+                self.tables.resize(0)
+                self.hidden.resize(0)
+                self.device_table = None
             raise KVCacheExhaustedError(err.needed, err.free, err.num_blocks, err.block_size,
                                         held=self.tables.num_held) from None
         # Committed from here on.
@@ -389,8 +393,11 @@ class PagedCache(PagedLayers, Cache):
         self.hidden.fork(src_rows)
         self.device_table.fork(beam_idx)
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.reorder_cache(torch.as_tensor(indices, dtype=torch.long))
+    def batch_select_indices(self, indices) -> None:  # (positions, or a mask over the rows)
+        indices = torch.as_tensor(indices)
+        if indices.dtype == torch.bool:
+            indices = indices.nonzero().flatten()
+        self.reorder_cache(indices.long())
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.device_table is None:

@@ -94,6 +94,29 @@ def test_exhaustion_is_actionable_and_leaves_cache_consistent(batch):
     assert cache.pool.blocks.num_free == 12
 
 
+def test_a_first_forward_short_of_blocks_leaves_the_cache_uninitialized():
+    """A prefill the pool cannot hold fixes no batch size: the cache takes another batch
+    next, and a boolean row mask selects rows as DynamicCache's does."""
+    model = make_model("llama_gqa")
+    cache = PagedCache(model.config, {"num_blocks": 6, "block_size": 4})
+    ids = torch.randint(3, 60, (3, 12), generator=torch.Generator().manual_seed(1))
+    logits = []
+    try:
+        with torch.no_grad():
+            model.set_attn_implementation("paged")
+            with pytest.raises(KVCacheExhaustedError):
+                model(input_ids=ids, past_key_values=cache)
+            assert not cache.is_initialized and cache.get_seq_length() == 0
+            for implementation, past in (("paged", cache), ("sdpa", DynamicCache())):
+                model.set_attn_implementation(implementation)
+                model(input_ids=ids[:2, :9], past_key_values=past)
+                past.batch_select_indices(torch.tensor([False, True]))
+                logits.append(model(input_ids=ids[1:2, 9:10], past_key_values=past).logits)
+    finally:
+        model.set_attn_implementation("sdpa")
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)
+
+
 def test_exhaustion_mid_decode_does_not_corrupt_other_rows():
     model = make_model("llama_gqa")
     ids, mask = left_padded_batch([5, 6], seed=3)
