@@ -390,10 +390,11 @@ def _wrap_forwards(model) -> None:
         owner = forward_owner(module)
         if owner is None:
             continue
-        with _patch_lock:
-            if (owner, "forward") not in _originals:
-                _originals[owner, "forward"] = original = owner.__dict__["forward"]
-                owner.forward = _paged_forward(original)
+        if (owner, "forward") not in _originals:
+            with _patch_lock:
+                if (owner, "forward") not in _originals:
+                    _originals[owner, "forward"] = original = owner.__dict__["forward"]
+                    owner.forward = _paged_forward(original)
         # accelerate's hooks (device_map, offload) call the forward the module had when they
         # were attached, bound to it: one bound before the class was wrapped ran unwrapped.
         hooked = module.__dict__.get("_old_forward")

@@ -156,17 +156,10 @@ def _json_calls(text: str, arguments_key: str) -> list[ToolCall] | None:
     return None if not calls or None in calls else calls
 
 
-def parse(parser: str, text: str) -> tuple[str, list[ToolCall]]:
-    """(content, calls) of an answer in `parser`'s format; an answer with no complete call
-    is all content. `text` is decoded with special tokens (markers may be special). The
-    content before a call loses its trailing whitespace only (a stream sends the rest as
-    it comes, and holds whitespace back until something follows it)."""
-    start, calls = calls_at(parser, text)
-    return (text[:start].rstrip(), calls) if calls else (text, [])
-
-
 def calls_at(parser: str, text: str) -> tuple[int, list[ToolCall]]:
-    """(where in `text` the calls begin, the calls); (len(text), []) with no complete call."""
+    """(where in `text` the calls begin, the calls) of an answer in `parser`'s format;
+    (len(text), []) with no complete call: all content. `text` is decoded with special
+    tokens (markers may be special)."""
     none = len(text), []
     if parser == "hermes":
         calls = []

@@ -10,7 +10,7 @@ import json
 import jsonschema
 import pytest
 
-from hf_paged.serving.tools import auto_parser, parse
+from hf_paged.serving.tools import auto_parser, calls_at
 from test_structured_server import byte_level_server
 
 TEMPLATE = (
@@ -55,24 +55,24 @@ def check_calls(calls, names=None):
 def test_hermes_parser():
     text = ('Let me look.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
             '</tool_call>\n<tool_call>{"name": "get_time", "arguments": {"zone": 1}}</tool_call>')
-    content, calls = parse("hermes", text)
-    assert content == "Let me look."
+    start, calls = calls_at("hermes", text)
+    assert text[:start] == "Let me look."
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [
         ("get_weather", {"city": "Paris"}), ("get_time", {"zone": 1})]
-    assert parse("hermes", "no call here") == ("no call here", [])
-    assert parse("hermes", "<tool_call>{not json</tool_call>")[1] == []
+    assert calls_at("hermes", "no call here") == (len("no call here"), [])
+    assert calls_at("hermes", "<tool_call>{not json</tool_call>")[1] == []
 
 
 def test_llama3_and_mistral_parsers():
-    content, calls = parse("llama3_json", '<|python_tag|>{"name": "get_time", "parameters": '
-                                          '{"zone": 2}}; {"name": "get_weather", "parameters": '
-                                          '{"city": "Oslo"}}')
-    assert content == "" and [c.name for c in calls] == ["get_time", "get_weather"]
+    start, calls = calls_at("llama3_json", '<|python_tag|>{"name": "get_time", "parameters": '
+                                           '{"zone": 2}}; {"name": "get_weather", "parameters": '
+                                           '{"city": "Oslo"}}')
+    assert start == 0 and [c.name for c in calls] == ["get_time", "get_weather"]
     assert json.loads(calls[0].arguments) == {"zone": 2}
-    assert parse("llama3_json", "Hello {there}")[1] == []
-    content, calls = parse("mistral", 'ok [TOOL_CALLS] [{"name": "get_weather", "arguments": '
-                                      '{"city": "Rome"}}]')
-    assert content == "ok" and calls[0].name == "get_weather"
+    assert calls_at("llama3_json", "Hello {there}")[1] == []
+    text = 'ok [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Rome"}}]'
+    start, calls = calls_at("mistral", text)
+    assert text[:start] == "ok " and calls[0].name == "get_weather"
     assert auto_parser(TEMPLATE) == "hermes"
     assert auto_parser("{{ '[TOOL_CALLS]' }}") == "mistral"
     assert auto_parser("<|python_tag|>{{ x }}") == "llama3_json"
