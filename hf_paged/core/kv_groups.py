@@ -86,6 +86,19 @@ class KVGroups:
                 out[layer] = (g, s)
         return out
 
+    def model_blocks(self, pool_blocks: int, round_up: bool = False) -> int:
+        """Pool blocks (each of `slots` layers) as blocks of every layer: the unit of
+        `num_blocks` and of `memory_stats()` (the same number for one group)."""
+        scaled = pool_blocks * self.slots
+        return -(-scaled // self.num_layers) if round_up else scaled // self.num_layers
+
+    def exhausted(self, err: KVCacheExhaustedError, held: int) -> KVCacheExhaustedError:
+        """`err` (counted in pool blocks) counted in blocks of every layer; held: the
+        failing cache's pool blocks."""
+        return KVCacheExhaustedError(
+            self.model_blocks(err.needed, True), self.model_blocks(err.free),
+            self.model_blocks(err.num_blocks), err.block_size, self.model_blocks(held, True))
+
     def blocks_for(self, tokens: int, block_size: int, chunk: int = 1) -> int:
         """Most blocks, over all groups, a sequence of `tokens` holds at once when it is
         computed `chunk` tokens at a time (a sliding group keeps its window plus a chunk,

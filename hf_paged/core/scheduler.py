@@ -95,11 +95,12 @@ class Scheduler:
                 f"exceeds the model's context of {self.max_model_len} tokens."
             )
         need = self.blocks_at_once(total)
-        if need > self.pool.num_blocks:
+        if need > self.pool.num_blocks:  # (told in num_blocks' unit: blocks of all layers)
             raise RequestRejectedError(
-                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) needs {need} KV "
-                f"blocks of {self.block_size} tokens, but the whole pool has "
-                f"{self.pool.num_blocks}; raise the KV budget or lower max_tokens."
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) needs "
+                f"{self.groups.model_blocks(need, True)} KV blocks of {self.block_size} "
+                f"tokens, but the whole pool has {self.groups.model_blocks(self.pool.num_blocks)}"
+                "; raise the KV budget or lower max_tokens."
             )
         if n > self.max_num_seqs:
             raise RequestRejectedError(

@@ -159,3 +159,22 @@ def test_generate_memory_stats_count_what_the_groups_hold(gemma3):
     # in blocks of all six layers: the full layer's 28 blocks and 5 x <= 3 sliding ones
     assert stats.blocks_in_use <= -(-(28 + 15) // 6) < -(-109 // 4)
     assert stats.kv_bytes_in_use == stats.blocks_in_use * 4 * stats.bytes_per_token
+
+
+def test_shortage_is_told_in_blocks_of_every_layer(gemma3):
+    """num_blocks counts blocks of all layers; a hybrid pool holds blocks of one group's
+    layers (six groups here). The errors said 72 of a pool of num_blocks=12, and a request
+    refused by a pool of 3 'needed 60 of 18'."""
+    ids = torch.randint(3, VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(hf_paged.KVCacheExhaustedError) as err:
+        gemma3.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
+                        do_sample=False, cache_implementation="paged",
+                        cache_config={"num_blocks": 12, "block_size": 4})
+    # every group stores the 40-token prompts: 2 rows x 10 blocks of every layer
+    assert (err.value.needed, err.value.free, err.value.num_blocks) == (20, 12, 12)
+    assert "needs 20 free block(s) of 4 tokens but only 12 of the pool's 12" in str(err.value)
+    llm = hf_paged.LLM(gemma3, block_size=4, num_blocks=3)
+    out = llm.generate([[5] * 30], SamplingParams(max_tokens=10, temperature=0.0))[0]
+    # the full group holds 10 blocks of 40 tokens, each sliding one fewer: 10 of all layers
+    assert out.outputs[0].finish_reason == "error"
+    assert "needs 10 KV blocks of 4 tokens, but the whole pool has 3;" in out.error
