@@ -13,7 +13,7 @@ from ..errors import HFPagedError, KVCacheExhaustedError
 from ..kv.pool import KVPool
 from ..hf.architectures import kv_spec, tp_heads
 from ..kernels.dispatch import PoolAccess
-from ..kernels.forward import PagedForward, PagedLayers
+from ..kernels.forward import PagedForward, PagedLayers, check_new_states
 from ..kv.metadata import DeviceBlockTable, build_metadata, to_device
 from ..kv.placement import Placement, group_layers, groups_for_pool
 from ..utils import cdiv
@@ -60,19 +60,11 @@ class PagedCache(PagedLayers, Cache):
     generate slices its inputs the usual way.
     """
 
-    def __init__(
-        self,
-        config,
-        cache_config: PagedCacheConfig | dict | None = None,
-        *,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-        pool: KVPool | None = None,
-        max_cache_len: int | None = None,
-        tp_size: int = 1,
-        placement: Placement | None = None,
-        features: frozenset = frozenset(),
-    ):
+    def __init__(self, config, cache_config: PagedCacheConfig | dict | None = None, *,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                 pool: KVPool | None = None, max_cache_len: int | None = None,
+                 tp_size: int = 1, placement: Placement | None = None,
+                 features: frozenset = frozenset()):
         """config: the model's config. dtype, device: the pool's; when neither they nor a
         pool are given, the pool is made at the first forward with the keys' dtype and device.
         max_cache_len: the longest sequence the cache will hold, when known; an unsized pool
@@ -246,9 +238,11 @@ class PagedCache(PagedLayers, Cache):
         key_states, value_states: [R, Hkv, q, D] -> (k_cache, v_cache) [NB, bs, Hkv, D]
         (a packed forward passes [1, Hkv, N, D], N real tokens of all rows).
         """
+        if not self._in_forward:  # driven by hand: refused before anything changes
+            self._check_by_hand(key_states, value_states, layer_idx)
         if layer_idx == 0 and not self._in_forward:
-            # Driven by hand (no model forward): each layer-0 update starts a forward that
-            # stores every new column, unless expect_forward said otherwise.
+            # Each layer-0 update starts a forward that stores every new column, unless
+            # expect_forward said otherwise.
             self._step = self._checked_plan(key_states.shape[0], key_states.shape[2],
                                             None, None, by_hand=True)
             self._forward = self._new_forward()
@@ -263,6 +257,13 @@ class PagedCache(PagedLayers, Cache):
             raise HFPagedError("PagedCache.update: layer 0 must be updated first in each forward "
                                "driven by hand (outside a model forward).")
         return self._forward.write(key_states, value_states, layer_idx)
+
+    def _check_by_hand(self, key_states, value_states, layer_idx: int) -> None:
+        if not (isinstance(layer_idx, int) and 0 <= layer_idx < self.num_layers):
+            raise HFPagedError(f"PagedCache.update: layer_idx={layer_idx!r} is not a layer of "
+                               f"the model's {self.num_layers} (0 to {self.num_layers - 1}).")
+        check_new_states(key_states, value_states, layer_idx, self.num_kv_heads, self.head_dim,
+                         self.spec.v_head_dim)
 
     def current_forward(self) -> PagedForward:
         if self._forward is None:

@@ -178,11 +178,7 @@ class PagedForward(PagedLayers, Cache):
             reference.value_dim(v_cache)  # (an 8-bit view also holds its scales)
         if (key_states.shape[1] != heads or key_states.shape[-1] != dim
                 or value_states.shape[1] != heads or value_states.shape[-1] != v_dim):
-            raise HFPagedError(
-                f"Layer {layer_idx} stores keys {tuple(key_states.shape)} and values "
-                f"{tuple(value_states.shape)} ([batch, heads, tokens, dim]), but its KV pool "
-                f"holds {heads} heads of {dim} (keys) and {v_dim} (values) per token: the "
-                "cache was made for another model config.")
+            check_new_states(key_states, value_states, layer_idx, heads, dim, v_dim)
         key = key_states.transpose(1, 2).reshape(-1, heads, dim)
         value = value_states.transpose(1, 2).reshape(-1, heads, v_dim)
         if meta.token_index is not None and not meta.packed:
@@ -310,6 +306,24 @@ class PagedForward(PagedLayers, Cache):
             out[:, positions] = _attend_packed(piece, k_cache, v_cache, part, backend, args,
                                                extra)
         return out
+
+
+def check_new_states(key: torch.Tensor, value: torch.Tensor, layer_idx: int, heads: int,
+                     dim: int, v_dim: int) -> None:
+    """Raises HFPagedError unless layer `layer_idx` can store keys and values
+    [R, heads, q, dim] and [R, heads, q, v_dim] (floating point, one device)."""
+    if (key.dim() != 4 or value.dim() != 4 or key.shape[:3] != value.shape[:3]
+            or key.shape[1] != heads or key.shape[3] != dim or value.shape[3] != v_dim):
+        raise HFPagedError(
+            f"Layer {layer_idx} stores keys {tuple(key.shape)} and values "
+            f"{tuple(value.shape)} ([batch, heads, tokens, dim]), but its KV pool holds "
+            f"{heads} heads of {dim} (keys) and {v_dim} (values) per token, for keys and "
+            "values of the same batch and tokens: the cache was made for another model "
+            "config, or the states were laid out otherwise.")
+    if not (key.is_floating_point() and value.is_floating_point()) or key.device != value.device:
+        raise HFPagedError(
+            f"Layer {layer_idx} stores keys of {key.dtype} on {key.device} and values of "
+            f"{value.dtype} on {value.device}: floating-point states on one device expected.")
 
 
 def _spread_packed(query: torch.Tensor, meta: ForwardMetadata) -> torch.Tensor:

@@ -402,3 +402,31 @@ def test_huge_block_size_is_bounded_by_the_call(llama):
     stats = out.past_key_values.memory_stats()
     assert stats.block_size == 16  # the call holds at most 13 tokens per row
     assert stats.pool_bytes <= 2 * 16 * stats.bytes_per_token
+
+
+@pytest.mark.parametrize("bad", ["layer past the last", "negative layer", "values of other tokens",
+                                 "values of other rows", "integer states", "three dims",
+                                 "other heads"])
+def test_bad_updates_by_hand_are_named_and_change_nothing(llama, bad):
+    """`update` called by hand: a layer_idx past the model's raised IndexError, keys and
+    values of different rows or tokens a RuntimeError from the write, and integer states
+    were stored. A refused layer-0 update also left its slots taken, so a retry stored at
+    twice the length."""
+    cfg = llama.config
+    heads, dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    k, v = torch.randn(1, heads, 3, dim), torch.randn(1, heads, 3, dim)
+    call = {"layer past the last": lambda: (k, v, cfg.num_hidden_layers),
+            "negative layer": lambda: (k, v, -1),
+            "values of other tokens": lambda: (k, torch.randn(1, heads, 4, dim), 0),
+            "values of other rows": lambda: (k, torch.randn(2, heads, 3, dim), 0),
+            "integer states": lambda: (k.long(), v.long(), 0),
+            "three dims": lambda: (k[0], v[0], 0),
+            "other heads": lambda: (torch.randn(1, heads + 1, 3, dim),) * 2 + (0,)}[bad]
+    cache = PagedCache(cfg, {"num_blocks": 8, "block_size": 4})
+    with pytest.raises(hf_paged.HFPagedError, match="layer_idx|Layer 0 stores"):
+        cache.update(*call())
+    for layer in range(cfg.num_hidden_layers):  # the same cache then takes a good update
+        k_cache, _ = cache.update(k, v, layer)
+    assert cache.get_seq_length() == 3 and cache.memory_stats().tokens_stored == 3
+    slots = cache.device_table.table[0, 0].item() * 4 + torch.arange(3)
+    assert torch.equal(k_cache.reshape(-1, heads, dim)[slots], k[0].transpose(0, 1))
