@@ -71,6 +71,7 @@ def _probe(model, placement: Placement | None, device: torch.device) -> str | No
     metas = [build_metadata(table, context, [1], 1, 1, block_size, packed=True)
              for _ in range(groups.num_groups)]
     paged_kv = access.forward(metas[0], group_metas=metas)
+    waiting = _track_layers(paged_kv)
     ids = torch.zeros(1, 1, dtype=torch.long, device=device)
     try:
         with torch.no_grad(), paged_attention(model), _without_call_hooks(model), \
@@ -81,9 +82,33 @@ def _probe(model, placement: Placement | None, device: torch.device) -> str | No
         return (f"{type(model).__name__}'s layers do not hand the paged KV to the attention "
                 f"as Transformers' attention interface does ({err})")
     except Exception as err:  # noqa: BLE001 - whatever stops one token stops generation
+        if waiting:  # it failed between a layer's cache update and that layer's attention
+            return (f"layer {min(waiting)} of {type(model).__name__} failed after its "
+                    "cache update and before its attention, computing on what the update "
+                    "returned: a paged cache returns the layer's pool blocks ([blocks, "
+                    "block_size, heads, dim]), not the sequence's keys and values "
+                    f"({type(err).__name__}: {err})")
         return (f"a one-token forward of {type(model).__name__} on the paged cache failed "
                 f"({type(err).__name__}: {err})")
     return None
+
+
+def _track_layers(paged_kv) -> set[int]:
+    """The layers whose cache update `paged_kv` served and whose attention it has not
+    (yet) run, kept up to date by its calls."""
+    waiting: set[int] = set()
+    update, attend = paged_kv.update, paged_kv.attend
+
+    def tracked_update(key, value, layer_idx, *args, **kwargs):
+        waiting.add(layer_idx)
+        return update(key, value, layer_idx, *args, **kwargs)
+
+    def tracked_attend(query, layer_idx, *args, **kwargs):
+        waiting.discard(layer_idx)
+        return attend(query, layer_idx, *args, **kwargs)
+
+    paged_kv.update, paged_kv.attend = tracked_update, tracked_attend
+    return waiting
 
 
 @contextlib.contextmanager

@@ -216,6 +216,10 @@ def _refused():
     # ... or splits its values in two (differential attention).
     yield "values changed", t.DiffLlamaForCausalLM(t.DiffLlamaConfig(**small,
                                                                      num_key_value_heads=2))
+    # ... or computes on what the cache update returned (Doge's dt_proj reads the values).
+    yield "computes on the update", t.DogeForCausalLM(t.DogeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1))
     # Transformers' eager Falcon adds ALiBi twice (its SDPA, as the paged attention, once).
     from conftest import make_model
     yield "eager ALiBi", make_model("falcon_alibi", attn_implementation="eager")
@@ -230,6 +234,8 @@ _WHY = {"bypasses": "does not declare that its attention runs on Transformers' a
         "keys changed": "changed its keys",
         "values changed": "changed its values",
         "bidirectional": "bidirectional",
+        "computes on the update": "layer 0 of DogeForCausalLM failed after its cache update "
+                                  "and before its attention",
         "eager ALiBi": "adds the ALiBi term twice.*attn_implementation='sdpa'"}
 
 
