@@ -260,9 +260,8 @@ class LLMEngine:
 
     num_blocks = property(lambda self: self.pool.blocks.num_blocks, doc="blocks in the pool")
 
-    @property
-    def model_name(self) -> str:
-        return str(getattr(self.runner.base.config, "name_or_path", "") or "model")
+    model_name = property(lambda self: str(getattr(self.runner.base.config, "name_or_path", "")
+                                           or "model"))
 
     @property
     def eos_ids(self) -> set[int]:
@@ -413,7 +412,9 @@ class LLMEngine:
             if len(items) == 1 or every:
                 if in_flight is not None:  # they keep their last token, as without async
                     self.output.land(in_flight, touched)
-                for request_id in dict.fromkeys([i.seq.request_id for i in items]):
+                # (one its landed token stopped computed a token too many: it ended anyway)
+                for request_id in dict.fromkeys([i.seq.request_id for i in items
+                                                 if not i.seq.finished]):
                     self.output.fail(self.requests[request_id], error, touched)
                 return
         half = len(items) // 2
@@ -427,8 +428,8 @@ class LLMEngine:
         """Ends every request with `error` (after a failure no single request caused, or at
         shutdown); the engine stays usable."""
         self._aborts.clear()
-        self._in_flight = None
-        return self.output.fail_all(error, self.tokenizer)
+        in_flight, self._in_flight = self._in_flight, None
+        return self.output.fail_all(error, self.tokenizer, in_flight)
 
     # -- tensor parallelism: rank 0 schedules, every rank runs the forwards ---------------------
     def heartbeat(self) -> None:

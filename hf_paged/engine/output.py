@@ -8,6 +8,7 @@ are checked, and requests end or fail one at a time. Nothing here touches the de
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -65,12 +66,17 @@ class OutputProcessor:
         request.error = message
         touched[request.request_id] = request
 
-    def fail_all(self, error: str, tokenizer) -> list[RequestOutput]:
-        """Ends every request with `error`; returns their outputs."""
+    def fail_all(self, error: str, tokenizer, in_flight=None) -> list[RequestOutput]:
+        """Ends every request with `error`; returns their outputs. The tokens of
+        `in_flight` (async scheduling's last step) land first, as they would have without."""
+        if in_flight is not None:
+            with contextlib.suppress(Exception):  # (unless landing them is what failed)
+                self.land(in_flight, {})
         outputs = []
         for request in list(self.requests.values()):
-            self.end(request, "error")
-            request.error = error
+            if not request.finished:  # (one its landed tokens just ended keeps its ending)
+                self.end(request, "error")
+                request.error = error
             request.metrics.finished_time = time.monotonic()
             outputs.append(request.output(tokenizer))
             del self.requests[request.request_id]

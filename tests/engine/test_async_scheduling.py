@@ -230,3 +230,83 @@ def test_an_abort_arriving_after_the_last_token_leaves_the_request_as_it_ended()
         ends.add(reason)
         assert engine.stats().blocks_used == 0
     assert ends == {"abort", "length"}
+
+
+def _poisoned(model, token):
+    """Makes `model`'s forward raise on any input holding `token`; returns the undo."""
+    inner = model.forward
+
+    def forward(*args, input_ids=None, **kwargs):
+        if bool((input_ids == token).any()):
+            raise RuntimeError("poisoned forward")
+        return inner(*args, input_ids=input_ids, **kwargs)
+
+    model.forward = forward
+    return lambda: delattr(model, "forward")
+
+
+def test_a_forward_failing_on_the_token_that_stopped_its_sequence_fails_nobody():
+    """Async scheduling computes a stopped sequence's last token (one too many, dropped). A
+    forward that failed on it failed the request, which had ended cleanly without async, and
+    the request's sibling completions with it."""
+    from conftest import make_model
+
+    model, prompt = make_model("llama_gqa"), [13, 26, 41, 14, 48]
+    greedy = LLMEngine(model, block_size=4, num_blocks=64)
+    greedy.add_request("g", prompt, SamplingParams(temperature=0, max_tokens=6,
+                                                   ignore_eos=True))
+    tokens = run_engine(greedy, [], [])["g"].outputs[0].token_ids
+    poison = next(t for t in tokens[1:] if t not in prompt and t not in tokens[:1])
+    cases = [SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[poison])]
+    cases += [SamplingParams(temperature=1.0, seed=seed, n=2, max_tokens=8,
+                             stop_token_ids=[poison]) for seed in range(12)]
+    undo = _poisoned(model, poison)
+    try:
+        stopped_early = 0
+        for params in cases:
+            outs = []
+            for async_scheduling in (False, True):
+                engine = LLMEngine(model, block_size=4, num_blocks=64,
+                                   async_scheduling=async_scheduling)
+                engine.add_request("r", prompt, params)
+                engine.add_request("other", [5, 6, 7], SamplingParams(temperature=0,
+                                                                      max_tokens=6))
+                done = run_engine(engine, [], [])
+                outs.append([(o.error, [(c.token_ids, c.finish_reason) for c in o.outputs])
+                             for o in (done["r"], done["other"])])
+                assert engine.stats().blocks_used == 0
+            assert outs[1] == outs[0], params
+            stopped_early += any(r == "stop" for _, r in outs[0][0][1])
+            assert outs[0][0][0] is None  # (without async no forward ever saw the token)
+        assert stopped_early >= 2
+    finally:
+        undo()
+
+
+def test_fail_all_lands_the_tokens_in_flight():
+    """fail_all (shutdown, a failed step) dropped async scheduling's last sampled token, so
+    a request lost a token (and its logprobs) the synchronous engine had given it; one that
+    token ended keeps its own ending."""
+    from conftest import make_model
+
+    model = make_model("llama_gqa")
+    results = []
+    for async_scheduling in (False, True):
+        engine = LLMEngine(model, block_size=4, num_blocks=64, async_scheduling=async_scheduling)
+        engine.add_request("long", [5, 6, 7, 8], SamplingParams(
+            temperature=0, max_tokens=10, ignore_eos=True, logprobs=0))
+        engine.add_request("short", [9, 10], SamplingParams(temperature=0, max_tokens=4,
+                                                            ignore_eos=True))
+        seen = {}
+        for _ in range(4):
+            seen.update({o.request_id: o for o in engine.step() if o.finished})
+        seen.update({o.request_id: o for o in engine.fail_all("shutting down")})
+        results.append({k: (o.error, o.outputs[0].finish_reason, o.outputs[0].token_ids,
+                            len(o.outputs[0].logprobs or []))
+                        for k, o in seen.items()})
+        results[-1]["generated"] = engine.generation_tokens
+        assert engine.stats().blocks_used == 0 and not engine.has_unfinished_requests()
+    assert results[1] == results[0]
+    assert results[0]["short"][:2] == (None, "length")
+    assert results[0]["long"][:2] == ("shutting down", "error")
+    assert len(results[0]["long"][2]) == results[0]["long"][3] == 4
