@@ -21,7 +21,7 @@ import types
 import torch
 
 from ..core.prefix_cache import namespace
-from ..errors import InvalidRequestError, ModelChangedError, UnsupportedModelError
+from ..errors import InvalidRequestError, ModelChangedError, UnsupportedModelError, describe
 
 BASE = "__base__"  # the adapter name of a PEFT model's base model (PEFT's own name for it)
 _SHARED = ("_parameters", "_buffers")  # what `private_copy`'s modules share with the caller's
@@ -111,7 +111,11 @@ class RuntimeAdapters:
                 "per request), or the model without adapters.", "lora_path")
         from peft import PeftConfig, PeftModel
 
-        config = PeftConfig.from_pretrained(path)
+        try:
+            config = PeftConfig.from_pretrained(path)
+        except Exception as err:  # noqa: BLE001 (not JSON, not an object, an unknown type)
+            raise InvalidRequestError(f"lora_path {path!r} holds an adapter_config.json PEFT "
+                                      f"cannot read: {describe(err)}", "lora_path") from err
         if getattr(config, "is_prompt_learning", False) or config.peft_type != "LORA":
             raise InvalidRequestError(f"The engine loads LoRA adapters; {path!r} is "
                                       f"{config.peft_type}.", "lora_path")

@@ -139,6 +139,19 @@ def test_bad_loads_are_400s(served, body, param):
     assert text_of(served, "base") == stock(PROMPT)
 
 
+@pytest.mark.parametrize("config", ["{not json", "[]", '{"peft_type": "NOPE"}'])
+def test_an_adapter_config_peft_cannot_read_is_a_400(served, tmp_path, config):
+    """PEFT's own parse of adapter_config.json failing (not JSON, not an object, an unknown
+    type) was a 500."""
+    (tmp_path / "adapter_config.json").write_text(config)
+    r = served.http.post("/v1/load_lora_adapter", json={"lora_name": "x",
+                                                        "lora_path": str(tmp_path)})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "lora_path"
+    assert "adapter_config.json PEFT cannot read" in r.json()["error"]["message"]
+    assert text_of(served, "base") == stock(PROMPT)
+
+
 def test_a_model_with_adapters_transformers_loaded_is_served_as_it_runs(adapters):
     """Requests name the served model (BASE to the engine): it runs with the adapter its
     own `load_adapter` put in; a runtime load beside it is a 400 that says why."""
