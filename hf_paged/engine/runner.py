@@ -294,7 +294,7 @@ class ModelRunner:
                              "(tensor parallelism or device_map). Use compile=False.")
         backend = "inductor" if compile is True else compile
         variant = (self.pool.dtype, self.pool.kv_dtype, self.block_size,
-                   *(b.name for b in self.access.backends))
+                   self.linears is onednn_linears, *(b.name for b in self.access.backends))
         # A PEFT model's adapters are switched, disabled or merged in place while it
         # serves: its graphs keep the guards on the model.
         return compile_forward(self.model, backend, variant, model_guards=bool(self.adapters))

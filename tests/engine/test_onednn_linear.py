@@ -180,6 +180,22 @@ def test_a_compiled_forward_records_onednns_op_and_equals_eager(kind, monkeypatc
     assert targets and all(op in t and not t & {F.linear, torch._C._nn.linear} for t in targets)
 
 
+def test_compiled_engines_of_one_model_keep_their_own_option(monkeypatch):
+    """The option was not part of what a compiled entry point is keyed by: an engine with
+    onednn_linear=False replayed the oneDNN graphs another engine on the model had traced
+    (and the other way round), running the layers its option had turned off."""
+    monkeypatch.setattr(cpu_linear, "MIN_WEIGHT_ELEMENTS", 0)
+    model = make_model("llama_gqa")
+    op = torch.ops.hf_paged.onednn_linear.default
+    tokens = []
+    for onednn in (True, False, True):
+        _captured.clear()
+        tokens.append(run(model, "hf_paged_test_onednn", count=4, onednn_linear=onednn)[0])
+        traced = [any(n.target is op for n in gm.graph.nodes) for gm in _captured]
+        assert traced == [onednn] * len(traced) and (traced or onednn)
+    assert tokens[0] == tokens[1] == tokens[2]
+
+
 @pytest.mark.slow
 def test_inductor_runs_onednns_op_with_eagers_tokens(monkeypatch):
     monkeypatch.setattr(cpu_linear, "MIN_WEIGHT_ELEMENTS", 0)
