@@ -110,12 +110,38 @@ class IncrementalText:
 
 
 class TokenPieces:
-    """Display strings and bytes of single tokens (cached per id)."""
+    """Display strings and bytes of single tokens: alone (cached per id), or as the text a
+    token adds after the ones before it (`after`)."""
+
+    CONTEXT = 4  # tokens before a token that its text is decoded after
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self._cache: dict[int, tuple[str, bytes]] = {}
         self._byte_level = tokenizer is not None and _traits(tokenizer).byte_level
+        self._special = _traits(tokenizer).special if tokenizer is not None else frozenset()
+
+    def after(self, context: list[int], tokens: list[int]) -> list[tuple[str, bytes]]:
+        """(text, bytes) of each of `tokens` following the ids `context`: the text it adds
+        to theirs, as the decoded text has it. Decoded alone, a SentencePiece word's token
+        loses its leading space and a word-level one its separator, so the tokens of a text
+        would not add up to it. Special tokens (a decode that skips them leaves them out of
+        the context) and parts of a character keep their own pieces; so does a text's first
+        token."""
+        pieces = [self._piece(t) for t in tokens]
+        special = self._special
+        base = [t for t in context[-2 * self.CONTEXT:] if t not in special][-self.CONTEXT:]
+        todo = [i for i, t in enumerate(tokens)
+                if t not in special and not pieces[i][0].startswith("bytes:")]
+        if not base or not todo or self.tokenizer is None:
+            return pieces
+        head = self.tokenizer.decode(base)
+        texts = self.tokenizer.batch_decode([base + [tokens[i]] for i in todo])
+        for i, text in zip(todo, texts):
+            if text.startswith(head) and _REPLACEMENT not in text[len(head):]:
+                piece = text[len(head):]
+                pieces[i] = (piece, piece.encode("utf-8", "surrogatepass"))
+        return pieces
 
     def _piece(self, token: int) -> tuple[str, bytes]:
         hit = self._cache.get(token)

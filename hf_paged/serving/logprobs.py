@@ -23,7 +23,8 @@ def completion_logprobs(out: CompletionOutput, start: int, pieces: TokenPieces,
     `top_logprobs` holds the chosen token under its own string, then the others; a token
     whose string another one already has is keyed `token_id:N` (nothing collapses).
     offset: where the tokens' text starts, or a stream's offsets so far."""
-    return token_logprobs(out.token_ids[start:], out.logprobs[start:], pieces, offset)
+    return token_logprobs(out.token_ids[start:], out.logprobs[start:], pieces, offset,
+                          context=out.token_ids[max(start - 2 * TokenPieces.CONTEXT, 0):start])
 
 
 class TextOffsets:
@@ -48,13 +49,22 @@ class TextOffsets:
 
 
 def token_logprobs(token_ids: list[int], entries: list, pieces: TokenPieces,
-                   offset: int | TextOffsets) -> dict:
+                   offset: int | TextOffsets, count: int | None = None,
+                   context: list[int] = ()) -> dict:
     """`completion_logprobs` of any tokens; an entry of None (a prompt's first token) has
-    null `token_logprobs` and `top_logprobs`."""
+    null `token_logprobs` and `top_logprobs`. count: the most likely tokens each position's
+    `top_logprobs` holds beside the chosen one (default: all of the entry's). context: the
+    ids before the first token (each is named by the text it adds to them)."""
     tokens, token_lps, tops, offsets = [], [], [], []
     at = offset if isinstance(offset, TextOffsets) else TextOffsets(offset)
+    seen = list(context)
     for token, entry in zip(token_ids, entries):
-        piece = pieces.text(token)
+        others = [] if entry is None else [
+            (t, lp) for t, lp in sorted(entry.items(), key=lambda kv: -kv[1])[:count]
+            if t != token]
+        names = [text for text, _ in pieces.after(seen, [token] + [t for t, _ in others])]
+        seen.append(token)
+        piece = names[0]
         tokens.append(piece)
         offsets.append(at.next(token, piece, pieces))
         if entry is None:
@@ -63,29 +73,30 @@ def token_logprobs(token_ids: list[int], entries: list, pieces: TokenPieces,
             continue
         token_lps.append(_lp(entry[token]))
         top = {piece: _lp(entry[token])}
-        for t, lp in sorted(entry.items(), key=lambda kv: -kv[1]):
-            if t != token:
-                key = pieces.text(t)
-                top[f"token_id:{t}" if key in top else key] = _lp(lp)
+        for (t, lp), key in zip(others, names[1:]):
+            top[f"token_id:{t}" if key in top else key] = _lp(lp)
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
             "text_offset": offsets}
 
 
 def echoed(result: RequestOutput, prompt_text: str, pieces: TokenPieces,
-           logprobs: bool) -> tuple[str, dict | None]:
-    """The prompt as `echo` returns it: its text, and (if asked) its tokens' logprobs."""
-    if not logprobs:
+           logprobs: int | None) -> tuple[str, dict | None]:
+    """The prompt as `echo` returns it: its text, and (if asked: the request's `logprobs`)
+    its tokens' logprobs, with that many of the most likely beside each (the engine may
+    keep more, for the request's own `prompt_logprobs`)."""
+    if logprobs is None:
         return prompt_text, None
     entries = result.prompt_logprobs or [None] * len(result.prompt_token_ids)
-    return prompt_text, token_logprobs(result.prompt_token_ids, entries, pieces, 0)
+    return prompt_text, token_logprobs(result.prompt_token_ids, entries, pieces, 0, logprobs)
 
 
 def ranked_prompt_logprobs(result: RequestOutput, count: int, pieces: TokenPieces) -> list:
     """vLLM's `prompt_logprobs`: per prompt token, None for the first, else {token id (a
     string): {"logprob", "rank", "decoded_token"}} of the `count` most likely tokens at its
     position and of the prompt's own token (whose rank is null when it is not among them:
-    the engine keeps the top ones only)."""
+    the engine keeps the top ones only). A token is named by its own text, as vLLM names
+    it there."""
     entries = result.prompt_logprobs or [None] * len(result.prompt_token_ids)
     out = []
     for token, entry in zip(result.prompt_token_ids, entries):
@@ -115,13 +126,15 @@ def joined_logprobs(first: dict | None, second: dict | None) -> dict | None:
 
 
 def chat_logprobs(out: CompletionOutput, start: int, pieces: TokenPieces, top: int) -> dict:
-    """Chat-API logprobs of tokens [start:] of a completion; `bytes` are each token's own."""
+    """Chat-API logprobs of tokens [start:] of a completion; `bytes` are each token's own
+    (of the text it adds to the tokens before it, as `TokenPieces.after` names it)."""
     content = []
-    for token, entry in zip(out.token_ids[start:], out.logprobs[start:]):
+    for k, (token, entry) in enumerate(zip(out.token_ids[start:], out.logprobs[start:])):
         ranked = sorted(entry.items(), key=lambda kv: -kv[1])[:top]
+        context = out.token_ids[max(start + k - 2 * TokenPieces.CONTEXT, 0):start + k]
+        (text, raw), *named = pieces.after(context, [token] + [t for t, _ in ranked])
         content.append({
-            "token": pieces.text(token), "logprob": _lp(entry[token]),
-            "bytes": pieces.bytes(token),
-            "top_logprobs": [{"token": pieces.text(t), "logprob": _lp(lp),
-                              "bytes": pieces.bytes(t)} for t, lp in ranked]})
+            "token": text, "logprob": _lp(entry[token]), "bytes": list(raw),
+            "top_logprobs": [{"token": name, "logprob": _lp(lp), "bytes": list(b)}
+                             for (_, lp), (name, b) in zip(ranked, named)]})
     return {"content": content}

@@ -394,7 +394,7 @@ def completion_response(request_id: str, model: str, results: list[RequestOutput
         cached += result.num_cached_tokens
         if result.error:
             errors.append(f"prompt {i}: {result.error}" if len(results) > 1 else result.error)
-        head, head_lps = echoed(result, echo_texts[i], pieces, body.logprobs is not None) \
+        head, head_lps = echoed(result, echo_texts[i], pieces, body.logprobs) \
             if body.echo else ("", None)
         scored = {} if body.prompt_logprobs is None else {
             "prompt_logprobs": ranked_prompt_logprobs(result, body.prompt_logprobs, pieces)}

@@ -128,7 +128,7 @@ async def completion_events(server, body, rid, streams, echo=None):
                     if delta is None:
                         continue
                     start, text = delta
-                head, head_lps = echoed(out, echo[i], server.pieces, body.logprobs is not None) \
+                head, head_lps = echoed(out, echo[i], server.pieces, body.logprobs) \
                     if echo is not None and first else ("", None)
                 lps = None
                 if c.logprobs is not None:  # text offsets go on from the last chunk's

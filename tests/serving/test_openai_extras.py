@@ -368,3 +368,75 @@ def test_vllm_prompt_logprobs_field(served):
                 dict(prompt_logprobs=-1)):
         r = served.http.post("/v1/completions", json=dict(model="tiny", prompt=prompt, **bad))
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
+
+
+def test_echo_top_logprobs_hold_the_requests_count_beside_prompt_logprobs(served):
+    """With vLLM's prompt_logprobs above `logprobs`, the echoed prompt's top_logprobs held
+    prompt_logprobs' count (the engine keeps the larger one for both)."""
+    body = dict(model="tiny", prompt="w5 w9 w14 w3", echo=True, max_tokens=0)
+    for logprobs, prompt_logprobs in ((0, 3), (1, 5), (2, 2)):
+        r = served.http.post("/v1/completions", json=dict(
+            body, logprobs=logprobs, prompt_logprobs=prompt_logprobs)).json()
+        choice = r["choices"][0]
+        tops = choice["logprobs"]["top_logprobs"]
+        assert tops[0] is None and all(1 <= len(top) <= logprobs + 1 for top in tops[1:])
+        assert all(len(top) == logprobs or tokens in top for top, tokens in
+                   zip(tops[1:], choice["logprobs"]["tokens"][1:]))
+        assert all(len([e for e in entry.values() if e["rank"] is not None]) == prompt_logprobs
+                   for entry in choice["prompt_logprobs"][1:])
+
+
+def _sp_server():
+    from conftest import make_byte_fallback_tokenizer
+
+    tok = make_byte_fallback_tokenizer()
+    model = make_model("llama_gqa", vocab_size=len(tok))
+    return tok, ServerThread(build_app(model, tok, served_model_name="sp", block_size=4,
+                                       num_blocks=64))
+
+
+@pytest.mark.parametrize("kind", ["sentencepiece", "word-level"])
+def test_logprob_tokens_add_up_to_the_text_and_offsets_point_into_it(served, kind):
+    """A SentencePiece word's token decoded alone loses its leading space (a word-level one
+    its separator), so `tokens` did not add up to the text and each `text_offset` drifted
+    from where its token starts. Streamed or not, echoed or not, they now do; chat's tokens
+    add up to its content too."""
+    import contextlib
+
+    with contextlib.ExitStack() as stack:
+        if kind == "sentencepiece":
+            tok, server = _sp_server()
+            url, name = stack.enter_context(server).url, "sp"
+            words = tok.convert_tokens_to_ids(["▁the", "▁quick", "▁fox", "b", "c"])
+            prompt, headers = "the quick fox the", {}
+        else:
+            url, name, words = served.url, "tiny", [8, 9, 10, 11, 12, 13]
+            prompt, headers = "w5 w9 w14 w3", {"Authorization": f"Bearer {KEY}"}
+        http = stack.enter_context(httpx.Client(base_url=url, headers=headers, timeout=60))
+        body = dict(model=name, prompt=prompt, max_tokens=6, temperature=0, logprobs=2,
+                    allowed_token_ids=words)
+        for echo in (False, True):
+            choice = http.post("/v1/completions", json=dict(body, echo=echo)).json()[
+                "choices"][0]
+            lps, text = choice["logprobs"], choice["text"]
+            assert "".join(lps["tokens"]) == text
+            assert [text[at:at + len(t)] for at, t in zip(lps["text_offset"], lps["tokens"])] \
+                == lps["tokens"]
+            assert all(tops is None or t in tops for t, tops in zip(lps["tokens"],
+                                                                     lps["top_logprobs"]))
+            events = []
+            with http.stream("POST", "/v1/completions",
+                             json=dict(body, echo=echo, stream=True)) as r:
+                events = [json.loads(line[6:]) for line in r.iter_lines()
+                          if line.startswith("data: {")]
+            streamed = [e["choices"][0]["logprobs"] for e in events
+                        if e["choices"] and e["choices"][0]["logprobs"]]
+            assert sum([s["tokens"] for s in streamed], []) == lps["tokens"]
+            assert sum([s["text_offset"] for s in streamed], []) == lps["text_offset"]
+    if kind == "word-level":
+        chat = served.http.post("/v1/chat/completions", json=dict(
+            model="tiny", messages=[{"role": "user", "content": "w5 w9"}], max_tokens=6,
+            temperature=0, logprobs=True, top_logprobs=2, allowed_token_ids=words)).json()
+        message, content = chat["choices"][0]["message"], chat["choices"][0]["logprobs"]
+        assert "".join(c["token"] for c in content["content"]) == message["content"]
+        assert all(bytes(c["bytes"]).decode() == c["token"] for c in content["content"])
