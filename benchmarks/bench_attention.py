@@ -22,6 +22,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from common import check_device
 from hf_paged.kernels import reference
 from hf_paged.kernels.backends import (
     flash_attn_unavailable_reason, select_backend, triton_unavailable_reason,
@@ -210,7 +211,7 @@ def bench_prefill(args, device, dtype, run):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small shapes (CPU smoke run)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="device to time on (default: cuda when available, else cpu)")
@@ -218,6 +219,7 @@ def main():
     parser.add_argument("--iters", type=int, default=20,
                         help="timed repetitions per shape, after warm-up (default 20)")
     args = parser.parse_args()
+    check_device(args.device)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     args.heads, args.kv_heads, args.head_dim, args.block_size = 32, 8, 128, 16
@@ -233,17 +235,17 @@ def main():
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     copy_bw = copy_bandwidth(device, dtype, run)
     print(f"device: {name}, dtype {dtype}, Hq={args.heads} Hkv={args.kv_heads} D={args.head_dim} "
-          f"block_size={args.block_size}; device copy bandwidth {copy_bw / 1e9:.0f} GB/s")
+          f"block_size={args.block_size}; device copy bandwidth {copy_bw / 1e9:.3g} GB/s")
     rows = bench_decode(args, device, dtype, run, copy_bw)
     print(f"\n{'decode':<10}{'batch':>6}{'context':>8}  {'method':<26}{'ms':>9}{'GB/s':>9}"
           f"{'x contiguous':>14}{'of copy BW':>12}")
     for r in rows:
         print(f"{'':<10}{r['batch']:>6}{r['context']:>8}  {r['method']:<26}{r['ms']:>9.3f}"
-              f"{r['gbps']:>9.0f}{r['vs_contiguous']:>14.2f}{r['vs_copy_bw']:>12.2f}")
+              f"{r['gbps']:>9.3g}{r['vs_contiguous']:>14.2f}{r['vs_copy_bw']:>12.2f}")
     sweep = sweep_triton_decode(args, device, dtype, run, copy_bw) if device.type == "cuda" else []
     for r in sweep:
         print(f"{'sweep':<10}{r['batch']:>6}{r['context']:>8}  {r['method']:<26}{r['ms']:>9.3f}"
-              f"{r['gbps']:>9.0f}{'':>14}{r['vs_copy_bw']:>12.2f}")
+              f"{r['gbps']:>9.3g}{'':>14}{r['vs_copy_bw']:>12.2f}")
     prefill = bench_prefill(args, device, dtype, run)
     if prefill:
         print(f"\n{'prefill':<10}{'batch':>6}{'context':>8}  {'method':<26}{'ms':>9}{'TFLOP/s':>9}"

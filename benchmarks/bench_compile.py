@@ -50,7 +50,8 @@ def first_outputs(kind: str) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cold", action="store_true", help="an empty Inductor cache each")
-    parser.add_argument("--kinds", default=",".join(KINDS))
+    parser.add_argument("--kinds", default=",".join(KINDS),
+                        help=f"comma-separated model kinds to time (of {', '.join(KINDS)})")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # (the child process)
     args = parser.parse_args()
     if args.one:
@@ -59,13 +60,18 @@ def main() -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(
         [p for p in (env.get("PYTHONPATH"), os.path.dirname(os.path.abspath(__file__))) if p])
+    unknown = sorted(set(args.kinds.split(",")) - set(KINDS))
+    if unknown:
+        parser.error(f"--kinds: unknown {', '.join(unknown)}; known: {', '.join(KINDS)}")
     seconds = {}
     for kind in args.kinds.split(","):
         with tempfile.TemporaryDirectory() as cache:
             if args.cold:
                 env["TORCHINDUCTOR_CACHE_DIR"] = cache
             out = subprocess.run([sys.executable, __file__, "--one", kind], env=env,
-                                 capture_output=True, text=True, check=True)
+                                 capture_output=True, text=True)
+        if out.returncode:
+            raise SystemExit(f"{kind}: the timed child failed:\n{out.stderr[-4000:]}")
         seconds[kind] = round(float(out.stdout.split()[-1]), 2)
     import hf_paged
 

@@ -63,7 +63,7 @@ def measure(rows, heads, kv_heads, dim, context, dtype, kind, block_size=16, run
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="also write the rows as JSON here")
     args = parser.parse_args()
     if not cpu_ops.available():

@@ -151,7 +151,7 @@ def _ranges(values: list[int]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trace", action="store_true",
                         help="also run the tight trace, with the engine's oneDNN linear layers "
                              "and without (~4 min)")

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import random_llama  # noqa: E402
+from common import check_device, random_llama  # noqa: E402
 
 import hf_paged  # noqa: E402
 from hf_paged import LLM, SamplingParams  # noqa: E402
@@ -351,6 +351,7 @@ def report(name, row, requests, reference):
 
 def print_table(rows, base="static-dynamic"):
     ref = next((r for r in rows if r["method"] == base), rows[0])
+    base = ref["method"]  # (the ratios are to the first row when `base` did not run)
     width = max(20, len(base) + 4)
     print(f"{'method':30}{'s':>9}{'tok/s':>9}{'x ' + base:>{width}}{'req/s':>8}{'KV MiB':>9}"
           f"{'preempt':>9}{'recomputed':>11}{'prefix hit':>11}  same")
@@ -366,7 +367,7 @@ def main():
     if "--speculative" in sys.argv:  # speculative decoding: options of its own
         import bench_speculative
         return bench_speculative.main([a for a in sys.argv[1:] if a != "--speculative"])
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model and 16 requests")
     parser.add_argument("--requests", type=int, default=128, help="number of requests (128)")
     parser.add_argument("--kv-mib", type=int, default=768,
@@ -410,6 +411,7 @@ def main():
                               "with their capture time and memory (GPU)")):
         parser.add_argument(flag, action="store_true", help=text)
     args = parser.parse_args()
+    check_device(args.device, needs_cuda=args.cuda_graphs)
     dtype = getattr(torch, args.dtype)
     overlap = dict(async_scheduling=True) if args.async_scheduling else {}
     if args.python_calls:
@@ -473,7 +475,7 @@ def main():
         budget = tokens * _bytes_per_token(model)
         args.kv_mib = round(budget / 2**20, 1)
         print(f"tight budget: {tokens} KV tokens, a static batch of 8's peak")
-    print(f"model: random Llama, {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, "
+    print(f"model: random Llama, {sum(p.numel() for p in model.parameters()) / 1e6:.3g}M params, "
           f"{args.dtype}, {args.device}, threads {torch.get_num_threads()}")
     print(f"{len(requests)} requests: prompts {min(len(p) for p, _ in requests)}.."
           f"{max(len(p) for p, _ in requests)} tokens (median "
@@ -513,6 +515,9 @@ def main():
         "static-dynamic": lambda: run_static(model, requests, budget, args.block_size, False),
         "static-paged": lambda: run_static(model, requests, budget, args.block_size, True),
     }
+    unknown = [m for m in methods if m not in runners]
+    if unknown:
+        parser.error(f"--methods: unknown {', '.join(unknown)}; known: {', '.join(runners)}")
     results = {}
     for name in methods:
         print(f"running {name} ...", end=" ", flush=True)

@@ -24,7 +24,8 @@ from transformers import GenerationConfig
 
 sys.path.insert(0, os.path.dirname(__file__))
 import hf_paged  # noqa: E402
-from common import cache_tensor_bytes, left_padded, random_llama, timed  # noqa: E402
+from common import (cache_tensor_bytes, check_device, left_padded, random_llama,  # noqa: E402
+                    timed)
 
 
 def run_generate(model, ids, mask, new_tokens, **kw):
@@ -159,7 +160,7 @@ def _interleaved(methods, repeats):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model and prompts (smoke test)")
     parser.add_argument("--new-tokens", type=int, default=64,
                         help="tokens generated per row, EOS disabled (default 64)")
@@ -172,6 +173,7 @@ def main():
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="model and cache dtype (default float32)")
     args = parser.parse_args()
+    check_device(args.device)
     dtype = getattr(torch, args.dtype)
     if args.quick:
         model = random_llama(hidden=128, layers=2, heads=4, kv_heads=4, intermediate=256, vocab=512,
@@ -184,7 +186,7 @@ def main():
     n_params = sum(p.numel() for p in model.parameters())
     where = (torch.cuda.get_device_name(args.device) if args.device.startswith("cuda")
              else f"CPU threads {torch.get_num_threads()}")
-    print(f"model: random Llama, {n_params / 1e6:.0f}M params, hidden {cfg.hidden_size}, "
+    print(f"model: random Llama, {n_params / 1e6:.3g}M params, hidden {cfg.hidden_size}, "
           f"{cfg.num_hidden_layers} layers, {args.dtype}, {where}")
     ids, mask = left_padded([8, 5], cfg.vocab_size)
     run_generate(model, ids, mask, 4)  # warm-up, outside the timings

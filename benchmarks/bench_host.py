@@ -57,7 +57,7 @@ def best_of(runs, fn):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per request (64)")
     parser.add_argument("--runs", type=int, default=3, help="best of this many runs (3)")

@@ -203,7 +203,7 @@ def accuracy(rows, quick, steps=None, seed=0, num_prompts=None):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller workloads")
     parser.add_argument("--out", help="also write the rows as JSON here")
     parser.add_argument("--train-steps", type=int,

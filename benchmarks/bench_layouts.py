@@ -38,6 +38,8 @@ def make(kind):
     if kind == "mistral":
         return MistralForCausalLM(MistralConfig(num_key_value_heads=2, sliding_window=48,
                                                 **common)).eval()
+    if kind != "falcon":
+        raise ValueError(f"unknown model kind {kind!r}: llama, mistral or falcon")
     common.pop("intermediate_size")
     return FalconForCausalLM(FalconConfig(new_decoder_architecture=True, num_kv_heads=2,
                                           **common)).eval()

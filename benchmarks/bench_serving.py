@@ -138,7 +138,12 @@ def make_model(folder: str) -> None:
 
 
 def plot(results: dict, path: str) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # (the rows are written already: the plot alone is left out)
+        print(f"--plot {path} skipped: matplotlib is not installed (pip install matplotlib).",
+              file=sys.stderr)
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -176,7 +181,7 @@ def table(name: str, rows: list[dict]) -> str:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", help="server base URL, e.g. http://127.0.0.1:8000")
     parser.add_argument("--model", help="the model name to ask for")
     parser.add_argument("--name", default=None, help="a label for this server in the results")

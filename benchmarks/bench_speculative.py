@@ -121,7 +121,7 @@ def section(title, model, make_requests, concurrencies, configs, runs, rows):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller models, 1 and 8 only")
     parser.add_argument("--runs", type=int, default=3, help="best of (3)")
     parser.add_argument("-k", type=int, default=4, help="num_speculative_tokens (4)")

@@ -57,8 +57,10 @@ class _Timed:
 
     def __call__(self, *args):
         start = time.perf_counter()
-        self._inner(*args)
-        self.seconds += time.perf_counter() - start
+        try:
+            return self._inner(*args)
+        finally:
+            self.seconds += time.perf_counter() - start
 
 
 def engine_rows(model, tok, requests: int, new_tokens: int, runs: int) -> list[dict]:
@@ -145,7 +147,7 @@ def _walk(fill, accept, reset, bitmask, vocab: int, steps: int) -> float:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a tiny model")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)

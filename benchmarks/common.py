@@ -8,6 +8,17 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 
+def check_device(device: str, needs_cuda: bool = False) -> None:
+    """Ends the run at once, saying why, when `device` (or a mode that `needs_cuda`) asks
+    for a GPU this torch does not see, rather than after minutes of work or in a torch
+    traceback."""
+    if (needs_cuda or str(device).startswith("cuda")) and not torch.cuda.is_available():
+        raise SystemExit(f"this mode needs a CUDA device (--device {device}), and this "
+                         f"torch ({torch.__version__}) sees none: run it on a GPU machine.")
+    if needs_cuda and not str(device).startswith("cuda"):
+        raise SystemExit(f"this mode runs on a GPU: add --device cuda (got --device {device}).")
+
+
 def random_llama(hidden: int = 1024, layers: int = 8, heads: int = 16, kv_heads: int = 16,
                  intermediate: int = 2816, vocab: int = 32000, seed: int = 0,
                  dtype: torch.dtype = torch.float32, device: str = "cpu") -> LlamaForCausalLM:

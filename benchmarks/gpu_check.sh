@@ -54,6 +54,12 @@ pytest=(python3 -m pytest -q -p no:cacheprovider -o addopts="" -rfE --tb=short $
 step env 15 --bench bash -c "nvidia-smi; python3 -c \"import torch, triton, transformers; \
 print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, \
 'transformers', transformers.__version__)\""
+if [ "${GPU_CHECK_STEPS:-}" != "env" ] && \
+    ! python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
+  echo "no CUDA device here: gpu_check.sh runs on a GPU machine (GPU_CHECK_STEPS=env checks" \
+    "the environment alone)" | tee -a "$log"
+  exit 2
+fi
 # The CUDA extension builds in the background (nvcc on the host's cores) while the engine
 # tests, which do not use it, run on the GPU; its time shows on its own (37 s on one fresh
 # H200 machine, over 60 s on another). A build cut short does not block later loads.

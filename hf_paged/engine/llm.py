@@ -34,7 +34,7 @@ def load_model(path, dtype="auto", device=None, tensor_parallel: bool = False,
     tensor_parallel: under torchrun, split the model over the ranks (tp_plan="auto").
     device_map: spread its layers over devices ("auto", "balanced", or a dict, as
     Transformers takes it); the KV cache follows the layers."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, DistributedConfig
 
     if folder_missing(path):
         raise FileNotFoundError(f"no model folder at {str(path)!r}.")
@@ -43,7 +43,8 @@ def load_model(path, dtype="auto", device=None, tensor_parallel: bool = False,
     if len(given) > 1:
         raise ValueError(f"give one of device, device_map and tensor_parallel; got {given}.")
     if tensor_parallel:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, tp_plan="auto")
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, distributed_config=DistributedConfig(tp_plan="auto"))
     elif device_map is not None:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map)
     else:

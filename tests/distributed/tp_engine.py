@@ -18,7 +18,7 @@ warnings.simplefilter("ignore")
 
 from hf_paged import LLM, SamplingParams  # noqa: E402
 from hf_paged.engine import ModelRunner, engine_options, run_worker  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers import AutoModelForCausalLM, DistributedConfig  # noqa: E402
 
 OPTIONS = dict(block_size=4, num_blocks=20, max_num_seqs=4, max_num_batched_tokens=16,
                admission_headroom=0)  # admit eagerly: preempt often
@@ -49,8 +49,8 @@ def prompts():
 
 def main():
     folder, out_path = sys.argv[1], sys.argv[2]
-    model = AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto",
-                                                 dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, distributed_config=DistributedConfig(tp_plan="auto"), dtype=torch.float32).eval()
     refuse = sys.argv[3:] == ["refuse"]
     if dist.get_rank() == 0:
         refused = refusals(lambda options: LLM(model, **options)) if refuse else []

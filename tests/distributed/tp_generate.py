@@ -16,13 +16,13 @@ import torch.distributed as dist
 warnings.simplefilter("ignore")
 
 import hf_paged  # noqa: E402,F401
-from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers import AutoModelForCausalLM, DistributedConfig  # noqa: E402
 
 
 def main():
     folder, out_path = sys.argv[1], sys.argv[2]
-    model = AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto",
-                                                 dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, distributed_config=DistributedConfig(tp_plan="auto"), dtype=torch.float32).eval()
     ids = torch.tensor([[0, 0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15], [0, 0, 0, 0, 0, 3, 4]])
     mask = (ids != 0).long()
     cases = {

@@ -16,15 +16,15 @@ import torch
 warnings.simplefilter("ignore")
 
 import hf_paged  # noqa: E402,F401
-from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers import AutoModelForCausalLM, DistributedConfig  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tp_generate import write_from_rank0  # noqa: E402
 
 
 def run(folder):
-    model = AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto",
-                                                 dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, distributed_config=DistributedConfig(tp_plan="auto"), dtype=torch.float32).eval()
     ids = torch.tensor([[0, 0, 0, 5, 6, 7, 8, 9], [9, 10, 11, 12, 13, 14, 15, 16]])
     mask = (ids != 0).long()
     result = {}
