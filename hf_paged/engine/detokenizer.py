@@ -128,20 +128,33 @@ class TokenPieces:
         would not add up to it. Special tokens (a decode that skips them leaves them out of
         the context) and parts of a character keep their own pieces; so does a text's first
         token."""
-        pieces = [self._piece(t) for t in tokens]
-        special = self._special
-        base = [t for t in context[-2 * self.CONTEXT:] if t not in special][-self.CONTEXT:]
-        todo = [i for i, t in enumerate(tokens)
-                if t not in special and not pieces[i][0].startswith("bytes:")]
-        if not base or not todo or self.tokenizer is None:
-            return pieces
-        head = self.tokenizer.decode(base)
-        texts = self.tokenizer.batch_decode([base + [tokens[i]] for i in todo])
-        for i, text in zip(todo, texts):
-            if text.startswith(head) and _REPLACEMENT not in text[len(head):]:
-                piece = text[len(head):]
-                pieces[i] = (piece, piece.encode("utf-8", "surrogatepass"))
-        return pieces
+        return self.after_each([(context, tokens)])[0]
+
+    def after_each(self, asked: list[tuple[list[int], list[int]]]
+                   ) -> list[list[tuple[str, bytes]]]:
+        """`after` of each (context, tokens) in `asked`, in two batched decodes."""
+        special, out, bases, windows, where = self._special, [], [], [], []
+        for context, tokens in asked:
+            out.append([self._piece(t) for t in tokens])
+            base = [t for t in context[-2 * self.CONTEXT:] if t not in special][-self.CONTEXT:]
+            todo = [i for i, t in enumerate(tokens)
+                    if t not in special and not out[-1][i][0].startswith("bytes:")]
+            if base and todo and self.tokenizer is not None:
+                bases.append(base)
+                for i in todo:
+                    where.append((len(out) - 1, i, len(bases) - 1))
+                    windows.append(base + [tokens[i]])
+        if where:
+            heads, texts = self._decode_all(bases), self._decode_all(windows)
+            for (k, i, b), text in zip(where, texts):
+                if text.startswith(heads[b]) and _REPLACEMENT not in text[len(heads[b]):]:
+                    piece = text[len(heads[b]):]
+                    out[k][i] = (piece, piece.encode("utf-8", "surrogatepass"))
+        return out
+
+    def _decode_all(self, ids: list[list[int]]) -> list[str]:
+        batch = getattr(self.tokenizer, "batch_decode", None)
+        return batch(ids) if batch is not None else [self.tokenizer.decode(x) for x in ids]
 
     def _piece(self, token: int) -> tuple[str, bytes]:
         hit = self._cache.get(token)

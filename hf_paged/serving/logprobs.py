@@ -57,13 +57,15 @@ def token_logprobs(token_ids: list[int], entries: list, pieces: TokenPieces,
     ids before the first token (each is named by the text it adds to them)."""
     tokens, token_lps, tops, offsets = [], [], [], []
     at = offset if isinstance(offset, TextOffsets) else TextOffsets(offset)
-    seen = list(context)
-    for token, entry in zip(token_ids, entries):
-        others = [] if entry is None else [
-            (t, lp) for t, lp in sorted(entry.items(), key=lambda kv: -kv[1])[:count]
-            if t != token]
-        names = [text for text, _ in pieces.after(seen, [token] + [t for t, _ in others])]
-        seen.append(token)
+    ids, first, reach = list(context) + list(token_ids), len(context), 2 * TokenPieces.CONTEXT
+    ranked = [[] if entry is None else [
+        (t, lp) for t, lp in sorted(entry.items(), key=lambda kv: -kv[1])[:count] if t != token]
+        for token, entry in zip(token_ids, entries)]
+    named = pieces.after_each([(ids[max(first + j - reach, 0):first + j],
+                                [token] + [t for t, _ in others])
+                               for j, (token, others) in enumerate(zip(token_ids, ranked))])
+    for token, entry, others, names in zip(token_ids, entries, ranked, named):
+        names = [text for text, _ in names]
         piece = names[0]
         tokens.append(piece)
         offsets.append(at.next(token, piece, pieces))
@@ -128,13 +130,15 @@ def joined_logprobs(first: dict | None, second: dict | None) -> dict | None:
 def chat_logprobs(out: CompletionOutput, start: int, pieces: TokenPieces, top: int) -> dict:
     """Chat-API logprobs of tokens [start:] of a completion; `bytes` are each token's own
     (of the text it adds to the tokens before it, as `TokenPieces.after` names it)."""
-    content = []
-    for k, (token, entry) in enumerate(zip(out.token_ids[start:], out.logprobs[start:])):
-        ranked = sorted(entry.items(), key=lambda kv: -kv[1])[:top]
-        context = out.token_ids[max(start + k - 2 * TokenPieces.CONTEXT, 0):start + k]
-        (text, raw), *named = pieces.after(context, [token] + [t for t, _ in ranked])
+    content, reach = [], 2 * TokenPieces.CONTEXT
+    tokens, entries = out.token_ids[start:], out.logprobs[start:]
+    ranked = [sorted(entry.items(), key=lambda kv: -kv[1])[:top] for entry in entries]
+    names = pieces.after_each([(out.token_ids[max(start + k - reach, 0):start + k],
+                                [token] + [t for t, _ in best])
+                               for k, (token, best) in enumerate(zip(tokens, ranked))])
+    for token, entry, best, ((text, raw), *named) in zip(tokens, entries, ranked, names):
         content.append({
             "token": text, "logprob": _lp(entry[token]), "bytes": list(raw),
             "top_logprobs": [{"token": name, "logprob": _lp(lp), "bytes": list(b)}
-                             for (_, lp), (name, b) in zip(ranked, named)]})
+                             for (_, lp), (name, b) in zip(best, named)]})
     return {"content": content}
