@@ -118,8 +118,11 @@ class TokenPieces:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self._cache: dict[int, tuple[str, bytes]] = {}
-        self._byte_level = tokenizer is not None and _traits(tokenizer).byte_level
-        self._special = _traits(tokenizer).special if tokenizer is not None else frozenset()
+        traits = _traits(tokenizer) if tokenizer is not None else None
+        self._byte_level = traits is not None and traits.byte_level
+        self._special = traits.special if traits is not None else frozenset()
+        # A byte-level BPE token's own text is already the text it adds (its space is in it).
+        self._alone = traits is None or (traits.byte_level and not traits.cleanup)
 
     def after(self, context: list[int], tokens: list[int]) -> list[tuple[str, bytes]]:
         """(text, bytes) of each of `tokens` following the ids `context`: the text it adds
@@ -133,13 +136,15 @@ class TokenPieces:
     def after_each(self, asked: list[tuple[list[int], list[int]]]
                    ) -> list[list[tuple[str, bytes]]]:
         """`after` of each (context, tokens) in `asked`, in two batched decodes."""
+        if self._alone:
+            return [[self._piece(t) for t in tokens] for _, tokens in asked]
         special, out, bases, windows, where = self._special, [], [], [], []
         for context, tokens in asked:
             out.append([self._piece(t) for t in tokens])
             base = [t for t in context[-2 * self.CONTEXT:] if t not in special][-self.CONTEXT:]
             todo = [i for i, t in enumerate(tokens)
                     if t not in special and not out[-1][i][0].startswith("bytes:")]
-            if base and todo and self.tokenizer is not None:
+            if base and todo:
                 bases.append(base)
                 for i in todo:
                     where.append((len(out) - 1, i, len(bases) - 1))

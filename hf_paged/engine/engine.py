@@ -260,17 +260,14 @@ class LLMEngine:
 
     num_blocks = property(lambda self: self.pool.blocks.num_blocks, doc="blocks in the pool")
 
-    model_name = property(lambda self: str(getattr(self.runner.base.config, "name_or_path", "")
-                                           or "model"))
-
     @property
-    def eos_ids(self) -> set[int]:
-        """The model's end-of-sequence token ids (a request stops on them unless ignore_eos)."""
-        return self.output.eos_ids
+    def model_name(self) -> str:
+        return str(getattr(self.runner.base.config, "name_or_path", "") or "model")
 
-    @eos_ids.setter
-    def eos_ids(self, ids) -> None:
-        self.output.eos_ids = set(ids)
+    eos_ids = property(lambda self: self.output.eos_ids,
+                       lambda self, ids: setattr(self.output, "eos_ids", set(ids)),
+                       doc="The model's end-of-sequence token ids (a request stops on them "
+                           "unless ignore_eos).")
 
     generation_tokens = property(lambda self: self.output.generation_tokens,
                                  doc="tokens sampled so far")
@@ -294,8 +291,7 @@ class LLMEngine:
         if self.runner.check_model(admitting=bool(self.scheduler.waiting)):  # (before all)
             self.scheduler.forget_prefixes()  # cached K/V came from other weights
         touched: dict[str, EngineRequest] = {}
-        in_flight, self._in_flight = self._in_flight, None
-        now = time.monotonic()
+        in_flight, now = self._in_flight, time.monotonic()  # (it stays until it lands)
         # Ending requests keep their last token; a token forking n completions lands first.
         if in_flight is not None and (in_flight.forks or self._aborts
                                       or self._deadlines.due(now)):
@@ -323,6 +319,8 @@ class LLMEngine:
                                f"{self.stats()}")
         if self.speculator is not None:  # a draft model's rows of ended sequences: given back
             self.speculator.proposer.release(self.scheduler.running)
+        if self._in_flight is in_flight:  # (landed; a step that raised left it to fail_all)
+            self._in_flight = None
         return self.output.outputs(touched, self.tokenizer, self.finished_only)
 
     def _expire(self, touched: dict, now: float) -> None:

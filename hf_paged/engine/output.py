@@ -8,7 +8,6 @@ are checked, and requests end or fail one at a time. Nothing here touches the de
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import time
@@ -70,8 +69,11 @@ class OutputProcessor:
         """Ends every request with `error`; returns their outputs. The tokens of
         `in_flight` (async scheduling's last step) land first, as they would have without."""
         if in_flight is not None:
-            with contextlib.suppress(Exception):  # (unless landing them is what failed)
+            try:
                 self.land(in_flight, {})
+            except Exception as err:  # noqa: BLE001 (landing them may be what failed)
+                logger.warning("hf-paged: the last step's tokens did not land: %s",
+                               describe(err))
         outputs = []
         for request in list(self.requests.values()):
             if not request.finished:  # (one its landed tokens just ended keeps its ending)

@@ -259,7 +259,7 @@ class PagedCache(PagedLayers, Cache):
         return self._forward.write(key_states, value_states, layer_idx)
 
     def _check_by_hand(self, key_states, value_states, layer_idx: int) -> None:
-        if not (isinstance(layer_idx, int) and 0 <= layer_idx < self.num_layers):
+        if not (hasattr(layer_idx, "__index__") and 0 <= layer_idx < self.num_layers):
             raise HFPagedError(f"PagedCache.update: layer_idx={layer_idx!r} is not a layer of "
                                f"the model's {self.num_layers} (0 to {self.num_layers - 1}).")
         check_new_states(key_states, value_states, layer_idx, self.num_kv_heads, self.head_dim,

@@ -100,8 +100,9 @@ def _track_layers(paged_kv) -> set[int]:
     update, attend = paged_kv.update, paged_kv.attend
 
     def tracked_update(key, value, layer_idx, *args, **kwargs):
-        waiting.add(layer_idx)
-        return update(key, value, layer_idx, *args, **kwargs)
+        out = update(key, value, layer_idx, *args, **kwargs)  # (an update that raises: not
+        waiting.add(layer_idx)  # the layer's doing after it)
+        return out
 
     def tracked_attend(query, layer_idx, *args, **kwargs):
         waiting.discard(layer_idx)

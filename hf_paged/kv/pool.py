@@ -152,7 +152,7 @@ class KVPool:
                                 v_head_dim, kv_dtype)
         num_blocks = config.num_blocks
         if num_blocks and model_layers:
-            num_blocks = num_blocks * model_layers // num_layers
+            num_blocks = -(-num_blocks * model_layers // num_layers)  # (read back: num_blocks)
         if config.max_kv_bytes is not None:
             num_blocks = config.max_kv_bytes // per_block
             if num_blocks == 0:

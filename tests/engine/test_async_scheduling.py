@@ -286,7 +286,7 @@ def test_a_forward_failing_on_the_token_that_stopped_its_sequence_fails_nobody()
 def test_fail_all_lands_the_tokens_in_flight():
     """fail_all (shutdown, a failed step) dropped async scheduling's last sampled token, so
     a request lost a token (and its logprobs) the synchronous engine had given it; one that
-    token ended keeps its own ending."""
+    token ended keeps its own ending. (The step before fail_all fails before it lands it.)"""
     from conftest import make_model
 
     model = make_model("llama_gqa")
@@ -300,6 +300,11 @@ def test_fail_all_lands_the_tokens_in_flight():
         seen = {}
         for _ in range(4):
             seen.update({o.request_id: o for o in engine.step() if o.finished})
+        schedule = engine.scheduler.schedule  # a fifth step fails, as no request made it
+        engine.scheduler.schedule = lambda: 1 / 0
+        with pytest.raises(ZeroDivisionError):
+            engine.step()
+        engine.scheduler.schedule = schedule
         seen.update({o.request_id: o for o in engine.fail_all("shutting down")})
         results.append({k: (o.error, o.outputs[0].finish_reason, o.outputs[0].token_ids,
                             len(o.outputs[0].logprobs or []))

@@ -178,3 +178,22 @@ def test_shortage_is_told_in_blocks_of_every_layer(gemma3):
     # the full group holds 10 blocks of 40 tokens, each sliding one fewer: 10 of all layers
     assert out.outputs[0].finish_reason == "error"
     assert "needs 10 KV blocks of 4 tokens, but the whole pool has 3;" in out.error
+
+
+def test_uneven_groups_keep_the_num_blocks_asked_for():
+    """Ten layers, 4 full and 6 sliding: groups of 4, 4 and 2 layers in blocks of 4 layers.
+    The pool's blocks were num_blocks * 10 // 4 rounded down, which reads back as one block
+    fewer than asked (6 of 7)."""
+    full, sliding = "full_attention", "sliding_attention"
+    model = make_arch("gemma3", num_hidden_layers=10,
+                      layer_types=[full, sliding, sliding] * 3 + [full])
+    llm = hf_paged.LLM(model, block_size=4, num_blocks=7)
+    assert llm.engine.runner.groups.slots == 4 and llm.engine.runner.groups.num_groups == 3
+    out = llm.generate([[5] * 40], SamplingParams(max_tokens=10, temperature=0.0))[0]
+    assert out.error.endswith("but the whole pool has 7; raise the KV budget or lower "
+                              "max_tokens.")
+    cache = hf_paged.PagedCache(model.config, {"num_blocks": 7, "block_size": 4})
+    ids = torch.randint(3, VOCAB, (1, 5), generator=torch.Generator().manual_seed(0))
+    model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                   max_new_tokens=2, do_sample=False)
+    assert cache.memory_stats().num_blocks == 7

@@ -387,3 +387,17 @@ def test_values_of_their_own_size_without_a_latent():
     assert "MiMoV2FlashForCausalLM" in (route_reason(mixed) or "")
     with pytest.raises(hf_paged.UnsupportedModelError, match="MiMoV2FlashForCausalLM"):
         hf_paged.LLM(mixed)
+
+
+def test_a_refused_cache_update_is_not_blamed_on_the_layer():
+    """The probe's reason for a layer whose states the cache update refuses (a config
+    saying 4 KV heads of layers computing 2) is the update's own error, not "computing on
+    what the update returned"."""
+    import transformers as t
+
+    model = t.LlamaForCausalLM(t.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2)).eval()
+    model.config.num_key_value_heads = 4
+    reason = route_reason(model)
+    assert "stores keys (1, 2, 1, 8)" in reason and "after its cache update" not in reason
