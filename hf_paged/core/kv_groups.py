@@ -92,7 +92,12 @@ class KVGroups:
         scaled = pool_blocks * self.slots
         return -(-scaled // self.num_layers) if round_up else scaled // self.num_layers
 
-    def exhausted(self, err: KVCacheExhaustedError, held: int) -> KVCacheExhaustedError:
+    def pool_blocks(self, model_blocks: int) -> int:
+        """The pool blocks that hold `model_blocks` blocks of every layer (rounded up, so
+        that `model_blocks` reads them back as that many)."""
+        return -(-model_blocks * self.num_layers // self.slots)
+
+    def in_model_blocks(self, err: KVCacheExhaustedError, held: int) -> KVCacheExhaustedError:
         """`err` (counted in pool blocks) counted in blocks of every layer; held: the
         failing cache's pool blocks."""
         return KVCacheExhaustedError(

@@ -38,8 +38,8 @@ def compile_forward(model, backend: str, variant: tuple = (), model_guards: bool
 
     variant: what else the traced graphs depend on (the engine's pool dtype, block size,
     linear layers through oneDNN or not, attention backends): each variant gets an entry
-    point, and a recompile limit, of its own. Dynamo's recompile limit is raised process-wide to `RECOMPILE_LIMIT` (it is
-    one setting, read when a graph is added).
+    point, and a recompile limit, of its own. Dynamo's recompile limit is raised
+    process-wide to `RECOMPILE_LIMIT` (it is one setting, read when a graph is added).
 
     Dynamo re-checks a compiled function's guards before every call, some 500 for a small
     model, which cost as much as the rest of a small decode step's host work. Only those on

@@ -124,24 +124,22 @@ class TokenPieces:
         # A byte-level BPE token's own text is already the text it adds (its space is in it).
         self._alone = traits is None or (traits.byte_level and not traits.cleanup)
 
-    def after(self, context: list[int], tokens: list[int]) -> list[tuple[str, bytes]]:
-        """(text, bytes) of each of `tokens` following the ids `context`: the text it adds
-        to theirs, as the decoded text has it. Decoded alone, a SentencePiece word's token
-        loses its leading space and a word-level one its separator, so the tokens of a text
-        would not add up to it. Special tokens (a decode that skips them leaves them out of
-        the context) and parts of a character keep their own pieces; so does a text's first
-        token."""
-        return self.after_each([(context, tokens)])[0]
-
-    def after_each(self, asked: list[tuple[list[int], list[int]]]
-                   ) -> list[list[tuple[str, bytes]]]:
-        """`after` of each (context, tokens) in `asked`, in two batched decodes."""
+    def after(self, ids: list[int], asked: list[tuple[int, list[int]]]
+              ) -> list[list[tuple[str, bytes]]]:
+        """For each (position, tokens) in `asked`: (text, bytes) of each of `tokens` as if
+        at `position` of `ids`, i.e. the text it adds to the ids before it, as the decoded
+        text has it (two batched decodes in all). Decoded alone, a SentencePiece word's
+        token loses its leading space and a word-level one its separator, so the tokens of a
+        text would not add up to it. Special tokens (a decode that skips them leaves them
+        out of the context) and parts of a character keep their own pieces; so does a
+        text's first token."""
         if self._alone:
             return [[self._piece(t) for t in tokens] for _, tokens in asked]
         special, out, bases, windows, where = self._special, [], [], [], []
-        for context, tokens in asked:
+        for at, tokens in asked:
             out.append([self._piece(t) for t in tokens])
-            base = [t for t in context[-2 * self.CONTEXT:] if t not in special][-self.CONTEXT:]
+            context = ids[max(at - 2 * self.CONTEXT, 0):at]
+            base = [t for t in context if t not in special][-self.CONTEXT:]
             todo = [i for i, t in enumerate(tokens)
                     if t not in special and not out[-1][i][0].startswith("bytes:")]
             if base and todo:

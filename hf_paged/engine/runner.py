@@ -237,7 +237,7 @@ class ModelRunner:
         slots = self.groups.slots  # layers a block holds
         per_block = slots * per_layer
         if num_blocks is not None and self.groups.is_hybrid:  # counted in blocks of all layers
-            num_blocks = -(-positive("num_blocks", num_blocks) * num_layers // slots)
+            num_blocks = self.groups.pool_blocks(positive("num_blocks", num_blocks))
         fraction("gpu_memory_utilization", gpu_memory_utilization)
         blocks = pool_blocks(num_blocks, kv_cache_bytes, gpu_memory_utilization, per_layer,
                              placement, self.max_num_seqs * self.groups.num_groups

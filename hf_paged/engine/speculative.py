@@ -91,8 +91,10 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config['method'] must be one of {METHODS}; got "
                              f"{config.method!r}.")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-                     "disable_by_batch_size"):
+                     "disable_by_batch_size", "draft_kv_cache_bytes"):
             value = getattr(config, name)
+            if name == "draft_kv_cache_bytes" and value is None:  # (the target's block count)
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"speculative_config[{name!r}] must be a positive integer; "
                                  f"got {value!r}.")
@@ -100,11 +102,6 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: prompt_lookup_min "
                              f"({config.prompt_lookup_min}) exceeds prompt_lookup_max "
                              f"({config.prompt_lookup_max}).")
-        budget = config.draft_kv_cache_bytes
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
-                                   or budget < 1):
-            raise ValueError(f"speculative_config['draft_kv_cache_bytes'] must be a positive "
-                             f"integer (or None: the target's block count); got {budget!r}.")
         if isinstance(config.min_acceptance, bool) or not isinstance(
                 config.min_acceptance, (int, float)) or not 0 <= config.min_acceptance <= 1:
             raise ValueError(f"speculative_config['min_acceptance'] must be in [0, 1]; got "

@@ -354,7 +354,7 @@ class PagedCache(PagedLayers, Cache):
                 self.tables.resize(0)
                 self.hidden.resize(0)
                 self.device_table = None
-            raise self.groups.exhausted(err, self.tables.num_held) from None
+            raise self.groups.in_model_blocks(err, self.tables.num_held) from None
         # Committed from here on.
         self._expected_mask = _NOT_GIVEN
         self.hidden.apply(step)

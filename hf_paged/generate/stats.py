@@ -112,10 +112,8 @@ def measure(cache) -> MemoryStats:
     bs, groups = cache.block_size, cache.groups
     fills = [_fill(t, bs) for t in cache.tables.by_group]
     layers = groups.num_layers
-    # A group's block holds `slots` of the model's layers: that share of a block of all.
-    share = groups.slots / layers
     in_use_pool = sum(len(f) for f in fills)
-    in_use = -(-in_use_pool * groups.slots // layers)
+    in_use = groups.model_blocks(in_use_pool, round_up=True)
     tokens = round(sum(sum(f.values()) * len(g) for f, g in zip(fills, groups.layers)) / layers)
     shared = sum(1 for f in fills for b in f if cache.pool.blocks.refcount(b) > 1)
     bpt = cache.pool.bytes_per_token * layers // groups.slots
@@ -125,10 +123,10 @@ def measure(cache) -> MemoryStats:
         tokens_stored=tokens,
         logical_tokens=sum(cache.tables.lengths),
         blocks_in_use=in_use,
-        peak_blocks_in_use=max(-(-cache.peak_blocks * groups.slots // layers), in_use),
-        num_blocks=int(cache.pool.blocks.num_blocks * share),
+        peak_blocks_in_use=max(groups.model_blocks(cache.peak_blocks, round_up=True), in_use),
+        num_blocks=groups.model_blocks(cache.pool.blocks.num_blocks),
         block_size=bs,
-        shared_blocks=-(-shared * groups.slots // layers),
+        shared_blocks=groups.model_blocks(shared, round_up=True),
         bytes_per_token=bpt,
         pool_bytes=cache.pool.nbytes,
         unshared_kv_bytes=unshared * bs * cache.pool.bytes_per_token,

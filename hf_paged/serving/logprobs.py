@@ -6,6 +6,7 @@ part of a character (`TokenPieces`)."""
 from __future__ import annotations
 
 import codecs
+from collections.abc import Sequence
 
 from ..engine.detokenizer import TokenPieces
 from ..outputs import CompletionOutput, RequestOutput
@@ -24,7 +25,7 @@ def completion_logprobs(out: CompletionOutput, start: int, pieces: TokenPieces,
     whose string another one already has is keyed `token_id:N` (nothing collapses).
     offset: where the tokens' text starts, or a stream's offsets so far."""
     return token_logprobs(out.token_ids[start:], out.logprobs[start:], pieces, offset,
-                          context=out.token_ids[max(start - 2 * TokenPieces.CONTEXT, 0):start])
+                          context=out.token_ids[:start])
 
 
 class TextOffsets:
@@ -50,19 +51,18 @@ class TextOffsets:
 
 def token_logprobs(token_ids: list[int], entries: list, pieces: TokenPieces,
                    offset: int | TextOffsets, count: int | None = None,
-                   context: list[int] = ()) -> dict:
+                   context: Sequence[int] = ()) -> dict:
     """`completion_logprobs` of any tokens; an entry of None (a prompt's first token) has
     null `token_logprobs` and `top_logprobs`. count: the most likely tokens each position's
     `top_logprobs` holds beside the chosen one (default: all of the entry's). context: the
     ids before the first token (each is named by the text it adds to them)."""
     tokens, token_lps, tops, offsets = [], [], [], []
     at = offset if isinstance(offset, TextOffsets) else TextOffsets(offset)
-    ids, first, reach = list(context) + list(token_ids), len(context), 2 * TokenPieces.CONTEXT
+    ids, first = [*context, *token_ids], len(context)
     ranked = [[] if entry is None else [
         (t, lp) for t, lp in sorted(entry.items(), key=lambda kv: -kv[1])[:count] if t != token]
         for token, entry in zip(token_ids, entries)]
-    named = pieces.after_each([(ids[max(first + j - reach, 0):first + j],
-                                [token] + [t for t, _ in others])
+    named = pieces.after(ids, [(first + j, [token] + [t for t, _ in others])
                                for j, (token, others) in enumerate(zip(token_ids, ranked))])
     for token, entry, others, names in zip(token_ids, entries, ranked, named):
         names = [text for text, _ in names]
@@ -130,12 +130,11 @@ def joined_logprobs(first: dict | None, second: dict | None) -> dict | None:
 def chat_logprobs(out: CompletionOutput, start: int, pieces: TokenPieces, top: int) -> dict:
     """Chat-API logprobs of tokens [start:] of a completion; `bytes` are each token's own
     (of the text it adds to the tokens before it, as `TokenPieces.after` names it)."""
-    content, reach = [], 2 * TokenPieces.CONTEXT
+    content = []
     tokens, entries = out.token_ids[start:], out.logprobs[start:]
     ranked = [sorted(entry.items(), key=lambda kv: -kv[1])[:top] for entry in entries]
-    names = pieces.after_each([(out.token_ids[max(start + k - reach, 0):start + k],
-                                [token] + [t for t, _ in best])
-                               for k, (token, best) in enumerate(zip(tokens, ranked))])
+    names = pieces.after(out.token_ids, [(start + k, [token] + [t for t, _ in best])
+                                         for k, (token, best) in enumerate(zip(tokens, ranked))])
     for token, entry, best, ((text, raw), *named) in zip(tokens, entries, ranked, names):
         content.append({
             "token": text, "logprob": _lp(entry[token]), "bytes": list(raw),
