@@ -26,8 +26,9 @@ from ..hf.architectures import (
 )
 from ..hf.attention import KWARG
 from ..hf.linear import onednn_linears, use_onednn_linears
+from ..hf.rotary import fused_rotary
 from ..hf.probe import route_reason
-from ..hf.register import register
+from ..hf.register import register, switch_rotary
 from ..hf.rope import TokenRope, use_token_rope
 from ..hf.switch import paged_attention
 from ..kernels.dispatch import PoolAccess
@@ -209,6 +210,8 @@ class ModelRunner:
                         else contextlib.nullcontext)
         text_config = base.config.get_text_config(decoder=True)
         self.device, self.dtype = input_device(base), base.dtype  # the model's inputs' device
+        self.rotary = (fused_rotary if self.device.type == "cpu" and switch_rotary(base)
+                       else contextlib.nullcontext)
         self.tp_size = getattr(base, "tp_size", None) or 1
         self.rank = torch.distributed.get_rank() if self.tp_size > 1 else 0
         spec = kv_spec(text_config)
@@ -428,7 +431,7 @@ class ModelRunner:
             model = self.compiled
         paged_kv = self.access.forward(metas[0], group_metas=metas)
         with torch.inference_mode(), paged_attention(self.base, self.watch.configs), \
-                self.linears():
+                self.linears(), self.rotary():
             try:
                 out = model(input_ids=ids[None], position_ids=positions[None],
                             past_key_values=paged_kv, use_cache=True, logits_to_keep=keep,

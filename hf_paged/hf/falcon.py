@@ -13,7 +13,8 @@ from __future__ import annotations
 import functools
 
 import torch
-from transformers.models.falcon.modeling_falcon import apply_rotary_pos_emb, build_alibi_tensor
+from transformers.models.falcon import modeling_falcon
+from transformers.models.falcon.modeling_falcon import build_alibi_tensor
 
 from ..kernels.forward import PagedLayers
 from .attention import ATTENTION_NAME, original_implementation
@@ -95,7 +96,8 @@ def paged_falcon_attention(original):
         slopes = None
         if alibi is None:
             cos, sin = position_embeddings
-            query, key = apply_rotary_pos_emb(query, key, cos, sin)
+            # (read from the module: the engine's forwards may switch it, hf/rotary.py)
+            query, key = modeling_falcon.apply_rotary_pos_emb(query, key, cos, sin)
         else:
             # Transformers' sdpa path adds alibi / sqrt(head_dim) to the scores once; the
             # kernels scale the slopes' term by the scores' scale (reference.alibi_bias).

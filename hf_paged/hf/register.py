@@ -1,7 +1,10 @@
 """What both paths need registered in Transformers: the "paged" attention and mask functions,
-and Falcon's attention (which does not go through the attention interface)."""
+and Falcon's attention (which does not go through the attention interface); and what the
+engine switches in its model's modeling modules: Llama's rotary application (hf/rotary.py)."""
 
 from __future__ import annotations
+
+import sys
 
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
@@ -9,9 +12,10 @@ from transformers.models.falcon import modeling_falcon
 from transformers.models.falcon.modeling_falcon import FalconAttention, FalconFlashAttention2
 
 from .attention import ATTENTION_NAME, paged_attention_forward, paged_mask
+from . import rotary
 from .falcon import paged_falcon_attention
 
-_originals: dict[tuple[type, str], object] = {}
+_originals: dict[tuple[object, str], object] = {}  # (class or module, name) -> original
 
 
 def register() -> None:
@@ -25,6 +29,24 @@ def register() -> None:
             original = owner.__dict__["forward"]
             _originals[owner, "forward"] = original
             owner.forward = paged_falcon_attention(original)
+
+
+def switch_rotary(model) -> bool:
+    """Gives each modeling module of `model` whose `apply_rotary_pos_emb` is Llama's the
+    engine's switched one (`rotary.fused`; `unregister` undoes it); returns whether any
+    module has it (none where the CPU kernels cannot be had)."""
+    if rotary.kernel() is None:
+        return False
+    switched = False
+    for name in {type(m).__module__ for m in model.modules()}:
+        module = sys.modules.get(name)
+        if (module, "apply_rotary_pos_emb") not in _originals:
+            if module is None or not rotary.is_llamas(module):
+                continue
+            own = _originals[module, "apply_rotary_pos_emb"] = module.apply_rotary_pos_emb
+            module.apply_rotary_pos_emb = rotary.fused(own)
+        switched = True
+    return switched
 
 
 def unregister() -> None:

@@ -1,6 +1,7 @@
 """The CPU C++ kernels, built on first use and cached: the decode attention
-(`cuda/cpu_paged_attention.cpp`), the pool write (`cuda/cpu_cache_ops.cpp`) and the
-sampler's greedy argmax (`cuda/cpu_sampling.cpp`).
+(`cuda/cpu_paged_attention.cpp`), the pool write (`cuda/cpu_cache_ops.cpp`), the
+sampler's greedy argmax (`cuda/cpu_sampling.cpp`) and the engine's rotary embedding
+(`cuda/cpu_rotary.cpp`).
 
 Building needs a C++ compiler and ninja (`pip install ninja`); `load()` raises
 `CpuKernelsUnavailable` saying what is missing, and `available()` answers without raising
@@ -15,6 +16,7 @@ import os
 import platform
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -24,7 +26,7 @@ from . import extension, reference
 from ..kv.pool import split_layer
 from .library import define, impl_on, like_first, tracing
 
-SOURCES = ("cpu_paged_attention.cpp", "cpu_cache_ops.cpp", "cpu_sampling.cpp",
+SOURCES = ("cpu_paged_attention.cpp", "cpu_cache_ops.cpp", "cpu_sampling.cpp", "cpu_rotary.cpp",
            "cpu_ops_binding.cpp")
 logger = logging.getLogger("hf_paged")
 
@@ -161,3 +163,13 @@ def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
             or logits.stride(-1) != 1 or not load.cache_info().currsize):
         return None
     return load().greedy(logits)
+
+
+
+def rotary() -> Callable | None:
+    """Llama's `apply_rotary_pos_emb(q, k, cos, sin)` in one native pass, bit for bit (see
+    `cuda/cpu_rotary.cpp`): q [B, Hq, N, D], k [B, Hk, N, D], cos, sin [B, N, D] -> the
+    rotated (q, k), laid out as q and k, or None where it does not serve (other shapes or
+    dtypes, tensors off the CPU: the caller then runs Transformers' ops). None itself when
+    the extension cannot be had here."""
+    return load().rotary if available() else None

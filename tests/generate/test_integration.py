@@ -11,8 +11,10 @@ from transformers import (
 )
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama import modeling_llama
 
 import hf_paged
+from hf_paged.kernels import cpu_ops
 from conftest import assert_same, left_padded_batch, make_model
 
 PROMPTS = ["w5 w6 w7", "w10 w11 w12 w13 w14 w15 w16 w17 w18", "w40", "w3 w9 w27 w81 w33"]
@@ -81,12 +83,16 @@ def test_unsupported_architecture_warns_and_keeps_stock_behaviour():
 
 def test_disable_restores_stock_transformers(llama):
     wrapped = GenerationMixin.generate
+    hf_paged.LLM(llama, max_num_seqs=2)  # (switches Llama's rotary application, hf/rotary.py)
+    assert hasattr(modeling_llama.apply_rotary_pos_emb, "own") or not cpu_ops.available()
     try:
         hf_paged.disable()
         assert not hf_paged.is_enabled()
         assert "paged" not in ALL_ATTENTION_FUNCTIONS._global_mapping
         assert "paged" not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
         assert GenerationMixin.generate is not wrapped
+        # (the engine's rotary switch is undone too)
+        assert not hasattr(modeling_llama.apply_rotary_pos_emb, "own")
         # generate keeps only a notice for "paged" requests around Transformers' own.
         stock_generate = GenerationMixin.generate._hf_paged_notice
         assert "hf_paged" not in stock_generate.__code__.co_filename
