@@ -26,7 +26,6 @@ from ..hf.architectures import (
 )
 from ..hf.attention import KWARG
 from ..hf.linear import onednn_linears, use_onednn_linears
-from ..hf.rotary import fused_rotary
 from ..hf.probe import route_reason
 from ..hf.register import register, switch_rotary
 from ..hf.rope import TokenRope, use_token_rope
@@ -201,8 +200,7 @@ class ModelRunner:
             raise UnsupportedModelError(f"The engine cannot serve this model: {reason}.")
         register()  # the "paged" attention, even where generate's patches are disabled
         self.model.eval()
-        self.watch = ModelWatch(self.model, base)
-        self.base = base
+        self.watch, self.base = ModelWatch(self.model, base), base
         self.rope = TokenRope(base)  # rotary frequencies that follow a forward's length
         # (before compiling: a layer's class is part of what its graphs are keyed by)
         self.onednn_linear = flag("onednn_linear", onednn_linear)
@@ -210,8 +208,7 @@ class ModelRunner:
                         else contextlib.nullcontext)
         text_config = base.config.get_text_config(decoder=True)
         self.device, self.dtype = input_device(base), base.dtype  # the model's inputs' device
-        self.rotary = (fused_rotary if self.device.type == "cpu" and switch_rotary(base)
-                       else contextlib.nullcontext)
+        self.rotary = switch_rotary(base, self.device)  # (Llama's rotary in one CPU pass)
         self.tp_size = getattr(base, "tp_size", None) or 1
         self.rank = torch.distributed.get_rank() if self.tp_size > 1 else 0
         spec = kv_spec(text_config)

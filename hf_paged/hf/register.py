@@ -4,8 +4,10 @@ engine switches in its model's modeling modules: Llama's rotary application (hf/
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
+import torch
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 from transformers.models.falcon import modeling_falcon
@@ -31,12 +33,13 @@ def register() -> None:
             owner.forward = paged_falcon_attention(original)
 
 
-def switch_rotary(model) -> bool:
+def switch_rotary(model, device: torch.device):
     """Gives each modeling module of `model` whose `apply_rotary_pos_emb` is Llama's the
-    engine's switched one (`rotary.fused`; `unregister` undoes it); returns whether any
-    module has it (none where the CPU kernels cannot be had)."""
-    if rotary.kernel() is None:
-        return False
+    engine's switched one (`rotary.fused`; `unregister` undoes it), for a model whose
+    inputs are on the CPU (`device`) where the CPU kernels can be had. Returns the context
+    its forwards run in: `rotary.fused_rotary` where a module has it, else a null one."""
+    if device.type != "cpu" or rotary.kernel() is None:
+        return contextlib.nullcontext
     switched = False
     for name in {type(m).__module__ for m in model.modules()}:
         module = sys.modules.get(name)
@@ -46,7 +49,7 @@ def switch_rotary(model) -> bool:
             own = _originals[module, "apply_rotary_pos_emb"] = module.apply_rotary_pos_emb
             module.apply_rotary_pos_emb = rotary.fused(own)
         switched = True
-    return switched
+    return rotary.fused_rotary if switched else contextlib.nullcontext
 
 
 def unregister() -> None:

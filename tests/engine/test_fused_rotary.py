@@ -19,12 +19,13 @@ from hf_paged.kernels import cpu_ops
 from test_engine import random_prompts, stock_greedy
 from zoo import make_arch
 
+CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no CPU kernels here")
 
 
 def switched_llama_function():
     """Llama's module function, switched (as an engine on a Llama model leaves it)."""
-    assert switch_rotary(make_model("llama_gqa"))
+    assert switch_rotary(make_model("llama_gqa"), CPU) is rotary.fused_rotary
     function = modeling_llama.apply_rotary_pos_emb
     assert function.own is not None
     return function, function.own
@@ -146,11 +147,11 @@ def test_the_switch_belongs_to_the_thread_that_sets_it(monkeypatch):
 def test_only_modules_with_llamas_function_are_switched():
     for name in ("qwen2", "gemma", "gemma3"):  # copies of Llama's function
         model = make_arch(name)
-        assert switch_rotary(model)
+        assert switch_rotary(model, CPU) is rotary.fused_rotary
         assert sys.modules[type(model).__module__].apply_rotary_pos_emb.own is not None
     for name in ("phi3", "gpt_oss", "glm4"):  # their own rotary arithmetic
         model = make_arch(name)
-        assert not switch_rotary(model)
+        assert switch_rotary(model, CPU) is not rotary.fused_rotary
         assert not hasattr(sys.modules[type(model).__module__].apply_rotary_pos_emb, "own")
 
 
