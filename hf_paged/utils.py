@@ -9,6 +9,7 @@ keep working.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.abc
 import importlib.util
@@ -18,6 +19,18 @@ import sys
 def cdiv(a: int, b: int) -> int:
     """Ceiling division of non-negative ints: blocks of `b` slots that hold `a` tokens."""
     return -(-a // b)
+
+
+@contextlib.contextmanager
+def set_on_thread(state, name: str, value):
+    """Inside, attribute `name` of `state` (a `threading.local`) is `value` on this thread;
+    the thread's own value after."""
+    outer = getattr(state, name)
+    setattr(state, name, value)
+    try:
+        yield
+    finally:
+        setattr(state, name, outer)
 
 
 def out_of_vocab(ids, vocab_size: int) -> list[int]:

@@ -12,7 +12,6 @@ record oneDNN's op, any other compile of the model traces torch's.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 
 import torch
@@ -20,6 +19,7 @@ from torch import nn
 from transformers.models.falcon.modeling_falcon import FalconLinear
 
 from ..kernels import cpu_linear
+from ..utils import set_on_thread
 
 
 class _Thread(threading.local):
@@ -69,11 +69,6 @@ def use_onednn_linears(model: nn.Module) -> int:
     return count
 
 
-@contextlib.contextmanager
 def onednn_linears():
     """Inside, `OneDNNLinear` layers called on this thread run through oneDNN."""
-    outer, _THREAD.on = _THREAD.on, True
-    try:
-        yield
-    finally:
-        _THREAD.on = outer
+    return set_on_thread(_THREAD, "on", True)

@@ -30,6 +30,7 @@ from ..core.prefix_cache import rope_namespace
 from ..core.rope_switch import RopeSwitch
 from ..errors import UnsupportedModelError
 from ..kv.metadata import to_device
+from ..utils import set_on_thread
 
 
 # Model types whose generate drops its cache and computes a sequence anew once it holds more
@@ -121,16 +122,11 @@ def use_token_rope(model) -> list:
     return found
 
 
-@contextlib.contextmanager
 def token_rope(lengths: torch.Tensor):
     """Inside, switched rotary embeddings called on this thread give token i of their packed
     positions the frequencies of length lengths[i] ([N] int64: max(position + 1, the
     token's prompt length))."""
-    outer, _THREAD.lengths = _THREAD.lengths, lengths
-    try:
-        yield
-    finally:
-        _THREAD.lengths = outer
+    return set_on_thread(_THREAD, "lengths", lengths)
 
 
 def token_lengths(positions: torch.Tensor, row_lengths: torch.Tensor,

@@ -15,7 +15,6 @@ take (not float32 on the CPU, another layout), it is the module's own.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 
 import torch
@@ -23,6 +22,7 @@ from transformers.models.llama import modeling_llama
 
 from ..kernels import cpu_ops
 from ..kernels.library import tracing
+from ..utils import set_on_thread
 
 
 class _Thread(threading.local):
@@ -75,11 +75,6 @@ def kernel():
     return _kernel
 
 
-@contextlib.contextmanager
 def fused_rotary():
     """Inside, switched `apply_rotary_pos_emb` calls on this thread take the CPU kernel."""
-    outer, _THREAD.kernel = _THREAD.kernel, _kernel
-    try:
-        yield
-    finally:
-        _THREAD.kernel = outer
+    return set_on_thread(_THREAD, "kernel", _kernel)

@@ -432,7 +432,7 @@ def chat_response(request_id: str, model: str, result: RequestOutput, pieces: To
                 message = {"role": "assistant",
                            "content": echo + (content or "") if echo else content,
                            "tool_calls": [c.as_openai() for c in calls]}
-                finish = "tool_calls"
+                finish = tools.finish_reason(out, calls)
         choices.append({
             "index": out.index, "message": message,
             "logprobs": chat_logprobs(out, 0, pieces, top) if out.logprobs is not None else None,

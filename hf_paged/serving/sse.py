@@ -167,7 +167,7 @@ def _tool_choice(server, tools, c, sent: list, top: int) -> dict:
     logprobs = None if c.logprobs is None else chat_logprobs(c, sent[0], server.pieces, top)
     sent[:] = [len(c.token_ids), len(c.text), True]
     return {"index": c.index, "delta": delta, "logprobs": logprobs,
-            "finish_reason": "tool_calls" if calls else c.finish_reason,
+            "finish_reason": tools.finish_reason(c, calls),
             "stop_reason": c.stop_reason}
 
 

@@ -236,6 +236,12 @@ class ToolMode:
     def forced(self) -> bool:
         return self.choice != "auto"
 
+    def finish_reason(self, out, calls: list) -> str | None:
+        """A finished answer's `finish_reason`: "tool_calls" where it made calls, but for a
+        named function the answer's own ("stop"; "length" if cut short), as OpenAI and vLLM
+        answer a call the request forced by name."""
+        return "tool_calls" if calls and not isinstance(self.choice, dict) else out.finish_reason
+
     def answer(self, out, tokenizer) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) of a finished completion: calls are found in its text with
         special tokens (`raw_text`), the content before them reads as `out.text` does."""

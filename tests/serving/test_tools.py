@@ -97,16 +97,17 @@ def test_required_calls_always_parse_and_validate(served, parallel):
 
 
 def test_named_function_and_streaming(served):
+    """A call forced by name ends as its answer did ("stop"), as OpenAI and vLLM say it."""
     kw = dict(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=200, temperature=0,
               tool_choice={"type": "function", "function": {"name": "get_weather"}})
     whole = served.client.chat.completions.create(**kw).choices[0]
-    assert whole.finish_reason == "tool_calls"
+    assert whole.finish_reason == "stop"
     check_calls(whole.message.tool_calls, ["get_weather"])
     chunks = [c for c in served.client.chat.completions.create(**kw, stream=True) if c.choices]
     deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
     assert [d.function.name for d in deltas] == ["get_weather"] and deltas[0].index == 0
     assert deltas[0].function.arguments == whole.message.tool_calls[0].function.arguments
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert chunks[-1].choices[0].finish_reason == "stop"
 
 
 def test_streamed_calls_of_several_choices_equal_the_response(served):
@@ -127,7 +128,8 @@ def test_streamed_calls_of_several_choices_equal_the_response(served):
         assert [e.token for e in streamed] == [e.token for e in choice.logprobs.content]
         assert [e.logprob for e in streamed] == pytest.approx(
             [e.logprob for e in choice.logprobs.content], abs=1e-4)
-        assert [c.finish_reason for c in mine if c.finish_reason] == ["tool_calls"]
+        ends = [c.finish_reason for c in mine if c.finish_reason]
+        assert ends == [choice.finish_reason] == ["stop"]
 
 
 # -- auto: what the model writes --------------------------------------------------------------
