@@ -22,7 +22,7 @@ from .prefix import load_prefix
 from .stats import MemoryStats, measure
 
 
-_NOT_GIVEN = object()  # expect_forward was not called for the next forward
+_NOT_GIVEN = ...  # expect_forward was not called for the next forward (copies keep Ellipsis)
 
 
 def _ceil_pow2(n: int) -> int:

@@ -155,6 +155,11 @@ class PagedForward(PagedLayers, Cache):
         stored tokens in full, [R, Hkv, T, D] and [R, Hkv, T, Dv] (slot t of row r holds its
         token t; T = meta.num_keys), which the layer expands before its attention.
         """
+        if not 0 <= layer_idx < self.num_layers:
+            layers = f"{self.num_layers} layer" + "s" * (self.num_layers != 1)
+            raise HFPagedError(
+                f"Layer {layer_idx} stores keys and values, but this paged KV holds {layers}: "
+                "the cache was made for another model config (make it from this model's).")
         meta = self.meta_for(layer_idx)
         k_cache, v_cache = self.access.views(layer_idx)
         if meta.num_new:

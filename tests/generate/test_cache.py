@@ -430,3 +430,12 @@ def test_bad_updates_by_hand_are_named_and_change_nothing(llama, bad):
     assert cache.get_seq_length() == 3 and cache.memory_stats().tokens_stored == 3
     slots = cache.device_table.table[0, 0].item() * 4 + torch.arange(3)
     assert torch.equal(k_cache.reshape(-1, heads, dim)[slots], k[0].transpose(0, 1))
+
+
+def test_a_cache_made_for_fewer_layers_is_named(llama, batch):
+    """A cache of another config's layer count: a named error (it was an IndexError from the
+    pool's views), as for other heads or head dims."""
+    shallow = make_model("llama_gqa", num_hidden_layers=llama.config.num_hidden_layers - 1)
+    with pytest.raises(hf_paged.HFPagedError, match="holds 1 layer: the cache was made for "
+                                                    "another model config"):
+        llama.generate(**batch, max_new_tokens=3, past_key_values=PagedCache(shallow.config))

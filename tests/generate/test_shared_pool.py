@@ -198,3 +198,20 @@ def test_pool_and_cache_objects_pickle():
     cache = pickle.loads(pickle.dumps(out.past_key_values))
     assert isinstance(cache, PagedCache)
     assert cache.memory_stats().tokens_stored == out.past_key_values.memory_stats().tokens_stored
+
+
+@pytest.mark.parametrize("copied", ["deepcopy", "pickle"])
+@pytest.mark.parametrize("config", [SIZED, None])
+def test_a_copied_cache_continues_as_the_original(copied, config):
+    """Transformers' prompt-cache reuse (`copy.deepcopy(prompt_cache)` for each follow-up):
+    a copy, deep or pickled, continues with stock tokens, and so does the original."""
+    model = make_model("llama_gqa")
+    ids, mask = left_padded_batch([5, 9], seed=1)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4,
+                         cache_implementation="paged", cache_config=config,
+                         return_dict_in_generate=True)
+    cache = out.past_key_values
+    copies = [copy.deepcopy(cache) if copied == "deepcopy" else pickle.loads(pickle.dumps(cache))
+              for _ in range(2)]
+    for each in copies + [cache]:
+        assert_continues(model, out, mask, each)
