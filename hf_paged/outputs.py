@@ -11,12 +11,12 @@ class Logprob(float):
     vLLM counts) and `.decoded_token` (the token's own text, decoded on access; None
     without a tokenizer)."""
 
-    __slots__ = ("rank", "_token", "_tokenizer")
+    __slots__ = ("rank", "_token", "_tokenizer", "_text")
 
     def __new__(cls, value: float, rank: int | None = None, token: int | None = None,
-                tokenizer=None):
+                tokenizer=None, text: str | None = None):
         self = super().__new__(cls, value)
-        self.rank, self._token, self._tokenizer = rank, token, tokenizer
+        self.rank, self._token, self._tokenizer, self._text = rank, token, tokenizer, text
         return self
 
     @property
@@ -25,12 +25,12 @@ class Logprob(float):
 
     @property
     def decoded_token(self) -> str | None:
-        if self._tokenizer is None or self._token is None:
-            return None
-        return self._tokenizer.decode([self._token])
+        if self._text is None and self._tokenizer is not None and self._token is not None:
+            self._text = self._tokenizer.decode([self._token])
+        return self._text
 
-    def __reduce__(self):  # (a copy keeps the value and rank, not the tokenizer)
-        return Logprob, (float(self), self.rank)
+    def __reduce__(self):  # (a copy or a pickle keeps the text, not the tokenizer)
+        return Logprob, (float(self), self.rank, self._token, None, self.decoded_token)
 
 
 def logprob_entries(ids: list[int], values: list[float], token: int, value: float,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import logging
 import os
@@ -43,13 +44,9 @@ READER_GRACE_S = 1.0  # how long a reader over max_unread_outputs may take none
 logger = logging.getLogger("hf_paged")
 
 
-
 def _settle(future: asyncio.Future, result, error) -> None:
     if not future.done():  # (its caller may have gone)
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
+        future.set_exception(error) if error is not None else future.set_result(result)
 
 
 class RequestStream:
@@ -78,10 +75,8 @@ class RequestStream:
     def _put(self, item) -> None:
         """From the stepping thread."""
         self._items.append(item)
-        try:
+        with contextlib.suppress(RuntimeError):  # (the reader's loop is closed)
             self._loop.call_soon_threadsafe(self._ready.set)
-        except RuntimeError:  # the reader's loop is closed
-            pass
 
     def _supersede(self, item) -> None:
         """From the stepping thread: a cumulative output takes the place of the newest
@@ -355,6 +350,21 @@ class AsyncLLM:
     HEARTBEAT_S = tp.HEARTBEAT_S  # under tensor parallelism, idle rank 0 pings this often
 
     def _run(self) -> None:
+        reason = "the engine was shut down"
+        try:
+            self._step_until_shutdown()
+        except BaseException as err:  # noqa: BLE001 (a fault of the loop itself, no request's)
+            logger.exception("hf-paged: the stepping thread failed; ending every request")
+            with self._inbox_lock:  # (later requests raise EngineDeadError, none hangs)
+                self._dead = True
+            reason = f"the engine's stepping thread failed: {describe(err)}"
+        self._drain_inbox()
+        outputs = self.engine.fail_all(reason)
+        if self.engine.tp_size > 1:
+            self.engine.stop_workers()
+        self._deliver(outputs)
+
+    def _step_until_shutdown(self) -> None:
         engine = self.engine
         tp = engine.tp_size > 1
         if engine.device.type == "cuda":  # a new thread starts on device 0
@@ -377,11 +387,6 @@ class AsyncLLM:
                     outputs = engine.fail_all(f"the engine step failed: {describe(err)}")
                 last = time.monotonic()
                 self._deliver(outputs)
-        self._drain_inbox()
-        outputs = engine.fail_all("the engine was shut down")
-        if tp:
-            engine.stop_workers()
-        self._deliver(outputs)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -408,9 +413,10 @@ class AsyncLLM:
                 fn, future, loop = payload
                 try:
                     result, error = fn(self.engine), None
-                except Exception as err:  # noqa: BLE001 (the caller's to handle)
+                except BaseException as err:  # noqa: BLE001 (the caller's to handle)
                     result, error = None, err
-                loop.call_soon_threadsafe(_settle, future, result, error)
+                with contextlib.suppress(RuntimeError):  # (its caller's loop is closed)
+                    loop.call_soon_threadsafe(_settle, future, result, error)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

@@ -17,7 +17,7 @@ from numbers import Integral
 from dataclasses import replace
 
 from .engine import LLMEngine
-from .request import is_array, prompt_fields
+from .request import is_array, prompt_ids
 from ..distributed import tensor_parallel as tp
 from ..errors import HFPagedError
 from ..outputs import CompletionOutput, RequestOutput
@@ -146,8 +146,8 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The settings of a request that sets none: the model's generation_config, then
-        vLLM's defaults."""
-        return SamplingParams().resolved(self.engine.defaults)
+        vLLM's defaults. (Yours to change: each request takes a copy of it as it is then.)"""
+        return replace(SamplingParams().resolved(self.engine.defaults), _resolved=False)
 
     def reset_prefix_cache(self) -> bool:
         """Drops every cached prefix block (to time runs from cold): True, or False while a
@@ -193,7 +193,7 @@ class LLM:
                 prepared.append(engine.prepare_request(rid, prompt, p,
                                                        0 if rank is None else rank, name))
             except RequestRejectedError as err:
-                results[rid] = _rejected(rid, prompt, p, str(err))
+                results[rid] = _rejected(engine, rid, prompt, p, str(err))
         with self._lock:
             return self._run(ids, prepared, results, use_tqdm)
 
@@ -320,9 +320,11 @@ def _per_prompt(what: str, value, prompts: list) -> list:
     return value
 
 
-def _rejected(request_id, prompt, params, error) -> RequestOutput:
-    text, run = prompt_fields(prompt) if isinstance(prompt, Mapping) else (None, prompt)
-    text, ids = (run, []) if isinstance(run, str) else (text, list(run))
+def _rejected(engine, request_id, prompt, params, error) -> RequestOutput:
+    """The output of a request that can never run: its prompt as the checks read it (token
+    ids as ints, text tokenized, truncated as asked)."""
+    text, ids = prompt_ids(prompt, params, engine.tokenizer, engine.vocab_size,
+                           engine.scheduler.max_model_len)
     return RequestOutput(request_id, text, ids,
                          [CompletionOutput(i, finish_reason="error") for i in range(params.n)],
                          finished=True, error=error)

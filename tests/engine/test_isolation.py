@@ -453,6 +453,69 @@ def test_a_request_submitted_as_the_engine_shuts_down_is_refused(monkeypatch):
     _stream_test(body)
 
 
+class _Thrown(BaseException):
+    """Not an Exception (as SystemExit, KeyboardInterrupt or CancelledError are not)."""
+
+
+def test_a_call_that_raises_anything_or_outlives_its_loop_harms_no_request():
+    """AsyncLLM.call(fn): an fn raising what is not an Exception, or a caller whose event
+    loop closed before the answer (it stopped waiting), killed the stepping thread, and
+    every request hung. The first reaches its caller, the second's answer is dropped, and a
+    request running meanwhile ends with its solo tokens."""
+    import asyncio
+    import contextlib
+    import threading
+
+    prompt, = random_prompts(11, 1, 3, 25)
+    solo = stock_greedy(long_model("llama_gqa"), prompt, 40)
+    gate = threading.Event()
+
+    def slow(engine):
+        gate.wait(10)
+        return 1
+
+    def caller_that_gives_up(llm):  # another thread's loop, closed when it returns
+        async def give_up():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(llm.call(slow), 0.01)
+        asyncio.run(give_up())
+
+    async def body(llm):
+        victim = llm.add(prompt, greedy(40))
+        await victim.__anext__()
+        with pytest.raises(_Thrown):
+            await llm.call(lambda engine: (_ for _ in ()).throw(_Thrown()))
+        thread = threading.Thread(target=caller_that_gives_up, args=(llm,))
+        thread.start()
+        await asyncio.to_thread(thread.join, 30)
+        gate.set()  # (the answer now goes to a closed loop)
+        last = [out async for out in victim][-1]
+        assert await llm.call(lambda engine: 7) == 7 and llm.is_running
+        return last
+
+    assert _stream_test(body).outputs[0].token_ids == solo
+
+
+def test_a_stepping_thread_that_fails_ends_every_request_and_refuses_new_ones(monkeypatch):
+    """A fault of the stepping loop itself (not of a step, which ends only its requests):
+    the running requests end with "error" saying so, and later ones raise EngineDeadError
+    rather than wait forever on a thread that is gone."""
+    from hf_paged.errors import EngineDeadError
+
+    async def body(llm):
+        stream = llm.add([3, 4, 5], greedy(500))
+        await stream.__anext__()
+        monkeypatch.setattr(llm.engine, "has_unfinished_requests",
+                            lambda: (_ for _ in ()).throw(RuntimeError("loop fault")))
+        last = [out async for out in stream][-1]
+        assert last.outputs[0].finish_reason == "error"
+        assert "stepping thread failed: RuntimeError: loop fault" in last.error
+        with pytest.raises(EngineDeadError):
+            llm.add([3, 4, 5], greedy(2))
+
+    _stream_test(body)
+
+
 # -- deadlines ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("overlap", [False, True])  # async scheduling
 def test_deadlines_end_queued_and_running_requests(overlap):

@@ -4,6 +4,9 @@ with stock `generate` on the same ids."""
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import numpy as np
 import pytest
 import torch
@@ -215,6 +218,11 @@ def test_logprobs_read_as_vllms_logprob_objects(llm):
         assert chosen.decoded_token == tok.decode([token])
         best = min(entry, key=lambda t: entry[t].rank)
         assert entry[best].rank == 1 and best == int(row.argmax())
+    for copied in (copy.deepcopy(out), pickle.loads(pickle.dumps(out))):  # (saved results)
+        again = copied.outputs[0].logprobs[0][out.outputs[0].token_ids[0]]
+        assert (again, again.rank, again.decoded_token) == (
+            chosen := out.outputs[0].logprobs[0][out.outputs[0].token_ids[0]], chosen.rank,
+            tok.decode([out.outputs[0].token_ids[0]]))
     bare = LLM(model, block_size=4, num_blocks=50).generate([prompt], params, use_tqdm=False)[0]
     assert bare.outputs[0].logprobs[0][bare.outputs[0].token_ids[0]].decoded_token is None
 
@@ -236,6 +244,31 @@ def test_default_params_and_prefix_cache_reset(tmp_path):
     assert llm.reset_prefix_cache() is True
     assert llm.stats().blocks_cached == 0 and llm.stats().blocks_free == 60
     assert llm.generate([prompt], params, use_tqdm=False)[0].num_cached_tokens == 0
+
+
+def test_default_params_changed_between_calls_take_effect():
+    """vLLM's pattern: take the default settings, set fields, generate; set others, generate
+    again. Each call reads the object as it is then (the sampler kept the first call's
+    allowed ids and biases on it), and a call running when it changes keeps its own."""
+    llm = LLM(long_model("llama_gqa"), make_tokenizer(), block_size=4, num_blocks=100)
+    params = llm.get_default_sampling_params()
+    params.temperature, params.max_tokens, params.ignore_eos = 0, 3, True
+
+    def tokens():
+        return llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
+
+    params.allowed_token_ids = [10]
+    assert tokens() == [10, 10, 10]
+    params.allowed_token_ids = [20]
+    assert tokens() == [20, 20, 20]
+    params.allowed_token_ids, params.logit_bias = None, {40: 100.0}
+    assert tokens() == [40, 40, 40]
+    engine = llm.engine
+    engine.add_request("r", [5, 6, 7], params)
+    params.logit_bias = {50: 100.0}  # after the request was added: not its settings
+    while engine.has_unfinished_requests():
+        done = [o for o in engine.step() if o.finished]
+    assert done[0].outputs[0].token_ids == [40, 40, 40]
 
 
 def test_async_llm_speaks_vllms_names():
@@ -640,3 +673,20 @@ def test_adapters_transformers_loaded_run_as_part_of_the_model(tmp_path):
     with pytest.raises(InvalidRequestError, match="peft.PeftModel"):
         llm.engine.lora.load("c", str(tmp_path / "a"))
     assert check() > llm.stats().prefix_cache_hit_tokens - 100  # (still serving)
+
+
+def test_a_rejected_request_reports_its_prompt_as_checked():
+    """A request too long for the context comes back with "error" and the prompt the checks
+    read: ints (it was a list of 0-d tensors or numpy integers), the text's tokens (it was
+    empty) and the ids kept by truncate_prompt_tokens (it was all of them)."""
+    llm = LLM(long_model("llama_gqa"), make_tokenizer(), block_size=4, num_blocks=100,
+              max_model_len=32)
+    long = list(range(3, 43))
+    params = SamplingParams(max_tokens=3)
+    for prompt in (torch.tensor(long), np.array(long), " ".join(f"w{i}" for i in long)):
+        out = llm.generate(prompt, params, use_tqdm=False)[0]
+        assert out.outputs[0].finish_reason == "error" and "context of 32" in out.error
+        assert out.prompt_token_ids == long and {type(t) for t in out.prompt_token_ids} == {int}
+    cut = llm.generate(long, SamplingParams(max_tokens=3, truncate_prompt_tokens=30),
+                       use_tqdm=False)[0]
+    assert "prompt (30 tokens)" in cut.error and cut.prompt_token_ids == long[-30:]
