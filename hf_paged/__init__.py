@@ -24,6 +24,7 @@ from .errors import (
 from .generate.patches import SUPPORTED_ARCHITECTURES, disable, enable, is_enabled, prepare_model
 from .engine.async_llm import AsyncLLM, RequestStream
 from .engine.engine import EngineStats, LLMEngine
+from .engine.adapters import LoRARequest
 from .engine.llm import LLM
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -34,7 +35,7 @@ __all__ = [
     "AsyncLLM", "BackwardNotSupportedError", "BlockPool", "BlockTables", "CompletionOutput",
     "DeviceMemory", "EngineDeadError", "EngineStats", "HFPagedError", "InvalidRequestError",
     "IsolationError", "KVCacheExhaustedError", "KVPoolAllocationError", "LLM", "LLMEngine",
-    "MemoryStats", "ModelChangedError", "PagedCache", "PagedCacheConfig", "Placement",
+    "LoRARequest", "MemoryStats", "ModelChangedError", "PagedCache", "PagedCacheConfig", "Placement",
     "RequestMetrics", "RequestOutput", "RequestOutputKind", "RequestRejectedError",
     "RequestStream", "SUPPORTED_ARCHITECTURES", "SamplingParams", "StructuredOutputsParams",
     "UnsupportedModelError", "disable", "enable", "is_enabled", "model_placement",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import os
 import types
@@ -24,6 +25,18 @@ from ..core.prefix_cache import namespace
 from ..errors import InvalidRequestError, ModelChangedError, UnsupportedModelError, describe
 
 BASE = "__base__"  # the adapter name of a PEFT model's base model (PEFT's own name for it)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRARequest:
+    """vLLM's name for an adapter a request runs (`LLM.generate(..., lora_request=...)`):
+    the adapter in folder `lora_path`, loaded as `lora_name` by the first call that names
+    it (as `engine.lora.load` loads one), run by name from then on. `lora_int_id` is
+    vLLM's positive id; adapters are told apart by name here."""
+
+    lora_name: str
+    lora_int_id: int = 1
+    lora_path: str = ""
 _SHARED = ("_parameters", "_buffers")  # what `private_copy`'s modules share with the caller's
 
 

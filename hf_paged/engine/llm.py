@@ -17,6 +17,7 @@ from numbers import Integral
 from dataclasses import replace
 
 from .engine import LLMEngine
+from .adapters import LoRARequest
 from .request import is_array, prompt_ids
 from ..distributed import tensor_parallel as tp
 from ..errors import HFPagedError
@@ -161,12 +162,15 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: list[int] | None = None,
-                 adapter: str | list[str | None] | None = None) -> list[RequestOutput]:
+                 adapter: str | list[str | None] | None = None,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+                 ) -> list[RequestOutput]:
         """prompts: a string, a list (or 1-D tensor or array) of token ids, a prompt dict
         ({"prompt": text} or {"prompt_token_ids": ids}, optionally with "cache_salt"), or a
         list of these.
         adapter: the LoRA adapter of every prompt, or one per prompt (see
-        `LLMEngine.add_request`). A request that can never run (too long for the model or
+        `LLMEngine.add_request`); or, as vLLM names them, `lora_request` (adapters not yet
+        loaded are loaded from their folders first). A request that can never run (too long for the model or
         the pool) comes back with finish_reason "error" and `error` set, as does one that
         fails while running; the others run normally. Malformed input raises
         InvalidRequestError before anything runs. If the call raises (or is interrupted),
@@ -176,6 +180,10 @@ class LLM:
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], Integral)):
             prompts = [prompts]  # (one prompt; a tensor's ids are read, and checked, as any)
         prompts = list(prompts)
+        if lora_request is not None:
+            if adapter is not None:
+                raise ValueError("Name the adapters with `adapter` or `lora_request`, not both.")
+            adapter = self._loaded(_per_prompt("LoRA requests", lora_request, prompts))
         params = _per_prompt("sampling params", sampling_params, prompts)
         priority = _per_prompt("priorities", priority, prompts)
         adapters = _per_prompt("adapters", adapter, prompts)
@@ -196,6 +204,14 @@ class LLM:
                 results[rid] = _rejected(engine, rid, prompt, p, str(err))
         with self._lock:
             return self._run(ids, prepared, results, use_tqdm)
+
+    def _loaded(self, requests: list[LoRARequest | None]) -> list[str | None]:
+        """The adapter names of vLLM's `lora_request`s, each loaded first if it is not."""
+        with self._lock:  # (not while another thread's call runs)
+            for request in requests:
+                if request is not None and request.lora_name not in self.engine.runner.adapters:
+                    self.engine.lora.load(request.lora_name, request.lora_path)
+        return [None if r is None else r.lora_name for r in requests]
 
     def chat(self, messages: list, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True, *, adapter: str | list[str | None] | None = None,

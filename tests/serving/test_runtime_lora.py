@@ -458,3 +458,28 @@ def test_the_engines_own_loads_keep_the_prefix_cache_and_an_owners_change_drops_
     assert tuned != want
     assert engine_text(engine) == tuned
     assert engine.stats().prefix_cache_hit_tokens == hits
+
+
+def test_llm_generate_takes_vllms_lora_request(adapters):
+    """`LLM.generate(..., lora_request=LoRARequest(name, id, path))`, as vLLM's offline
+    API names an adapter: loaded from its folder by the first call, run by name after; a
+    prompt without one runs the base model; stock tokens throughout."""
+    from hf_paged import LLM, LoRARequest
+
+    llm = LLM(make_model("llama_gqa"), TOKENIZER, block_size=4, num_blocks=256)
+    params = SamplingParams(temperature=0, max_tokens=6)
+    as_a, as_b = LoRARequest("a", 1, adapters["a"]), LoRARequest("b", 2, adapters["b"])
+
+    def texts(**kw):
+        return [o.outputs[0].text for o in llm.generate([PROMPT] * 3, params, use_tqdm=False,
+                                                        **kw)]
+
+    assert texts(lora_request=[as_a, None, as_b]) == [
+        stock(PROMPT, adapters["a"]), stock(PROMPT), stock(PROMPT, adapters["b"])]
+    assert texts(lora_request=as_b) == [stock(PROMPT, adapters["b"])] * 3
+    assert sorted(llm.engine.runner.adapters) == ["a", "b"]  # (each loaded once)
+    with pytest.raises(ValueError, match="not both"):
+        texts(lora_request=as_a, adapter="a")
+    with pytest.raises(InvalidRequestError, match="lora_path"):
+        texts(lora_request=LoRARequest("c", 3, adapters["a"] + "-missing"))
+    assert llm.stats().running == llm.stats().waiting == 0
