@@ -142,6 +142,8 @@ class LLM:
     def stats(self):
         return self.engine.stats()
 
+    llm_engine = property(lambda self: self.engine, doc="vLLM's name for `engine`")
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

@@ -477,7 +477,7 @@ def test_llm_generate_takes_vllms_lora_request(adapters):
     assert texts(lora_request=[as_a, None, as_b]) == [
         stock(PROMPT, adapters["a"]), stock(PROMPT), stock(PROMPT, adapters["b"])]
     assert texts(lora_request=as_b) == [stock(PROMPT, adapters["b"])] * 3
-    assert sorted(llm.engine.runner.adapters) == ["a", "b"]  # (each loaded once)
+    assert sorted(llm.llm_engine.runner.adapters) == ["a", "b"]  # (each loaded once)
     with pytest.raises(ValueError, match="not both"):
         texts(lora_request=as_a, adapter="a")
     with pytest.raises(InvalidRequestError, match="lora_path"):
