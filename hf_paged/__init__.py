@@ -35,11 +35,11 @@ __all__ = [
     "AsyncLLM", "BackwardNotSupportedError", "BlockPool", "BlockTables", "CompletionOutput",
     "DeviceMemory", "EngineDeadError", "EngineStats", "HFPagedError", "InvalidRequestError",
     "IsolationError", "KVCacheExhaustedError", "KVPoolAllocationError", "LLM", "LLMEngine",
-    "LoRARequest", "MemoryStats", "ModelChangedError", "PagedCache", "PagedCacheConfig", "Placement",
-    "RequestMetrics", "RequestOutput", "RequestOutputKind", "RequestRejectedError",
-    "RequestStream", "SUPPORTED_ARCHITECTURES", "SamplingParams", "StructuredOutputsParams",
-    "UnsupportedModelError", "disable", "enable", "is_enabled", "model_placement",
-    "prepare_model",
+    "LoRARequest", "MemoryStats", "ModelChangedError", "PagedCache", "PagedCacheConfig",
+    "Placement", "RequestMetrics", "RequestOutput", "RequestOutputKind",
+    "RequestRejectedError", "RequestStream", "SUPPORTED_ARCHITECTURES", "SamplingParams",
+    "StructuredOutputsParams", "UnsupportedModelError", "disable", "enable", "is_enabled",
+    "model_placement", "prepare_model",
 ]
 
 enable()

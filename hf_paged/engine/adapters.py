@@ -25,6 +25,7 @@ from ..core.prefix_cache import namespace
 from ..errors import InvalidRequestError, ModelChangedError, UnsupportedModelError, describe
 
 BASE = "__base__"  # the adapter name of a PEFT model's base model (PEFT's own name for it)
+_SHARED = ("_parameters", "_buffers")  # what `private_copy`'s modules share with the caller's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +38,6 @@ class LoRARequest:
     lora_name: str
     lora_int_id: int = 1
     lora_path: str = ""
-_SHARED = ("_parameters", "_buffers")  # what `private_copy`'s modules share with the caller's
 
 
 def default_adapter(runner) -> str | None:

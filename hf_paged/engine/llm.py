@@ -172,9 +172,9 @@ class LLM:
         list of these.
         adapter: the LoRA adapter of every prompt, or one per prompt (see
         `LLMEngine.add_request`); or, as vLLM names them, `lora_request` (adapters not yet
-        loaded are loaded from their folders first). A request that can never run (too long for the model or
-        the pool) comes back with finish_reason "error" and `error` set, as does one that
-        fails while running; the others run normally. Malformed input raises
+        loaded are loaded from their folders first). A request that can never run (too long
+        for the model or the pool) comes back with finish_reason "error" and `error` set, as
+        does one that fails while running; the others run normally. Malformed input raises
         InvalidRequestError before anything runs. If the call raises (or is interrupted),
         none of its requests stays queued: the `LLM` serves the next call as if this one
         had not happened. Calls from several threads run one after another."""

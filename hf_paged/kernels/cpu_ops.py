@@ -165,7 +165,6 @@ def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     return load().greedy(logits)
 
 
-
 def rotary() -> Callable | None:
     """Llama's `apply_rotary_pos_emb(q, k, cos, sin)` in one native pass, bit for bit (see
     `cuda/cpu_rotary.cpp`): q [B, Hq, N, D], k [B, Hk, N, D], cos, sin [B, N, D] -> the
