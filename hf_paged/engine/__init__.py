@@ -4,6 +4,7 @@ front ends."""
 
 from ..errors import IsolationError, RequestRejectedError  # noqa: F401  (0.2's hf_paged.engine names)
 from .engine import BASE, EngineStats, LLMEngine, engine_options, step_budget
+from .options import engine_generator
 from .request import truncated as truncate_prompt
 from .runner import ModelRunner
 from .speculative import Speculator
@@ -25,6 +26,7 @@ def run_worker(model, **options) -> None:
                          scheduler_options.get("async_scheduling", False),
                          scheduler_options.get("enable_prefix_caching", True))
     Speculator.build(scheduler_options.get("speculative_config"), runner, budget)  # (checked)
+    engine_generator(scheduler_options.get("seed"), "cpu")  # (checked)
     runner.worker_loop()
 
 

@@ -40,7 +40,7 @@ from .adapters import BASE, RuntimeAdapters, default_adapter
 from .output import InFlight, OutputProcessor
 from .request import Deadlines, EngineRequest, prompt_ids, salted
 from .logits import StepLogits
-from .options import engine_options, step_budget
+from .options import engine_generator, engine_options, step_budget
 from .runner import DeviceStep, Forward, ModelRunner
 from .sampler import Sampler, bad_word_ids
 from .speculative import Speculator
@@ -86,6 +86,8 @@ class LLMEngine:
       speculative_config: speculative decoding, as vLLM's dict (speculative.py): e.g.
                          {"method": "ngram", "num_speculative_tokens": 4}; the same tokens
                          (async_scheduling is then off: proposals follow each step's tokens)
+      seed:              the generator that requests without a seed of their own sample
+                         from (None: torch's default one)
     """
 
     def __init__(self, model, tokenizer=None, *, block_size: int = 16,
@@ -97,7 +99,7 @@ class LLMEngine:
                  compile: bool | str = False, admission_headroom: float = 1.0,
                  async_scheduling: bool = False, speculative_config=None,
                  kv_cache_dtype: str = "auto", cuda_graphs: bool | None = None,
-                 onednn_linear: bool = True):
+                 onednn_linear: bool = True, seed: int | None = None):
         self.runner = runner = ModelRunner(
             model, block_size=block_size, num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes,
             gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
@@ -126,7 +128,7 @@ class LLMEngine:
             async_scheduling = False
         self.async_scheduling = async_scheduling
         self._in_flight: InFlight | None = None  # the last step's tokens, not landed yet
-        self.sampler = Sampler(tokenizer)
+        self.sampler = Sampler(tokenizer, engine_generator(seed, self.device))
         # incremental_text: decode every step (servers stream text), else only finished
         # completions; finished_only: outputs of finished requests only (LLM.generate).
         self.incremental_text = self.finished_only = False

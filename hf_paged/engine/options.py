@@ -11,6 +11,7 @@ import torch
 
 from ..config import flag, positive
 from ..core.scheduler import Scheduler
+from ..sampling_params import SEED_RANGE
 
 if TYPE_CHECKING:
     from .runner import ModelRunner
@@ -62,6 +63,17 @@ def step_budget(runner: ModelRunner, max_num_batched_tokens: int | None,
                          "async_scheduling=False.")
     Scheduler.check_options(runner.max_num_seqs, tokens, preemption_mode, admission_headroom)
     return tokens
+
+
+def engine_generator(seed: int | None, device) -> torch.Generator | None:
+    """The engine's generator for requests without a seed (None: torch's default one)."""
+    if seed is None:
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, int) \
+            or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise ValueError(f"seed must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}] or "
+                         f"None; got {seed!r}.")
+    return torch.Generator(device).manual_seed(seed % 2**64)
 
 
 def engine_options(options: dict) -> tuple[dict, dict]:

@@ -141,8 +141,12 @@ class Sampled:
 
 
 class Sampler:
-    def __init__(self, tokenizer=None):
+    """generator: where the rows without a seed of their own draw from (None: torch's
+    default generator)."""
+
+    def __init__(self, tokenizer=None, generator: torch.Generator | None = None):
         self.tokenizer = tokenizer  # (what the logprobs' decoded_token decodes with)
+        self.generator = generator
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow],
                  noise: torch.Tensor | None = None) -> SampleResult:
@@ -296,13 +300,13 @@ class Sampler:
             scores = scores.masked_fill(remove, float("-inf"))
         return scores
 
-    @staticmethod
-    def noise(count: int, vocab: int, rows: list[SampleRow], device) -> torch.Tensor | None:
+    def noise(self, count: int, vocab: int, rows: list[SampleRow],
+              device) -> torch.Tensor | None:
         """One exponential per row and vocabulary entry [count, V] (None if every row is
         greedy); a seeded row's come from its own generator, the only draw from it."""
         if all([r.greedy for r in rows]):
             return None
-        noise = torch.empty(count, vocab, device=device).exponential_()
+        noise = torch.empty(count, vocab, device=device).exponential_(generator=self.generator)
         for i, row in enumerate(rows):
             if row.generator is not None and not row.greedy:
                 noise[i] = torch.empty(vocab, device=device).exponential_(

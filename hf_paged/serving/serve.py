@@ -129,6 +129,9 @@ def parser() -> argparse.ArgumentParser:
                    help='speculative decoding, as JSON: {"method": "ngram", '
                         '"num_speculative_tokens": 4} or {"method": "draft_model", '
                         '"model": DRAFT_DIR, "num_speculative_tokens": 4}')
+    e.add_argument("--seed", type=int, default=None,
+                   help="seed of the generator that requests without a seed of their own "
+                        "sample from (none: unseeded)")
     p.add_argument("--log-level", default="info", help="uvicorn log level (info)")
     return p
 
@@ -265,7 +268,7 @@ def engine_options(args) -> dict:
                 async_scheduling=args.async_scheduling,
                 speculative_config=args.speculative_config,
                 kv_cache_dtype=args.kv_cache_dtype, cuda_graphs=args.cuda_graphs,
-                onednn_linear=args.onednn_linear)
+                onednn_linear=args.onednn_linear, seed=args.seed)
 
 
 def main(argv=None) -> None:

@@ -167,8 +167,8 @@ def test_folders_dtype_and_options_as_vllm_users_pass_them(tmp_path):
         LLM(model, dtype="float16")
     with pytest.raises(ValueError, match="could not be loaded"):
         LLM(model, tokenizer=str(tmp_path / "m"))  # a folder without a tokenizer
-    with pytest.raises(TypeError, match=r"AsyncLLM\(\) got unknown options \['seed'\]"):
-        hf_paged.AsyncLLM(model, seed=0)
+    with pytest.raises(TypeError, match=r"AsyncLLM\(\) got unknown options \['swap_space'\]"):
+        hf_paged.AsyncLLM(model, swap_space=4)
     for option, value in [("gpu_memory_utilization", 1.5), ("gpu_memory_utilization", 0),
                           ("enable_prefix_caching", "yes")]:
         with pytest.raises(ValueError, match=option):
@@ -269,6 +269,30 @@ def test_default_params_changed_between_calls_take_effect():
     while engine.has_unfinished_requests():
         done = [o for o in engine.step() if o.finished]
     assert done[0].outputs[0].token_ids == [40, 40, 40]
+
+
+def test_an_engine_seed_fixes_what_unseeded_requests_sample():
+    """vLLM's LLM(seed=): requests without a seed of their own draw from the engine's
+    generator, so two engines of one seed sample alike; torch's default generator is left
+    alone, and a request's own seed still decides its tokens."""
+    model, tok = long_model("llama_gqa"), make_tokenizer()
+    hot = SamplingParams(temperature=1.5, max_tokens=8, ignore_eos=True)
+    prompts = [[5, 6, 7], [8, 9], [5, 6, 7]]
+
+    def run(seed, params=hot):
+        llm = LLM(model, tok, block_size=4, num_blocks=100, seed=seed)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    state = torch.get_rng_state()
+    first, again, other = run(7), run(7), run(8)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert first == again and first != other
+    assert first[0] != first[2]  # (one generator for the batch: the rows draw apart)
+    own = SamplingParams(temperature=1.5, max_tokens=8, ignore_eos=True, seed=3)
+    assert run(7, own) == run(None, own) == run(8, own)
+    for bad in (True, 1.5, "7", 2**64):
+        with pytest.raises(ValueError, match="seed must be an integer"):
+            LLM(model, tok, num_blocks=10, seed=bad)
 
 
 def test_async_llm_speaks_vllms_names():

@@ -314,7 +314,7 @@ def test_version_and_the_models_context(served):
 
 
 def test_flags_are_never_abbreviated_and_vllms_switches_are_taken():
-    from hf_paged.serving.serve import parser
+    from hf_paged.serving.serve import engine_options, parser
 
     with pytest.raises(SystemExit):  # (it was --swap-space-bytes 4)
         parser().parse_args(["m", "--swap-space", "4"])
@@ -322,6 +322,7 @@ def test_flags_are_never_abbreviated_and_vllms_switches_are_taken():
     assert not args.no_prefix_caching
     with pytest.raises(SystemExit):
         parser().parse_args(["m", "--enable-prefix-caching", "--no-prefix-caching"])
+    assert engine_options(parser().parse_args(["m", "--seed", "7"]))["seed"] == 7
 
 
 def check_ranked(served, ids, entries, k):
