@@ -40,6 +40,16 @@ class LoRARequest:
     lora_path: str = ""
 
 
+def load_requested(engine, request: LoRARequest | None) -> str | None:
+    """The adapter name of a `LoRARequest` (None: none), its folder loaded first if no
+    adapter of that name is (on the thread that steps `engine`, between steps)."""
+    if request is None:
+        return None
+    if request.lora_name not in engine.runner.adapters:
+        engine.lora.load(request.lora_name, request.lora_path)
+    return request.lora_name
+
+
 def default_adapter(runner) -> str | None:
     """The adapter a request that names none runs, by name, so that its prefix-cache
     blocks and its hold on the adapter are that adapter's: the base model for a plain

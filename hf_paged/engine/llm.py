@@ -17,7 +17,7 @@ from numbers import Integral
 from dataclasses import replace
 
 from .engine import LLMEngine
-from .adapters import LoRARequest
+from .adapters import LoRARequest, load_requested
 from .request import is_array, prompt_ids
 from ..distributed import tensor_parallel as tp
 from ..errors import HFPagedError
@@ -210,10 +210,7 @@ class LLM:
     def _loaded(self, requests: list[LoRARequest | None]) -> list[str | None]:
         """The adapter names of vLLM's `lora_request`s, each loaded first if it is not."""
         with self._lock:  # (not while another thread's call runs)
-            for request in requests:
-                if request is not None and request.lora_name not in self.engine.runner.adapters:
-                    self.engine.lora.load(request.lora_name, request.lora_path)
-        return [None if r is None else r.lora_name for r in requests]
+            return [load_requested(self.engine, r) for r in requests]
 
     def chat(self, messages: list, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True, *, adapter: str | list[str | None] | None = None,

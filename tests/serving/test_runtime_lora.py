@@ -483,3 +483,37 @@ def test_llm_generate_takes_vllms_lora_request(adapters):
     with pytest.raises(InvalidRequestError, match="lora_path"):
         texts(lora_request=LoRARequest("c", 3, adapters["a"] + "-missing"))
     assert llm.stats().running == llm.stats().waiting == 0
+
+
+def test_async_llm_generate_takes_vllms_lora_request(adapters):
+    """`AsyncLLM.generate(..., lora_request=...)` and `add_lora`, vLLM's names: the folder
+    is loaded between steps the first time its name comes; stock tokens."""
+    from hf_paged import AsyncLLM, LoRARequest
+
+    llm = AsyncLLM(make_model("llama_gqa"), TOKENIZER, block_size=4, num_blocks=256)
+    params = SamplingParams(temperature=0, max_tokens=6)
+    as_a, as_b = LoRARequest("a", 1, adapters["a"]), LoRARequest("b", 2, adapters["b"])
+
+    async def text(rid, **kw):
+        async for out in llm.generate(PROMPT, params, rid, **kw):
+            pass
+        return out.outputs[0].text
+
+    async def main():
+        assert await llm.add_lora(as_b) is True
+        texts = await asyncio.gather(text("1", lora_request=as_a), text("2"),
+                                     text("3", lora_request=as_b))
+        texts.append(await text("4", adapter="a"))  # (loaded by request 1: by name now)
+        with pytest.raises(ValueError, match="not both"):
+            await text("5", lora_request=as_a, adapter="a")
+        with pytest.raises(InvalidRequestError, match="lora_path"):
+            await text("6", lora_request=LoRARequest("c", 3, adapters["a"] + "-missing"))
+        return texts
+
+    try:
+        assert asyncio.run(main()) == [stock(PROMPT, adapters["a"]), stock(PROMPT),
+                                       stock(PROMPT, adapters["b"]),
+                                       stock(PROMPT, adapters["a"])]
+        assert sorted(llm.adapters) == ["a", "b"] and llm.is_alive
+    finally:
+        llm.shutdown()
