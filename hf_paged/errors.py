@@ -25,8 +25,9 @@ class KVCacheExhaustedError(HFPagedError, RuntimeError):
         others = ""
         if held is not None and num_blocks - free - held > 0:
             others = (f" This cache holds {held} of them; {num_blocks - free - held} are held by "
-                      "other live caches sharing the pool (concurrent calls, or returned "
-                      "caches still referenced: reset() or drop them to return their blocks).")
+                      "other live caches sharing the pool (the assistant model's in assisted "
+                      "decoding, concurrent calls, or returned caches still referenced: "
+                      "reset() or drop them to return their blocks).")
         super().__init__(
             f"KV cache exhausted: this step needs {needed} free block(s) of {block_size} tokens "
             f"but only {free} of the pool's {num_blocks} block(s) are free.{others} Raise "

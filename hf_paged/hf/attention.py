@@ -74,7 +74,8 @@ def paged_attention_forward(
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         return paged_kv.attend(query, module.layer_idx, scale, sliding_window,
                                caller_mask=attention_mask, softcap=softcap, sinks=s_aux,
-                               key=key, value=value), None
+                               key=key, value=value, eager=_eager_empty(module, paged_kv,
+                                                                        attention_mask)), None
     if is_pool_view(key):
         raise PagedRouteError(
             f"Layer {module.layer_idx} got a paged KV pool's keys without the forward's "
@@ -96,6 +97,15 @@ def paged_attention_forward(
                       scaling=scaling, **passed, **kwargs)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                   scaling=scaling, **passed, **kwargs)
+
+
+def _eager_empty(module, paged_kv: PagedForward, caller_mask) -> bool:
+    """Whether a query that sees no key follows eager attention (`PagedForward.attend`):
+    asked only of forwards where one can (hidden slots, a caller's mask), never of the
+    engine's, which torch.compile traces."""
+    if caller_mask is None and paged_kv.meta_for(module.layer_idx).key_hidden is None:
+        return False
+    return original_implementation(module.config) == "eager"
 
 
 def _module_eager(module):

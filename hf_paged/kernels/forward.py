@@ -209,7 +209,7 @@ class PagedForward(PagedLayers, Cache):
                caller_mask: torch.Tensor | None = None,
                softcap: float | None = None, sinks: torch.Tensor | None = None,
                key: torch.Tensor | None = None, value: torch.Tensor | None = None,
-               ) -> torch.Tensor:
+               eager: bool = False) -> torch.Tensor:
         """Attention of this forward's queries over layer `layer_idx`.
 
         query [R, Hq, q, D] -> [R, q, Hq, Dv]; packed: [1, Hq, N, D] -> [1, N, Hq, Dv].
@@ -225,7 +225,12 @@ class PagedForward(PagedLayers, Cache):
         sliding_window: the layer's, if it passes one; a sliding layer that does not (its
         model applies the window through the mask only: Qwen2-MoE, PhiMoE) gets its
         configured window, which the paged cache also releases blocks by.
+        eager: the model's own attention is eager: a query that sees no key (hidden slots or
+        a caller's mask hide them all) averages its row's keys as eager attention does
+        (`reference.eager_fallback`); otherwise, and with sinks, it gives zeros.
         """
+        eager = eager and sinks is None and (
+            caller_mask is not None or self.meta_for(layer_idx).key_hidden is not None)
         if sliding_window is None:
             sliding_window = self.layer_windows[layer_idx]
         shard = self._shard[layer_idx]
@@ -233,7 +238,7 @@ class PagedForward(PagedLayers, Cache):
         with self.access.on_device(shard, self._switch):
             if self.access.latent:
                 out = self._attend_expanded(query, key, value, layer_idx, scale,
-                                            sliding_window, caller_mask, softcap, sinks)
+                                            sliding_window, caller_mask, softcap, sinks, eager)
             else:
                 k_view, v_view = self.access.views(layer_idx)
                 # (A traced forward slices new views per call; eager ones show the route.)
@@ -249,7 +254,7 @@ class PagedForward(PagedLayers, Cache):
                 out = self._attend(query if same else query.to(pool_dtype),
                                    layer_idx, shard, scale, sliding_window, alibi_slopes,
                                    caller_mask, softcap,
-                                   None if sinks is None else sinks.to(pool_dtype))
+                                   None if sinks is None else sinks.to(pool_dtype), eager)
             if out.dtype != query.dtype:
                 out = out.to(query.dtype)
         if torch.is_grad_enabled() and query.requires_grad:
@@ -257,7 +262,7 @@ class PagedForward(PagedLayers, Cache):
         return out
 
     def _attend_expanded(self, query, key, value, layer_idx, scale, sliding_window,
-                         caller_mask, softcap, sinks):
+                         caller_mask, softcap, sinks, eager):
         """A latent layout's attention: the reference over the keys and values the layer
         expanded from its rows' stored tokens (slot t = token t of the row)."""
         meta = self.meta_for(layer_idx)
@@ -271,15 +276,20 @@ class PagedForward(PagedLayers, Cache):
             mask = caller_mask_on_slots(meta, caller_mask)
         else:
             mask = attention_mask(meta, sliding_window)
+        fallback = None
+        if eager and mask.dtype == torch.bool:
+            fallback = reference.eager_fallback(mask, meta.context_lens, meta.seq_lens,
+                                                sliding_window)
+        mask, uniform = fallback or (mask, None)
         padded = _spread_packed(query, meta) if meta.packed else query
         out = reference.attend(padded, key.to(padded.dtype), value.to(padded.dtype), mask,
-                               scale, softcap, sinks)
+                               scale, softcap, sinks, uniform)
         if meta.is_query is not None:
             out = out.masked_fill(~meta.is_query[:, :, None, None], 0.0)
         return _gather_packed(out, meta) if meta.packed else out
 
     def _attend(self, query, layer_idx, shard, scale, sliding_window, alibi_slopes,
-                caller_mask, softcap=None, sinks=None):
+                caller_mask, softcap=None, sinks=None, eager=False):
         meta = self.meta_for(layer_idx)
         k_cache, v_cache = self.access.views(layer_idx)
         if meta.max_seq_len == 0:  # every row is still all padding: no key to attend to
@@ -301,6 +311,8 @@ class PagedForward(PagedLayers, Cache):
                                                 sinks is not None)
         args = (scale, sliding_window, alibi_slopes)
         extra = {} if softcap is None and sinks is None else dict(softcap=softcap, sinks=sinks)
+        if eager:  # (hidden slots or a caller's mask: the reference runs this forward)
+            extra["eager_empty"] = True
         if not meta.packed:
             return backend.attention(query, k_cache, v_cache, meta, *args, caller_mask, **extra)
         if meta.parts is None:

@@ -136,6 +136,27 @@ def key_mask(
     return mask.unsqueeze(1)
 
 
+def eager_fallback(mask: torch.Tensor, context_lens: torch.Tensor, seq_lens: torch.Tensor,
+                   sliding_window: int | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """What Transformers' eager attention gives a query that sees no key (a hidden column
+    past a sliding window): the plain average of the values its cache hands the layer,
+    since every score plus the dtype's minimum rounds to that minimum. Those are the row's
+    slots up to `seq_lens` (a sliding layer's cache keeps the W - 1 before this forward).
+
+    mask [R, 1, q, T] bool, context_lens / seq_lens [R] -> (the mask with those slots
+    visible to such queries, [R, 1, q, 1] True on them: `attend`'s `uniform`), or None
+    when every query sees a key. (One host read: this runs only on masks with hidden
+    slots or a caller's mask, where a query can see nothing.)"""
+    empty = ~mask.any(-1, keepdim=True)
+    if not bool(empty.any()):
+        return None
+    t = torch.arange(mask.shape[-1], device=mask.device)
+    first = torch.zeros_like(context_lens) if sliding_window is None else (
+        context_lens - (sliding_window - 1)).clamp(min=0)
+    kept = (t >= first[:, None]) & (t < seq_lens[:, None])  # [R, T]
+    return mask | (empty & kept[:, None, None, :]), empty
+
+
 def paged_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -146,6 +167,7 @@ def paged_attention(
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    uniform: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of new queries over their sequences' cached tokens.
 
@@ -153,14 +175,14 @@ def paged_attention(
     -> out [R, q, Hq, Dv]. Covers decode (q = 1), prefill and extend (q > 1) alike.
     mask None: query column j is position j of its row and sees keys 0..j (see `attend`).
     workspace: optional buffers [>= R * nb, bs, Hkv, D] for the gathered K and V.
-    softcap, sinks: see `attend`.
+    softcap, sinks, uniform: see `attend`.
     """
     k = gather_kv(as_stored(k_cache), block_tables, None if workspace is None else workspace[0])
     v = gather_kv(as_stored(v_cache), block_tables, None if workspace is None else workspace[1])
     if is_quantized(k_cache):
         k, v = (dequantize(k, k_cache.dtype, query.dtype),
                 dequantize(v, v_cache.dtype, query.dtype))
-    return attend(query, k, v, mask, scale, softcap, sinks)
+    return attend(query, k, v, mask, scale, softcap, sinks, uniform)
 
 
 def as_stored(cache: torch.Tensor) -> torch.Tensor:
@@ -182,6 +204,7 @@ def attend(
     scale: float,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    uniform: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Masked attention over gathered keys: query [R, Hq, q, D], key [R, Hkv, T, D], value
     [R, Hkv, T, Dv], mask as in `paged_attention` -> out [R, q, Hq, Dv].
@@ -191,8 +214,11 @@ def attend(
     softcap c: scores become c * tanh(scores / c) before masking (Gemma 2).
     sinks [Hq]: a per-head logit that joins each softmax's denominator and adds no value
     (gpt-oss's attention sinks).
+    uniform [R, 1, q, 1] bool: queries that weigh the keys their mask shows alike, as eager
+    attention weighs a query's keys when it may see none (`eager_fallback`). Any other
+    query that sees no key gives zeros, as SDPA gives.
     """
-    if softcap is None and sinks is None:
+    if softcap is None and sinks is None and uniform is None:
         # Traced head counts are symbolic; GQA's broadcast is exact for equal counts too.
         gqa = True if torch.compiler.is_compiling() else query.shape[1] != key.shape[1]
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
@@ -208,9 +234,7 @@ def attend(
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if mask.dtype == torch.bool:
-        # The most negative finite score, not -inf: a query that sees no key (a padding
-        # token's, after a run of them) then averages values instead of giving NaN, as in
-        # Transformers' eager attention, and a NaN value is never multiplied by its 0.
+        # The most negative finite score, not -inf: no NaN from a row of -inf.
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     else:
         scores = scores + mask
@@ -219,4 +243,9 @@ def attend(
         probs = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]
     else:
         probs = torch.softmax(scores, -1)
+    if mask.dtype == torch.bool:  # a query that sees no key reads no slot: SDPA's zeros,
+        seen = mask.any(-1, keepdim=True)  # not an average of whatever the slots hold
+        probs = probs.masked_fill(~seen, 0.0)
+        if uniform is not None:
+            probs = torch.where(uniform, mask / mask.sum(-1, keepdim=True).clamp(min=1), probs)
     return torch.matmul(probs.to(value.dtype), value).transpose(1, 2)

@@ -38,12 +38,25 @@ class TorchBackend(Backend):
         reference.copy_blocks(kv, src, dst)
 
     def attention(self, query, k_cache, v_cache, meta, scale, sliding_window=None,
-                  alibi_slopes=None, caller_mask=None, softcap=None, sinks=None):
+                  alibi_slopes=None, caller_mask=None, softcap=None, sinks=None,
+                  eager_empty=False):
         """query [R, Hq, q, D] -> [R, q, Hq, Dv] (padded layout, see ForwardMetadata).
 
         caller_mask: a caller's 4D mask over columns (see `caller_mask_on_slots`), used
         instead of the causal / sliding-window mask, as SDPA uses it.
+        eager_empty: a query that sees no key averages its row's keys as the model's eager
+        attention does (`reference.eager_fallback`), rather than giving SDPA's zeros.
         """
+        if eager_empty and alibi_slopes is None:
+            mask = (attention_mask(meta, sliding_window) if caller_mask is None
+                    else caller_mask_on_slots(meta, caller_mask))
+            cached = meta.scratch.get(("eager", sliding_window))
+            if mask.dtype == torch.bool and (cached is None or cached[0] is not mask):
+                cached = meta.scratch[("eager", sliding_window)] = (mask, reference.eager_fallback(
+                    mask, meta.context_lens, meta.seq_lens, sliding_window))
+            if mask.dtype == torch.bool and cached[1] is not None:
+                return self._masked(query, k_cache, v_cache, meta, *cached[1], scale, softcap,
+                                    sinks)
         workspace = None
         # A compiled forward plans its own buffers; one captured in a CUDA graph must not
         # keep a buffer that eager forwards later replace (the graph would write freed memory).
@@ -75,6 +88,15 @@ class TorchBackend(Backend):
             out = reference.paged_attention(query, k_cache, v_cache, meta.block_tables, mask,
                                             scale, workspace, softcap, sinks)
         if meta.is_query is not None:  # padding columns: zeros, as the kernels give
+            out = out.masked_fill(~meta.is_query[:, :, None, None], 0.0)
+        return out
+
+    def _masked(self, query, k_cache, v_cache, meta, mask, uniform, scale, softcap,
+                sinks) -> torch.Tensor:
+        """`attention` of every row with `mask` and `uniform` (see `reference.attend`)."""
+        out = reference.paged_attention(query, k_cache, v_cache, meta.block_tables, mask,
+                                        scale, None, softcap, sinks, uniform)
+        if meta.is_query is not None:
             out = out.masked_fill(~meta.is_query[:, :, None, None], 0.0)
         return out
 

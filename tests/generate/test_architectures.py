@@ -77,6 +77,40 @@ def test_right_padding_longer_than_a_window(arch):
                         model.generate(cache_implementation="paged", **kwargs, **extra))
 
 
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "gpt_oss", "qwen2_sliding", "mixtral",
+                                  "cohere2", "ministral", "starcoder2", "phimoe"])
+def test_a_query_that_sees_no_key_follows_eager_attention(name):
+    """The last column of a row padded on the right by more than the window sees no key in
+    its sliding layers, and generate reads its logits. Eager attention averages the values
+    its cache hands the layer (gpt-oss's sink takes all the weight: zeros), SDPA gives zeros;
+    the paged cache follows the model's implementation whatever its block size, its pool's
+    earlier contents (stale slots of an unrelated call) and the prefill's chunking."""
+    model = make_arch(name)
+    model.set_attn_implementation("eager")
+    ids, mask = left_padded_batch([15, 12], seed=6)
+    mask[0, 5:], ids[0, 5:] = 0, 0
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                  eos_token_id=None, pad_token_id=0, return_dict_in_generate=True,
+                  output_scores=True)
+    sized = dict(block_size=16, num_blocks=64)
+    other, _ = left_padded_batch([40, 40, 40], seed=9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (Transformers' note on right padding)
+        ref, chunked = model.generate(**kwargs), model.generate(**kwargs, prefill_chunk_size=4)
+        model.generate(input_ids=other, max_new_tokens=8, do_sample=False,
+                       cache_implementation="paged", cache_config=sized)  # leaves its K/V
+        runs = [(ref, dict(cache_config=dict(block_size=b))) for b in (1, 5, 16)]
+        runs += [(ref, dict(cache_config=sized)), (chunked, dict(prefill_chunk_size=4))]
+        for expected, extra in runs:
+            out = model.generate(cache_implementation="paged", **kwargs, **extra)
+            assert torch.equal(out.sequences, expected.sequences), extra
+            for a, b in zip(out.scores, expected.scores):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        model.set_attn_implementation("sdpa" if name not in ("gemma2", "gpt_oss") else "eager")
+        assert_same(model.generate(**kwargs),
+                    model.generate(cache_implementation="paged", **kwargs))
+
+
 def test_beam_search(arch):
     _, model = arch
     ids, mask = left_padded_batch([6, 10], seed=2)

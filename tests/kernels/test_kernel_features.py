@@ -37,6 +37,33 @@ def test_reference_features_match_the_formula():
     torch.testing.assert_close(out, (p @ v).transpose(1, 2))
 
 
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_a_query_that_sees_no_key_reads_no_slot_unless_told_to_average(softcap):
+    """A query whose mask shows no key gives zeros whatever the slots hold (SDPA's answer;
+    the slots may be another sequence's), and with `uniform` the plain average of the keys
+    `eager_fallback` shows it: the row's slots up to its length, from the window's kept."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, n, 8, generator=g) for n in (3, 5, 5))
+    mask = torch.ones(2, 1, 3, 5, dtype=torch.bool).tril(2)
+    mask[0, 0, 2] = False  # row 0's last query sees nothing
+    outs = [reference.attend(q, k, v * scale_v, mask, 0.3, softcap=softcap)
+            for scale_v in (1.0, 7.0)]
+    for out in outs:
+        assert torch.equal(out[0, 2], torch.zeros(2, 8))
+    torch.testing.assert_close(outs[0][1:], reference.attend(q[1:], k[1:], v[1:], mask[1:],
+                                                             0.3, softcap=softcap))
+    seq_lens, context_lens = torch.tensor([4, 5]), torch.tensor([2, 2])
+    for window, first in ((None, 0), (2, 1)):
+        shown, uniform = reference.eager_fallback(mask, context_lens, seq_lens, window)
+        assert uniform.flatten().tolist() == [False, False, True] + [False] * 3
+        assert shown[0, 0, 2].tolist() == [t in range(first, 4) for t in range(5)]
+        assert torch.equal(shown[1], mask[1]) and torch.equal(shown[0, :, :2], mask[0, :, :2])
+        out = reference.attend(q, k, v, shown, 0.3, softcap=softcap, uniform=uniform)
+        torch.testing.assert_close(out[0, 2], v[0, :, first:4].mean(1))
+        torch.testing.assert_close(out[:, :2], outs[0][:, :2])
+    assert reference.eager_fallback(mask[1:], context_lens[1:], seq_lens[1:], None) is None
+
+
 def _sinks(heads, with_sinks, device=DEVICE):
     return torch.randn(heads, device=device) * 2 if with_sinks else None
 
