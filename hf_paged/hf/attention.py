@@ -35,13 +35,26 @@ KWARG = "paged_kv"  # the forward keyword that carries a PagedForward to the att
 # id(config) -> the attention implementation it had when last switched to "paged" (kept
 # after the switch ends: a stock forward may still be between its mask and its attention)
 _originals: dict[int, str] = {}
+_held: set[int] = set()  # ids of the configs a switch holds at "paged" now
 
 
 def remember_original(config, implementation: str | None) -> None:
+    """A switch sets `config` to "paged" from `implementation`, and holds it until
+    `let_go`."""
     if implementation and implementation != ATTENTION_NAME:
         if id(config) not in _originals:
-            weakref.finalize(config, _originals.pop, id(config), None)
+            weakref.finalize(config, _forget, id(config))
         _originals[id(config)] = implementation
+        _held.add(id(config))
+
+
+def let_go(config) -> None:
+    _held.discard(id(config))
+
+
+def _forget(config_id: int) -> None:
+    _originals.pop(config_id, None)
+    _held.discard(config_id)
 
 
 def original_implementation(config) -> str | None:
@@ -105,7 +118,9 @@ def _eager_empty(module, paged_kv: PagedForward, caller_mask) -> bool:
     engine's, which torch.compile traces."""
     if caller_mask is None and paged_kv.meta_for(module.layer_idx).key_hidden is None:
         return False
-    return original_implementation(module.config) == "eager"
+    # Only while a switch holds the config: one its owner set to "paged" has no other.
+    held = id(module.config) in _held
+    return held and original_implementation(module.config) == "eager"
 
 
 def _module_eager(module):

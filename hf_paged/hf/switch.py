@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import threading
 
-from .attention import ATTENTION_NAME, remember_original
+from .attention import ATTENTION_NAME, let_go, remember_original
 from .falcon import ConfigView
 from .register import is_registered, register
 
@@ -72,6 +72,7 @@ def release_paged_attention(entries: list) -> None:
             if entry[2] == 0:
                 config, implementation, _ = _switched.pop(id(entry[0]))
                 config._attn_implementation_internal = implementation
+                let_go(config)
 
 
 @contextlib.contextmanager

@@ -196,6 +196,27 @@ def test_4d_mask_on_direct_forward_is_honoured(kind, dtype):
     assert (plain - ref).abs().max() > 1e-2
 
 
+def test_a_4d_mask_hiding_every_key_of_a_query_gives_what_it_gave_before_a_generate():
+    """A direct forward on an eager model its owner set to "paged", with a bool 4D mask
+    whose last query sees nothing: that query's output is SDPA's zeros (the model, as set,
+    has no other implementation), before and after a paged generate (whose switch
+    remembers the model's eager attention while it runs) alike."""
+    model = make_model("llama_gqa")
+    model.set_attn_implementation("eager")
+    ids = torch.randint(3, VOCAB, (1, 5), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(5, 5, dtype=torch.bool).tril()
+    mask[4] = False
+
+    def direct():
+        with paged_attention(model), torch.no_grad():
+            return model(input_ids=ids, attention_mask=mask[None, None],
+                         past_key_values=PagedCache(model.config)).logits
+
+    before = direct()
+    model.generate(ids, max_new_tokens=1, cache_implementation="paged", pad_token_id=PAD)
+    torch.testing.assert_close(direct(), before, rtol=0, atol=0)
+
+
 def test_4d_mask_of_the_wrong_size_is_named(llama):
     ids = torch.randint(3, VOCAB, (1, 6))
     with paged_attention(llama), pytest.raises(ValueError, match="4D attention mask"):
