@@ -199,7 +199,8 @@ class AsyncLLM:
         if lora_request is not None:
             if adapter is not None:
                 raise ValueError("Name the adapter with `adapter` or `lora_request`, not both.")
-            await self.add_lora(lora_request)
+            if lora_request.lora_name not in self.adapters:  # (else no wait for a step)
+                await self.add_lora(lora_request)
             adapter = lora_request.lora_name
         stream = self.add(prompt, sampling_params, request_id, priority, adapter, cache_salt)
         try:

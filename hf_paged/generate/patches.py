@@ -280,8 +280,9 @@ def _paged_forward(original):
             raise HFPagedError(
                 "A PagedCache was passed to a model whose attention implementation is not "
                 f"'paged' (it is {self.config._attn_implementation!r}). Load the model with "
-                "attn_implementation='paged' (or call model.set_attn_implementation('paged')), "
-                "or use generate(..., cache_implementation='paged'), which switches it."
+                "attn_implementation='paged' (or call model.set_attn_implementation('paged'), "
+                "where the model allows changing it after loading; Falcon does not), or use "
+                "generate(..., cache_implementation='paged'), which switches it."
             )
         inputs = args[0] if args else kwargs.get("input_ids")  # input_ids comes first
         if inputs is None:

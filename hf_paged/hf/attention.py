@@ -39,8 +39,8 @@ _held: set[int] = set()  # ids of the configs a switch holds at "paged" now
 
 
 def remember_original(config, implementation: str | None) -> None:
-    """A switch sets `config` to "paged" from `implementation`, and holds it until
-    `let_go`."""
+    """A switch sets `config` to "paged" from `implementation` and holds it there, until
+    `let_go` (a switch for good never lets go)."""
     if implementation and implementation != ATTENTION_NAME:
         if id(config) not in _originals:
             weakref.finalize(config, _forget, id(config))
@@ -113,9 +113,9 @@ def paged_attention_forward(
 
 
 def _eager_empty(module, paged_kv: PagedForward, caller_mask) -> bool:
-    """Whether a query that sees no key follows eager attention (`PagedForward.attend`):
-    asked only of forwards where one can (hidden slots, a caller's mask), never of the
-    engine's, which torch.compile traces."""
+    """Whether a query that sees no key follows eager attention (`PagedForward.attend`).
+    Only forwards where one can (hidden slots, a caller's mask) look further: the engine's,
+    which torch.compile traces, return at the first test."""
     if caller_mask is None and paged_kv.meta_for(module.layer_idx).key_hidden is None:
         return False
     # Only while a switch holds the config: one its owner set to "paged" has no other.

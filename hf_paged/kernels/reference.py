@@ -139,9 +139,9 @@ def key_mask(
 def eager_fallback(mask: torch.Tensor, context_lens: torch.Tensor, seq_lens: torch.Tensor,
                    sliding_window: int | None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """What Transformers' eager attention gives a query that sees no key (a hidden column
-    past a sliding window): the plain average of the values its cache hands the layer,
-    since every score plus the dtype's minimum rounds to that minimum. Those are the row's
-    slots up to `seq_lens` (a sliding layer's cache keeps the W - 1 before this forward).
+    past a sliding window): an average of the values its cache hands the layer, weighed
+    by `_eager_weights` (in float32 and bfloat16 a plain one). Those are the row's slots
+    up to `seq_lens` (a sliding layer's cache keeps the W - 1 before this forward).
 
     mask [R, 1, q, T] bool, context_lens / seq_lens [R] -> (the mask with those slots
     visible to such queries, [R, 1, q, 1] True on them: `attend`'s `uniform`), or None
@@ -214,9 +214,9 @@ def attend(
     softcap c: scores become c * tanh(scores / c) before masking (Gemma 2).
     sinks [Hq]: a per-head logit that joins each softmax's denominator and adds no value
     (gpt-oss's attention sinks).
-    uniform [R, 1, q, 1] bool: queries that weigh the keys their mask shows alike, as eager
+    uniform [R, 1, q, 1] bool: queries that weigh the keys their mask shows as eager
     attention weighs a query's keys when it may see none (`eager_fallback`). Any other
-    query that sees no key gives zeros, as SDPA gives.
+    query that a bool mask lets see no key gives zeros, as SDPA gives.
     """
     if softcap is None and sinks is None and uniform is None:
         # Traced head counts are symbolic; GQA's broadcast is exact for equal counts too.
@@ -230,7 +230,8 @@ def attend(
     if group > 1:
         key = key.repeat_interleave(group, dim=1)
         value = value.repeat_interleave(group, dim=1)
-    scores = torch.matmul(query, key.transpose(-1, -2)).float() * scale
+    raw = torch.matmul(query, key.transpose(-1, -2))
+    scores = raw.float() * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if mask.dtype == torch.bool:
@@ -247,5 +248,18 @@ def attend(
         seen = mask.any(-1, keepdim=True)  # not an average of whatever the slots hold
         probs = probs.masked_fill(~seen, 0.0)
         if uniform is not None:
-            probs = torch.where(uniform, mask / mask.sum(-1, keepdim=True).clamp(min=1), probs)
+            probs = torch.where(uniform, _eager_weights(raw, scale, softcap, mask), probs)
     return torch.matmul(probs.to(value.dtype), value).transpose(1, 2)
+
+
+def _eager_weights(raw: torch.Tensor, scale: float, softcap: float | None,
+                   shown: torch.Tensor) -> torch.Tensor:
+    """Eager attention's weights for queries that see no key, over the keys `shown`: their
+    scores in the model's dtype plus its minimum, as eager adds its mask. In float32 and
+    bfloat16 every sum rounds to the minimum (equal weights); float16's keeps a score above
+    16 and overflows one below -16. raw: q.k [R, Hq, q, T] in the model's dtype."""
+    scores = raw * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = (scores + torch.finfo(scores.dtype).min).masked_fill(~shown, float("-inf"))
+    return torch.softmax(scores.float(), -1)

@@ -44,11 +44,11 @@ class TorchBackend(Backend):
 
         caller_mask: a caller's 4D mask over columns (see `caller_mask_on_slots`), used
         instead of the causal / sliding-window mask, as SDPA uses it.
-        eager_empty: a query that sees no key averages its row's keys as the model's eager
+        eager_empty: a query that sees no key averages its row's values as the model's eager
         attention does (`reference.eager_fallback`), rather than giving SDPA's zeros.
         """
         if eager_empty and alibi_slopes is None:
-            mask = (attention_mask(meta, sliding_window) if caller_mask is None
+            mask = (attention_mask(meta, sliding_window, None, scale) if caller_mask is None
                     else caller_mask_on_slots(meta, caller_mask))
             cached = meta.scratch.get(("eager", sliding_window))
             if mask.dtype == torch.bool and (cached is None or cached[0] is not mask):
@@ -90,6 +90,12 @@ class TorchBackend(Backend):
         if meta.is_query is not None:  # padding columns: zeros, as the kernels give
             out = out.masked_fill(~meta.is_query[:, :, None, None], 0.0)
         return out
+
+    def decode_packed(self, query, k_cache, v_cache, meta, scale, sliding_window=None,
+                      alibi_slopes=None, softcap=None, sinks=None, eager_empty=False):
+        return self.attention(query.unsqueeze(2), k_cache, v_cache, meta, scale, sliding_window,
+                              alibi_slopes, softcap=softcap, sinks=sinks,
+                              eager_empty=eager_empty)[:, 0]
 
     def _masked(self, query, k_cache, v_cache, meta, mask, uniform, scale, softcap,
                 sinks) -> torch.Tensor:

@@ -64,6 +64,30 @@ def test_a_query_that_sees_no_key_reads_no_slot_unless_told_to_average(softcap):
     assert reference.eager_fallback(mask[1:], context_lens[1:], seq_lens[1:], None) is None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_query_that_sees_no_key_weighs_values_as_eager_attention(dtype):
+    """`eager_fallback`'s weights are Transformers' eager attention's, dtype by dtype: equal
+    in float32 and bfloat16, where a score plus the minimum rounds to the minimum; in
+    float16 (minimum -65504, a step of 32 there) large scores keep their lead."""
+    from types import SimpleNamespace
+
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    g = torch.Generator().manual_seed(1)
+    q = (torch.randn(1, 2, 4, 8, generator=g) * 6).to(dtype)  # scores of tens: float16 shows
+    k, v = (torch.randn(1, 2, 6, 8, generator=g).to(dtype) for _ in range(2))
+    mask = torch.ones(1, 1, 4, 6, dtype=torch.bool).tril(2)
+    mask[0, 0, 3] = False  # the last query sees nothing
+    additive = torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)
+    module = SimpleNamespace(num_key_value_groups=1, training=False)
+    stock, _ = eager_attention_forward(module, q, k, v, additive, scaling=0.5)
+    shown, uniform = reference.eager_fallback(mask, torch.tensor([0]), torch.tensor([6]), None)
+    out = reference.attend(q, k, v, shown, 0.5, uniform=uniform)
+    torch.testing.assert_close(out[0, 3], stock[0, 3], **TOLERANCE[dtype])
+    if dtype == torch.float16:  # (where a plain mean would be wrong)
+        assert (out[0, 3].float() - v[0].float().mean(1)).abs().max() > 0.1
+
+
 def _sinks(heads, with_sinks, device=DEVICE):
     return torch.randn(heads, device=device) * 2 if with_sinks else None
 
