@@ -428,8 +428,8 @@ class ModelRunner:
             model = self.compiled
         paged_kv = self.access.forward(metas[0], group_metas=metas)
         with torch.inference_mode(), paged_attention(self.base, self.watch.configs), \
-                self.linears(), self.rotary():
-            try:
+                self.linears(), self.rotary(), torch.autocast(self.device.type, enabled=False):
+            try:  # (the model's dtype throughout: the caller's autocast is not the engine's)
                 out = model(input_ids=ids[None], position_ids=positions[None],
                             past_key_values=paged_kv, use_cache=True, logits_to_keep=keep,
                             **{KWARG: paged_kv}, **extra)

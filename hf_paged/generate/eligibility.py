@@ -35,6 +35,30 @@ def _records_outputs(hook) -> bool:
     return getattr(hook, "__module__", None) == "transformers.utils.output_capturing"
 
 
+def stock_reason(model) -> tuple[str, str] | None:
+    """(why this call cannot run on the paged cache, what brings it back), or None: a model
+    in training mode (`training_reason`), or a call under torch.autocast."""
+    reason = training_reason(model)
+    if reason is not None:
+        return reason, "model.eval()"
+    reason = autocast_reason(model)
+    return None if reason is None else (reason, "model.to(dtype) instead of autocast")
+
+
+def autocast_reason(model) -> str | None:
+    """Why a forward under torch.autocast cannot run on the paged cache, or None."""
+    device = model.device.type
+    if not torch.is_autocast_enabled(device):
+        return None
+    return (f"torch.autocast is on ({_name(torch.get_autocast_dtype(device))} compute for a "
+            f"{_name(model.dtype)} model), which the paged attention does not follow: it "
+            "computes in its pool's dtype")
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def training_reason(model) -> str | None:
     """Why a model in training mode cannot generate on the paged cache, or None."""
     if not model.training:

@@ -55,7 +55,7 @@ from ..kv.placement import group_layers
 from ..kv.pool import kept_pool
 from . import prefill as paged_prefill
 from .cache import PagedCache
-from .eligibility import runs_plain_forward, training_reason
+from .eligibility import autocast_reason, runs_plain_forward, stock_reason
 from .plan import PLAN_KWARG
 
 CACHE_IMPLEMENTATION = "paged"
@@ -205,12 +205,12 @@ def _prepare_cache_for_generation(original):
             _warn_stock(self, "output_attentions=True needs attention weights, which the paged "
                               "attention does not materialize")
             return stock_instead()
-        reason = training_reason(self)
+        reason = stock_reason(self)
         if reason is not None:
             if paged:
-                raise HFPagedError(f"This PagedCache cannot serve the call: {reason}. Call "
-                                   "model.eval() first, or pass no cache.")
-            _warn_stock(self, f"{reason}; model.eval() brings the paged cache back")
+                raise HFPagedError(f"This PagedCache cannot serve the call: {reason[0]}. Use "
+                                   f"{reason[1]}, or pass no cache.")
+            _warn_stock(self, f"{reason[0]}; {reason[1]} brings the paged cache back")
             return stock_instead()
         if generation_config.use_cache is False:
             return None
@@ -284,6 +284,9 @@ def _paged_forward(original):
                 "where the model allows changing it after loading; Falcon does not), or use "
                 "generate(..., cache_implementation='paged'), which switches it."
             )
+        reason = autocast_reason(self)
+        if reason is not None:
+            raise HFPagedError(f"A PagedCache cannot serve this forward: {reason}.")
         inputs = args[0] if args else kwargs.get("input_ids")  # input_ids comes first
         if inputs is None:
             inputs = kwargs.get("inputs_embeds")

@@ -161,6 +161,41 @@ def test_use_cache_false_still_works(llama):
     assert torch.equal(ref, out)
 
 
+def test_generate_under_autocast_runs_stock_and_the_engine_ignores_it(llama):
+    """torch.autocast computes a float32 model in bfloat16, which the paged attention does
+    not follow (a padded batch raised a dtype error, a single prompt drifted): generate
+    runs the call on Transformers' cache with a warning, a PagedCache passed in is refused
+    by name, and the engine computes in the model's dtype, autocast or not."""
+    ids, mask = left_padded_batch([5, 9], seed=4)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = llama.generate(**kwargs)
+        with pytest.warns(UserWarning, match="torch.autocast is on"):
+            out = llama.generate(**kwargs, cache_implementation="paged")
+        with pytest.raises(hf_paged.HFPagedError, match="torch.autocast"):
+            llama.generate(**kwargs, past_key_values=hf_paged.PagedCache(llama.config))
+        own, llama.config._attn_implementation_internal = (
+            llama.config._attn_implementation_internal, "paged")
+        try:
+            with pytest.raises(hf_paged.HFPagedError, match="torch.autocast"):
+                llama(input_ids=ids, attention_mask=mask,
+                      past_key_values=hf_paged.PagedCache(llama.config))
+        finally:
+            llama.config._attn_implementation_internal = own
+    assert torch.equal(ref, out)
+    llm = hf_paged.LLM(llama, block_size=4, num_blocks=64)
+    params = hf_paged.SamplingParams(temperature=0, max_tokens=6, logprobs=1, ignore_eos=True)
+
+    def logprobs():
+        out = llm.generate([[5, 6, 7], [8, 9, 10, 11]], params, use_tqdm=False)
+        return [[d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+                for o in out]
+
+    plain = logprobs()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert logprobs() == plain
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_pool_follows_model_dtype(dtype):
     model = make_model("llama_gqa").to(dtype)
