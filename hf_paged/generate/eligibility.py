@@ -7,6 +7,8 @@ import torch
 from torch.nn.modules import module as torch_module
 from transformers import GenerationMixin
 
+from ..distributed.placement import input_device
+
 
 def runs_plain_forward(model) -> bool:
     """Whether generate's forwards reach `model` exactly as Transformers makes them.
@@ -47,8 +49,8 @@ def stock_reason(model) -> tuple[str, str] | None:
 
 def autocast_reason(model) -> str | None:
     """Why a forward under torch.autocast cannot run on the paged cache, or None."""
-    device = model.device.type
-    if not torch.is_autocast_enabled(device):
+    device = input_device(model).type  # (an offloaded model's weights may be on "meta")
+    if not torch.amp.is_autocast_available(device) or not torch.is_autocast_enabled(device):
         return None
     return (f"torch.autocast is on ({_name(torch.get_autocast_dtype(device))} compute for a "
             f"{_name(model.dtype)} model), which the paged attention does not follow: it "
