@@ -47,8 +47,14 @@ def stock_reason(model) -> tuple[str, str] | None:
     return None if reason is None else (reason, "model.to(dtype) instead of autocast")
 
 
+_AUTOCAST_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu")
+
+
 def autocast_reason(model) -> str | None:
-    """Why a forward under torch.autocast cannot run on the paged cache, or None."""
+    """Why a forward under torch.autocast cannot run on the paged cache, or None. (Asked
+    of every paged forward: the model's device is looked up only while autocast is on.)"""
+    if not any([torch.is_autocast_enabled(t) for t in _AUTOCAST_TYPES]):
+        return None
     device = input_device(model).type  # (an offloaded model's weights may be on "meta")
     if not torch.amp.is_autocast_available(device) or not torch.is_autocast_enabled(device):
         return None

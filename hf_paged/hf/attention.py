@@ -116,7 +116,7 @@ def _eager_empty(module, paged_kv: PagedForward, caller_mask) -> bool:
     """Whether a query that sees no key follows eager attention (`PagedForward.attend`).
     Only forwards where one can (hidden slots, a caller's mask) look further: the engine's,
     which torch.compile traces, return at the first test."""
-    if caller_mask is None and paged_kv.meta_for(module.layer_idx).key_hidden is None:
+    if caller_mask is None and not paged_kv.hides_keys:
         return False
     # Only while a switch holds the config: one its owner set to "paged" has no other.
     held = id(module.config) in _held

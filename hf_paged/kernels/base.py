@@ -96,9 +96,10 @@ class Backend(ABC):
 
     def decode_packed(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       meta: ForwardMetadata, scale: float, sliding_window: int | None = None,
-                      alibi_slopes: torch.Tensor | None = None, softcap: float | None = None,
-                      sinks: torch.Tensor | None = None) -> torch.Tensor:
+                      alibi_slopes: torch.Tensor | None = None,
+                      **features) -> torch.Tensor:
         """A packed forward of one new token per row (row r's at r): query [N, Hq, D] ->
-        [N, Hq, Dv]. By default `attention` over the padded layout of one column."""
+        [N, Hq, Dv]. By default `attention` over the padded layout of one column, with the
+        keyword features it takes (softcap, sinks, ...)."""
         return self.attention(query.unsqueeze(2), k_cache, v_cache, meta, scale,
-                              sliding_window, alibi_slopes, softcap=softcap, sinks=sinks)[:, 0]
+                              sliding_window, alibi_slopes, **features)[:, 0]

@@ -96,7 +96,7 @@ class PagedForward(PagedLayers, Cache):
         Cache.__init__(self, layers=[])
         self.layer_windows = tuple(layer_windows)
         self.num_layers = len(self.layer_windows)
-        self.meta = None
+        self.meta, self.hides_keys = None, False
         if access is not None:
             self.bind(access, meta, released_blocks, group_metas)
 
@@ -111,6 +111,8 @@ class PagedForward(PagedLayers, Cache):
         # Per layer, its group's metadata, when there are several groups.
         self._layer_metas = (None if group_metas is None or len(group_metas) == 1
                              else [group_metas[g] for g, _ in access.where])
+        # Whether any layer has hidden slots (a query may then see no key): read per layer.
+        self.hides_keys = any(m.key_hidden is not None for m in group_metas or [meta])
         self.released_blocks = released_blocks
         self._switch = access.switches()
         self._bare = not any(self._switch)  # no shard's device to make current

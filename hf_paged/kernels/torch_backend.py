@@ -47,16 +47,13 @@ class TorchBackend(Backend):
         eager_empty: a query that sees no key averages its row's values as the model's eager
         attention does (`reference.eager_fallback`), rather than giving SDPA's zeros.
         """
-        if eager_empty and alibi_slopes is None:
-            mask = (attention_mask(meta, sliding_window, None, scale) if caller_mask is None
-                    else caller_mask_on_slots(meta, caller_mask))
-            cached = meta.scratch.get(("eager", sliding_window))
-            if mask.dtype == torch.bool and (cached is None or cached[0] is not mask):
-                cached = meta.scratch[("eager", sliding_window)] = (mask, reference.eager_fallback(
-                    mask, meta.context_lens, meta.seq_lens, sliding_window))
-            if mask.dtype == torch.bool and cached[1] is not None:
-                return self._masked(query, k_cache, v_cache, meta, *cached[1], scale, softcap,
-                                    sinks)
+        fallback = (eager_fallback(meta, sliding_window, caller_mask, scale)
+                    if eager_empty and alibi_slopes is None else None)
+        if fallback is not None:  # some query sees no key: every row with the full mask
+            mask, uniform = fallback
+            return _padding_zeroed(reference.paged_attention(
+                query, k_cache, v_cache, meta.block_tables, mask, scale, None, softcap, sinks,
+                uniform), meta)
         workspace = None
         # A compiled forward plans its own buffers; one captured in a CUDA graph must not
         # keep a buffer that eager forwards later replace (the graph would write freed memory).
@@ -87,24 +84,7 @@ class TorchBackend(Backend):
         else:
             out = reference.paged_attention(query, k_cache, v_cache, meta.block_tables, mask,
                                             scale, workspace, softcap, sinks)
-        if meta.is_query is not None:  # padding columns: zeros, as the kernels give
-            out = out.masked_fill(~meta.is_query[:, :, None, None], 0.0)
-        return out
-
-    def decode_packed(self, query, k_cache, v_cache, meta, scale, sliding_window=None,
-                      alibi_slopes=None, softcap=None, sinks=None, eager_empty=False):
-        return self.attention(query.unsqueeze(2), k_cache, v_cache, meta, scale, sliding_window,
-                              alibi_slopes, softcap=softcap, sinks=sinks,
-                              eager_empty=eager_empty)[:, 0]
-
-    def _masked(self, query, k_cache, v_cache, meta, mask, uniform, scale, softcap,
-                sinks) -> torch.Tensor:
-        """`attention` of every row with `mask` and `uniform` (see `reference.attend`)."""
-        out = reference.paged_attention(query, k_cache, v_cache, meta.block_tables, mask,
-                                        scale, None, softcap, sinks, uniform)
-        if meta.is_query is not None:
-            out = out.masked_fill(~meta.is_query[:, :, None, None], 0.0)
-        return out
+        return _padding_zeroed(out, meta)
 
     def _causal(self, query, k_cache, v_cache, meta, mask, scale, workspace,
                 split) -> torch.Tensor:
@@ -184,6 +164,28 @@ def attention_mask(meta: ForwardMetadata, sliding_window: int | None,
             mask = _alibi_bias(meta, alibi_slopes, scale).masked_fill(~mask, float("-inf"))
         meta.scratch[key] = mask
     return mask
+
+
+def _padding_zeroed(out: torch.Tensor, meta: ForwardMetadata) -> torch.Tensor:
+    """out [R, q, Hq, Dv] with zeros on padding columns, as the kernels give."""
+    return out if meta.is_query is None else out.masked_fill(
+        ~meta.is_query[:, :, None, None], 0.0)
+
+
+def eager_fallback(meta: ForwardMetadata, sliding_window: int | None, caller_mask,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`reference.eager_fallback` of the forward's mask (the caller's on slots, or the
+    causal / window one), derived once per forward and mask; None when every query sees
+    a key or the mask is an additive one."""
+    mask = (attention_mask(meta, sliding_window, None, scale) if caller_mask is None
+            else caller_mask_on_slots(meta, caller_mask))
+    if mask.dtype != torch.bool:
+        return None
+    cached = meta.scratch.get(("eager", sliding_window))
+    if cached is None or cached[0] is not mask:
+        cached = meta.scratch[("eager", sliding_window)] = (mask, reference.eager_fallback(
+            mask, meta.context_lens, meta.seq_lens, sliding_window))
+    return cached[1]
 
 
 def _alibi_bias(meta: ForwardMetadata, slopes: torch.Tensor, scale: float) -> torch.Tensor:
