@@ -15,6 +15,10 @@ that keeps it):
 - a string's length beside a `pattern` or `format`;
 - `required` names that `properties` does not list.
 
+It also serves two kinds of invalid schema as if they were valid: an empty `anyOf` /
+`oneOf` / `allOf` (which no value matches) ends at once, and a negative `maxLength` is read
+as no bound. Those are refused as invalid.
+
 `oneOf` is enforced as `anyOf` (a value matching two of its schemas passes). Annotations
 and keywords JSON Schema does not define are ignored, as the specification says.
 """
@@ -34,19 +38,23 @@ _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _SCHEMAS = ("additionalProperties", "propertyNames", "items", "unevaluatedItems",
             "unevaluatedProperties")
 _SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
+_COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
 
 
-def unenforced(schema) -> str | None:
-    """Why `schema` (parsed JSON) holds a rule the grammar engine would not enforce, or None."""
+def refusal(schema) -> str | None:
+    """Why the grammar engine must not serve `schema` (parsed JSON), or None."""
     return _node(schema, "the root")
 
 
 def _node(schema, where: str) -> str | None:
     if not isinstance(schema, dict):
         return None  # true / false (and malformed parts, which the compiler refuses)
+    reason = _invalid(schema)
+    if reason is not None:
+        return f"invalid schema at {where}: {reason}"
     reason = _own(schema)
     if reason is not None:
-        return f"{reason} (at {where})"
+        return f"{reason} (at {where}); the grammar engine would serve it unchecked"
     for key in _SCHEMA_MAPS:
         children = schema.get(key)
         if isinstance(children, dict):
@@ -60,6 +68,18 @@ def _node(schema, where: str) -> str | None:
             for i, child in enumerate(children):
                 reason = reason or _node(child, f"{where} > {key}[{i}]")
     return reason
+
+
+def _invalid(schema: dict) -> str | None:
+    for key in ("anyOf", "oneOf", "allOf"):
+        if schema.get(key) == []:
+            return f"{key!r} must list at least one schema, got []"
+    for key in _COUNTS:
+        value = schema.get(key)
+        if key in schema and (isinstance(value, bool) or not isinstance(value, int)
+                              or value < 0):
+            return f"{key!r} must be a non-negative integer, got {value!r}"
+    return None
 
 
 def _own(schema: dict) -> str | None:

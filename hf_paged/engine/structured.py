@@ -26,7 +26,7 @@ import torch
 
 from ..errors import InvalidRequestError
 from ..sampling_params import StructuredOutputsParams
-from .schema_support import unenforced
+from .schema_support import refusal
 
 EXTRA = "pip install 'hf-paged[structured]'"
 MAX_COMPILED = 256  # distinct constraints kept compiled (clients may send any number)
@@ -154,9 +154,9 @@ class Grammars:
         c = self._compiler
         if spec.json is not None:
             schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
-            reason = unenforced(json.loads(schema))
+            reason = refusal(json.loads(schema))
             if reason is not None:
-                raise ValueError(f"{reason}; the grammar engine would serve it unchecked")
+                raise ValueError(reason)
             return c.compile_json_schema(schema, any_whitespace=False)
         if spec.json_object:
             return c.compile_json_schema('{"type": "object"}', any_whitespace=False)

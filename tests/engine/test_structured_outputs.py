@@ -206,6 +206,25 @@ def test_a_schema_rule_the_grammar_engine_would_not_enforce_is_refused(schema, r
     assert not engine.requests
 
 
+@pytest.mark.parametrize("schema, rule", [
+    ({"anyOf": []}, "'anyOf' must list at least one schema"),
+    ({"type": "array", "items": {"oneOf": []}, "minItems": 1}, "'oneOf' must list"),
+    ({"allOf": []}, "'allOf' must list"),
+    ({"type": "string", "maxLength": -1}, "'maxLength' must be a non-negative integer"),
+    ({"type": ["string", "null"], "minLength": 1.5}, "'minLength' must be a non-negative"),
+    ({"type": "object", "maxProperties": True}, "'maxProperties' must be a non-negative"),
+])
+def test_an_invalid_schema_xgrammar_would_serve_is_refused(schema, rule):
+    """xgrammar lets an empty anyOf / oneOf end the output at once (an empty text or
+    `{"a": }` finishing "stop") and reads a negative maxLength as no bound."""
+    model, tok = setup()
+    engine = LLMEngine(model, tok, block_size=4, num_blocks=64)
+    with pytest.raises(InvalidRequestError, match="invalid schema at the root") as err:
+        engine.add_request("bad", "hi", SamplingParams(structured_outputs=S(json=schema)))
+    assert rule in str(err.value) and err.value.param == "structured_outputs"
+    assert not engine.requests
+
+
 def test_schemas_of_enforced_rules_still_run():
     """Pydantic's shapes (nullable anyOf beside annotations, $ref into $defs, type lists with
     bounds), anyOf beside its type, an integer step, and keywords JSON Schema does not

@@ -125,6 +125,14 @@ def test_streamed_json_adds_up(served):
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object", "properties": 3}}}}, "response_format"),
+    # no value matches an empty anyOf, and xgrammar reads a negative length as no bound
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"anyOf": []}}, "required": ["a"]}}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "string", "maxLength": -1}}}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "string", "minLength": -3}}}}, "response_format"),
     ({"structured_outputs": {"regex": "(a"}}, "structured_outputs"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ({"structured_outputs": {"jsn": {}}}, "structured_outputs"),
