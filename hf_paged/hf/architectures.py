@@ -56,7 +56,9 @@ def unsupported_reason(model) -> str | None:
     if isinstance(model, FalconForCausalLM):
         from .attention import original_implementation  # (attention imports the kernels)
 
-        loaded = original_implementation(config) or config._attn_implementation
+        loaded = config._attn_implementation  # (what it had before a switch, during one;
+        if loaded == "paged":  # a model sharing the config may have set another since)
+            loaded = original_implementation(config) or loaded
         if config.alibi and loaded == "eager":
             return (f"{name} with ALiBi loaded with attn_implementation='eager': Transformers' "
                     "eager Falcon adds the ALiBi term twice (in its mask and to its scores), "

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers.models.falcon.modeling_falcon import build_alibi_tensor
 
-import hf_paged  # noqa: F401  (registers cache_implementation="paged")
+import hf_paged
 from hf_paged import LLM, SamplingParams
 from hf_paged.hf.falcon import alibi_slopes
 from hf_paged.kernels import reference
@@ -82,3 +82,25 @@ def test_generate_past_256_tokens_equals_stock_logit_for_logit(falcon):
     assert paged.sequences.tolist() == stock.sequences.tolist()
     torch.testing.assert_close(torch.stack(paged.logits), torch.stack(stock.logits),
                                rtol=1e-4, atol=1e-4)
+
+
+def test_an_eager_alibi_falcon_sharing_a_config_that_ran_paged_is_still_refused():
+    """`_from_config(config, attn_implementation="eager")` sets the shared config to eager
+    in place. A paged call on the first model must not leave its "sdpa" remembered for the
+    second: Transformers' eager Falcon adds ALiBi twice, so that one runs stock."""
+    sdpa = make_model("falcon_alibi")
+    ids = torch.randint(3, 60, (2, 9), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :4], ids[0, :4] = 0, PAD
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+              eos_token_id=None, pad_token_id=PAD)
+    sdpa.generate(**kw, cache_implementation="paged")
+    eager = type(sdpa)._from_config(sdpa.config, attn_implementation="eager")
+    eager.load_state_dict(sdpa.state_dict())
+    eager.eval()
+    assert eager.config is sdpa.config and sdpa.config._attn_implementation == "eager"
+    ref = eager.generate(**kw)
+    with pytest.warns(UserWarning, match="adds the ALiBi term twice"):
+        out = eager.generate(**kw, cache_implementation="paged", return_dict_in_generate=True)
+    assert not isinstance(out.past_key_values, hf_paged.PagedCache)
+    assert torch.equal(out.sequences, ref)
