@@ -25,6 +25,7 @@ from .generate.patches import SUPPORTED_ARCHITECTURES, disable, enable, is_enabl
 from .engine.async_llm import AsyncLLM, RequestStream
 from .engine.engine import EngineStats, LLMEngine
 from .engine.adapters import LoRARequest
+from .engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from .engine.llm import LLM
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -32,7 +33,8 @@ from .sampling_params import RequestOutputKind, SamplingParams, StructuredOutput
 __version__ = "0.2.0"
 
 __all__ = [
-    "AsyncLLM", "BackwardNotSupportedError", "BlockPool", "BlockTables", "CompletionOutput",
+    "AsyncLLM", "BackwardNotSupportedError", "BeamSearchOutput", "BeamSearchParams",
+    "BeamSearchSequence", "BlockPool", "BlockTables", "CompletionOutput",
     "DeviceMemory", "EngineDeadError", "EngineStats", "HFPagedError", "InvalidRequestError",
     "IsolationError", "KVCacheExhaustedError", "KVPoolAllocationError", "LLM", "LLMEngine",
     "LoRARequest", "MemoryStats", "ModelChangedError", "PagedCache", "PagedCacheConfig",

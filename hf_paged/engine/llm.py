@@ -13,12 +13,12 @@ import os
 import threading
 import weakref
 from collections.abc import Mapping
-from numbers import Integral
 from dataclasses import replace
 
 from .engine import LLMEngine
 from .adapters import LoRARequest, load_requested
-from .request import is_array, prompt_ids
+from .beam_search import BeamSearchOutput, BeamSearchParams, beam_search
+from .request import prompt_ids, prompt_list
 from ..distributed import tensor_parallel as tp
 from ..errors import HFPagedError
 from ..outputs import CompletionOutput, RequestOutput
@@ -178,10 +178,7 @@ class LLM:
         InvalidRequestError before anything runs. If the call raises (or is interrupted),
         none of its requests stays queued: the `LLM` serves the next call as if this one
         had not happened. Calls from several threads run one after another."""
-        if is_array(prompts) or isinstance(prompts, (str, Mapping)) or (
-                isinstance(prompts, list) and prompts and isinstance(prompts[0], Integral)):
-            prompts = [prompts]  # (one prompt; a tensor's ids are read, and checked, as any)
-        prompts = list(prompts)
+        prompts = prompt_list(prompts)
         if lora_request is not None:
             if adapter is not None:
                 raise ValueError("Name the adapters with `adapter` or `lora_request`, not both.")
@@ -206,6 +203,13 @@ class LLM:
                 results[rid] = _rejected(engine, rid, prompt, p, str(err))
         with self._lock:
             return self._run(ids, prepared, results, use_tqdm)
+
+    def beam_search(self, prompts, params: BeamSearchParams,
+                    lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's offline beam search (`hf_paged.engine.beam_search`): for each prompt (as
+        `generate` takes them), the best `params.beam_width` sequences, best first."""
+        return beam_search(self, prompts, params, lora_request, use_tqdm)
 
     def _loaded(self, requests: list[LoRARequest | None]) -> list[str | None]:
         """The adapter names of vLLM's `lora_request`s, each loaded first if it is not."""

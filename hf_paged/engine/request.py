@@ -63,6 +63,15 @@ def prompt_ids(prompt, params: SamplingParams, tokenizer, vocab_size: int,
     return text, truncated(prompt, params.truncate_prompt_tokens, context)
 
 
+def prompt_list(prompts) -> list:
+    """`prompts` as a list of prompts: one prompt (text, token ids, a tensor or array of
+    them, a prompt dict) becomes a list of one."""
+    if is_array(prompts) or isinstance(prompts, (str, Mapping)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], Integral)):
+        return [prompts]  # (a tensor's ids are read, and checked, as any)
+    return list(prompts)
+
+
 def is_array(prompt) -> bool:
     """Whether `prompt` is a tensor or a numpy array."""
     return isinstance(prompt, torch.Tensor) or type(prompt).__module__ == "numpy"

@@ -1,0 +1,147 @@
+"""`LLM.beam_search`: vLLM's offline beam search, run as ordinary engine requests.
+
+Each step asks the engine for one token of every live beam, with the log-probabilities of
+its 2 * beam_width most likely next tokens (one `LLM.generate` call for all prompts' beams;
+a beam's prompt and earlier tokens are found in the prefix cache, so a step computes about
+one block per beam). Every candidate extends its beam's cumulative log-probability; one
+ending in EOS is complete, the others compete, and the `beam_width` best by
+`cum_logprob / length ** length_penalty` go on. After `max_tokens` steps (or once no beam
+goes on) the best `beam_width` of the complete and the live ones are returned, best first.
+
+As in vLLM, a sequence's `tokens` and `text` hold the prompt and the generated tokens, the
+length in the score counts both (less a final EOS), and a beam the engine cannot extend
+(the model's context is full) is dropped.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from numbers import Integral, Real
+
+from ..errors import InvalidRequestError
+from ..outputs import Logprob
+from ..sampling_params import SamplingParams
+from .adapters import LoRARequest
+from .request import prompt_ids, prompt_list
+
+MAX_CANDIDATES = 20  # log-probabilities a request may ask for (SamplingParams.logprobs)
+
+
+@dataclass
+class BeamSearchParams:
+    """beam_width: beams kept (at most 10: each asks for 2 * beam_width candidates).
+    max_tokens: tokens generated at most. ignore_eos: EOS does not complete a beam.
+    temperature: of the one token each step samples (its log-probabilities, and so the
+    search, do not depend on it). length_penalty: the score divides the cumulative
+    log-probability by the length to this power (> 1 favours longer sequences).
+    include_stop_str_in_output: kept for vLLM's signature (the text is the whole decode)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self):
+        for name, low, high in (("beam_width", 1, MAX_CANDIDATES // 2),
+                                ("max_tokens", 1, None)):
+            value = getattr(self, name)
+            if (not isinstance(value, Integral) or isinstance(value, bool) or value < low
+                    or (high is not None and value > high)):
+                allowed = f"an integer in [{low}, {high}]" if high else f"an integer >= {low}"
+                raise InvalidRequestError(f"BeamSearchParams.{name} must be {allowed}; got "
+                                          f"{value!r}.", name)
+        for name, ok, allowed in (("temperature", lambda v: v >= 0, "a number >= 0"),
+                                  ("length_penalty", lambda v: True, "a finite number")):
+            value = getattr(self, name)
+            if (not isinstance(value, Real) or isinstance(value, bool)
+                    or not math.isfinite(value) or not ok(value)):
+                raise InvalidRequestError(f"BeamSearchParams.{name} must be {allowed}; got "
+                                          f"{value!r}.", name)
+
+
+@dataclass
+class BeamSearchSequence:
+    """tokens: the prompt's and the generated ones. logprobs: per generated token, the
+    candidates its step offered ({token id: Logprob}). finish_reason: "stop" (ended in
+    EOS) or "length"."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    lora_request: LoRARequest | None = None
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """The best `beam_width` sequences of one prompt, best first."""
+
+    sequences: list[BeamSearchSequence]
+
+
+def beam_search(llm, prompts, params: BeamSearchParams, lora_request=None,
+                use_tqdm: bool = False) -> list[BeamSearchOutput]:
+    """`LLM.beam_search` (see the module's docstring)."""
+    if not isinstance(params, BeamSearchParams):
+        raise TypeError(f"params must be BeamSearchParams; got {type(params).__name__}.")
+    prompts = prompt_list(prompts)
+    loras = lora_request if isinstance(lora_request, (list, tuple)) else \
+        [lora_request] * len(prompts)
+    if len(loras) != len(prompts):
+        raise ValueError(f"{len(loras)} LoRA requests for {len(prompts)} prompts.")
+    engine = llm.engine
+    eos = frozenset() if params.ignore_eos else frozenset(engine.eos_ids)
+    step = SamplingParams(max_tokens=1, logprobs=2 * params.beam_width, ignore_eos=True,
+                          temperature=params.temperature, detokenize=False)
+    live = [[BeamSearchSequence(prompt_ids(p, step, engine.tokenizer, engine.vocab_size,
+                                           engine.scheduler.max_model_len)[1],
+                                lora_request=lora)]
+            for p, lora in zip(prompts, loras)]
+    salts = [p.get("cache_salt") if isinstance(p, Mapping) else None for p in prompts]
+    done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
+    score = _scorer(eos, params.length_penalty)
+    for _ in range(params.max_tokens):
+        beams = [(beam, salt) for group, salt in zip(live, salts) for beam in group]
+        if not beams:
+            break
+        asked = [{"prompt_token_ids": b.tokens} | ({"cache_salt": salt} if salt else {})
+                 for b, salt in beams]
+        outputs = iter(llm.generate(asked, step,
+                                    use_tqdm=use_tqdm,
+                                    lora_request=[b.lora_request for b, _ in beams]))
+        for i, group in enumerate(live):
+            grown = []
+            for beam, out in zip(group, outputs):
+                completion = out.outputs[0]
+                if not completion.logprobs:  # (it could not run: the context is full)
+                    continue
+                offered = completion.logprobs[0]
+                for token, value in offered.items():
+                    child = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [offered],
+                                               beam.lora_request,
+                                               beam.cum_logprob + float(value))
+                    (done[i] if token in eos else grown).append(child)
+            live[i] = sorted(grown, key=score, reverse=True)[:params.beam_width]
+    tokenizer = llm.tokenizer
+    results = []
+    for finished, group in zip(done, live):
+        best = sorted(finished + group, key=score, reverse=True)[:params.beam_width]
+        for beam in best:
+            beam.finish_reason = "stop" if beam.tokens[-1] in eos else "length"
+            if tokenizer is not None:
+                beam.text = tokenizer.decode(beam.tokens)
+        results.append(BeamSearchOutput(best))
+    return results
+
+
+def _scorer(eos: frozenset[int], length_penalty: float):
+    def score(beam: BeamSearchSequence) -> float:
+        length = len(beam.tokens) - (beam.tokens[-1] in eos)
+        return beam.cum_logprob / length ** length_penalty
+    return score

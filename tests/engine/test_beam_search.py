@@ -1,0 +1,114 @@
+"""`LLM.beam_search`, vLLM's offline beam search on the engine: every returned sequence and
+its cumulative log-probability equal the same search run on stock forwards of the whole
+sequence (no cache), with EOS completing beams or ignored, several length penalties, and
+several prompts and adapters in one call."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from hf_paged import LLM, BeamSearchParams, InvalidRequestError, LoRARequest
+from conftest import EOS, make_model, make_tokenizer
+
+
+def stock_beam_search(model, prompt, params: BeamSearchParams, eos: set[int]):
+    """The search written out on stock full forwards: [(tokens, cum_logprob)], best first."""
+    def score(beam):
+        tokens, cum = beam
+        return cum / (len(tokens) - (tokens[-1] in eos)) ** params.length_penalty
+
+    live, done = [(list(prompt), 0.0)], []
+    for _ in range(params.max_tokens):
+        if not live:
+            break
+        grown = []
+        for tokens, cum in live:
+            with torch.no_grad():
+                logits = model(torch.tensor([tokens])).logits[0, -1].float()
+            top = torch.log_softmax(logits, -1).topk(2 * params.beam_width)
+            for value, token in zip(top.values.tolist(), top.indices.tolist()):
+                (done if token in eos else grown).append((tokens + [token], cum + value))
+        live = sorted(grown, key=score, reverse=True)[:params.beam_width]
+    return sorted(done + live, key=score, reverse=True)[:params.beam_width]
+
+
+@pytest.fixture(scope="module")
+def eos_prone():
+    """A model whose EOS is often among the candidates, so that beams complete."""
+    model = copy.deepcopy(make_model("llama_gqa"))
+    with torch.no_grad():
+        model.lm_head.weight[EOS] *= 4
+    return model
+
+
+PROMPTS = [[3, 4, 5, 6, 7], [9, 30, 31, 60, 61, 62, 63, 64, 65, 11], [40]]
+
+
+@pytest.mark.parametrize("width, length_penalty, ignore_eos", [
+    (1, 1.0, False), (3, 1.0, False), (4, 0.5, False), (3, 2.0, True)])
+def test_beam_search_equals_the_search_on_stock_forwards(eos_prone, width, length_penalty,
+                                                         ignore_eos):
+    llm = LLM(eos_prone, make_tokenizer(), block_size=4, num_blocks=120)
+    params = BeamSearchParams(beam_width=width, max_tokens=7, length_penalty=length_penalty,
+                              ignore_eos=ignore_eos)
+    outs = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS], params)
+    eos = set() if ignore_eos else {EOS}
+    stopped = 0
+    for prompt, out in zip(PROMPTS, outs):
+        ref = stock_beam_search(eos_prone, prompt, params, eos)
+        assert [s.tokens for s in out.sequences] == [tokens for tokens, _ in ref]
+        for seq, (_, cum) in zip(out.sequences, ref):
+            assert seq.cum_logprob == pytest.approx(cum, abs=1e-4)
+            assert len(seq.logprobs) == len(seq.tokens) - len(prompt)
+            assert all(token in offered for token, offered
+                       in zip(seq.tokens[len(prompt):], seq.logprobs))
+            assert seq.finish_reason == ("stop" if seq.tokens[-1] in eos else "length")
+            assert seq.text == llm.get_tokenizer().decode(seq.tokens)  # (as vLLM: all of it)
+            stopped += seq.finish_reason == "stop"
+    assert stopped or ignore_eos or width == 1  # (the test is also about completed beams)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_one_prompt_text_or_ids_and_adapters_per_prompt(tmp_path):
+    """A text prompt is tokenized as `generate` does it; each prompt may name its adapter
+    (vLLM's LoRARequest, loaded from its folder), whose beams run on it."""
+    from test_engine import long_model, two_adapter_model
+
+    peft_model = two_adapter_model("a", "b")
+    peft_model.save_pretrained(str(tmp_path), selected_adapters=["b"])
+    tok = make_tokenizer()
+    base = long_model("llama_gqa")
+    llm = LLM(base, tok, block_size=4, num_blocks=200)
+    params = BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True)
+    ids = tok("w5 w6 w7")["input_ids"]
+    [text] = llm.beam_search("w5 w6 w7", params)
+    [same] = llm.beam_search(ids, params)
+    assert [s.tokens for s in text.sequences] == [s.tokens for s in same.sequences]
+    lora = LoRARequest("b", 1, str(tmp_path / "b"))
+    outs = llm.beam_search([ids, ids], params, lora_request=[None, lora])
+    ref_base = stock_beam_search(base, ids, params, set())
+    from peft import PeftModel
+
+    tuned = PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path / "b")).eval()
+    ref_b = stock_beam_search(tuned, ids, params, set())
+    assert [s.tokens for s in outs[0].sequences] == [t for t, _ in ref_base]
+    assert [s.tokens for s in outs[1].sequences] == [t for t, _ in ref_b] != \
+        [t for t, _ in ref_base]
+    assert outs[1].sequences[0].lora_request is lora and not outs[0].sequences[0].lora_request
+
+
+@pytest.mark.parametrize("fields, name", [
+    ({"beam_width": 0, "max_tokens": 4}, "beam_width"),
+    ({"beam_width": 11, "max_tokens": 4}, "beam_width"),
+    ({"beam_width": True, "max_tokens": 4}, "beam_width"),
+    ({"beam_width": 2, "max_tokens": 0}, "max_tokens"),
+    ({"beam_width": 2, "max_tokens": 4, "temperature": -1}, "temperature"),
+    ({"beam_width": 2, "max_tokens": 4, "length_penalty": float("nan")}, "length_penalty"),
+])
+def test_bad_beam_search_params_are_named(fields, name):
+    with pytest.raises(InvalidRequestError, match=f"BeamSearchParams.{name}") as err:
+        BeamSearchParams(**fields)
+    assert err.value.param == name
