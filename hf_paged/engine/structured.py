@@ -42,6 +42,8 @@ def _xgrammar():
     return xgrammar
 
 
+# The UTF-8 form of a UTF-16 surrogate (U+D800..DFFF), which is not UTF-8.
+_SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
 # Where xgrammar's messages say they come from: "[12:00:00] /project/cpp/x.cc:94: ".
 _SOURCE = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
@@ -80,15 +82,26 @@ class Grammars:
                                                   stop_token_ids=sorted(eos_ids) or None)
         info = _special_matches_no_text(xgr, info, tokenizer)
         self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
-        # JSON text (compact, as compiled here) never holds a byte below 0x20: xgrammar's
-        # strings would take raw control characters, which JSON parsers refuse. Tokens
-        # with one are masked for JSON constraints (bit set: the token may come).
-        safe = numpy.ones(-(-vocab_size // 32) * 32, dtype=bool)
+        # xgrammar's character classes take the UTF-8 form of a UTF-16 surrogate (ED A0-BF
+        # xx, not UTF-8): its 3 bytes decode to 3 replacement characters, and the text
+        # breaks a length, enum or pattern. Never a token holding one; after a token ending
+        # in the lead ED, none starting A0-BF. And JSON text (compact, as compiled here)
+        # never holds a byte below 0x20: xgrammar's strings would take raw control
+        # characters, which JSON parsers refuse (bit set: the token may come).
+        words = -(-vocab_size // 32) * 32
+        valid, safe, second = (numpy.ones(words, dtype=bool) for _ in range(3))
+        self._ends_in_lead = numpy.zeros(vocab_size, dtype=bool)
         special = set(info.special_token_ids)
         for token, piece in enumerate(info.decoded_vocab[:vocab_size]):
-            if token not in special and any(b < 0x20 for b in piece):
-                safe[token] = False
-        self._json_safe = torch.from_numpy(numpy.packbits(safe, bitorder="little").view("<i4"))
+            if token in special or not piece:
+                continue
+            valid[token] = _SURROGATE.search(piece) is None
+            safe[token] = valid[token] and not any(b < 0x20 for b in piece)
+            second[token] = not 0xA0 <= piece[0] <= 0xBF
+            self._ends_in_lead[token] = piece[-1] == 0xED
+        self._valid, self._json_safe, self._after_lead = (
+            torch.from_numpy(numpy.packbits(m, bitorder="little").view("<i4"))
+            for m in (valid, safe, second))
         self._compiled: OrderedDict[tuple[str, str], object] = OrderedDict()  # LRU
         self._pending: dict[tuple[str, str], Future] = {}  # constraints being compiled
         self._lock = threading.Lock()  # (never held while compiling)
@@ -170,19 +183,30 @@ class Grammars:
     def matcher(self, compiled, spec: StructuredOutputsParams) -> "Matcher":
         json_text = spec.json is not None or spec.json_object
         return Matcher(_xgrammar().GrammarMatcher(compiled), self.vocab_size,
-                       self._json_safe if json_text else None)
+                       self._json_safe if json_text else self._valid,
+                       (self._ends_in_lead, self._after_lead))
 
 
 class Matcher:
     """One completion's place in its constraint."""
 
-    def __init__(self, matcher, vocab: int, allowed: torch.Tensor | None = None):
+    def __init__(self, matcher, vocab: int, allowed: torch.Tensor | None = None,
+                 lead=None):
         self._m, self._allowed = matcher, allowed  # [words] int32: tokens it may ever take
         self.vocab, self.words = vocab, -(-vocab // 32)  # its tokens, and bitmask words
+        # (per token: whether it ends in the lead byte ED; [words] int32: the tokens that
+        # may follow one)
+        self._ends_in_lead, self._after_lead = lead if lead is not None else (None, None)
+        self._in_lead = [False]  # per accepted token: whether the text then ends in ED
 
     def accept(self, token: int) -> bool:
         """Advances past `token`; False if the constraint does not allow it there."""
-        return self._m.accept_token(token)
+        if not self._m.accept_token(token):
+            return False
+        if self._ends_in_lead is not None:
+            self._in_lead.append(bool(self._ends_in_lead[token]) if token < len(
+                self._ends_in_lead) else self._in_lead[-1])
+        return True
 
     @property
     def done(self) -> bool:
@@ -193,6 +217,8 @@ class Matcher:
         self._m.fill_next_token_bitmask(bitmask, row)
         if self._allowed is not None:
             bitmask[row] &= self._allowed
+        if self._in_lead[-1]:
+            bitmask[row] &= self._after_lead
 
     def allows(self, tokens) -> int:
         """How many of `tokens`, in order, the constraint takes from here (it stays here),
@@ -205,13 +231,15 @@ class Matcher:
                 self._m.rollback(1)
                 break
             n += 1
-        self.rollback(n)
+        if n:
+            self._m.rollback(n)
         return n
 
     def rollback(self, n: int) -> None:
         """Steps back over the last `n` tokens it accepted."""
         if n:
             self._m.rollback(n)
+            del self._in_lead[max(1, len(self._in_lead) - n):]
 
     def ahead(self, tokens) -> "Matcher":
         """This matcher as it will be after `tokens` (which it allows), for masking a

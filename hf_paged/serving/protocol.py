@@ -20,8 +20,7 @@ from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams, StructuredOutputsParams
 from .bodies import shown
 from .logprobs import (chat_logprobs, completion_logprobs, echoed, joined_logprobs,
-                       ranked_prompt_logprobs,
-                       scored_only)
+                       ranked_prompt_logprobs, scored_only)
 from .tools import ToolMode, check_tools, forced_schema
 
 
@@ -46,9 +45,8 @@ def _check_unicode(data: Any) -> None:
                                "surrogates such as \\ud800).", str(field)) from None
         elif isinstance(value, dict):
             todo += [(field, k) for k in value] + [(field, v) for v in value.values()]
-        elif isinstance(value, list):
-            if set(map(type, value)) - _PLAIN:  # (a million token ids: skipped at C speed)
-                todo += [(field, v) for v in value if type(v) not in _PLAIN]
+        elif isinstance(value, list) and set(map(type, value)) - _PLAIN:  # (token ids: C speed)
+            todo += [(field, v) for v in value if type(v) not in _PLAIN]
 
 
 _PLAIN = {int, float, bool, type(None)}  # values without strings in them
@@ -123,6 +121,7 @@ class _Sampling(UnicodeBody):
     priority: int = 0
     cache_salt: str | None = Field(None, min_length=1)  # vLLM's: a prefix-cache namespace
     timeout: float | None = Field(None, gt=0)  # seconds until the request ends ("timeout")
+    use_beam_search: bool = False  # vLLM's: refused here (LLM.beam_search runs it offline)
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's StructuredOutputsParams fields
     guided_json: Union[dict[str, Any], str, None] = None
@@ -133,9 +132,8 @@ class _Sampling(UnicodeBody):
     @property
     def constraint_field(self) -> str:
         """The field the request's structured-output constraint came from."""
-        given = [name for name in ("response_format", "structured_outputs", *GUIDED)
-                 if getattr(self, name) is not None]
-        return given[0] if given else "structured_outputs"
+        return next((name for name in ("response_format", "structured_outputs", *GUIDED)
+                     if getattr(self, name) is not None), "structured_outputs")
 
     def structured(self) -> StructuredOutputsParams | None:
         """The constraint of `response_format`, `structured_outputs` or a `guided_*` field
@@ -196,6 +194,9 @@ class _Sampling(UnicodeBody):
                         constraint: StructuredOutputsParams | None = None) -> SamplingParams:
         """constraint: the structured output, when not the request's own (forced tools)."""
         bias = self.token_biases()
+        if self.use_beam_search:  # (rather than served as sampling)
+            raise APIError(400, "use_beam_search is not supported by this server; run beam "
+                           "search with hf_paged.LLM.beam_search.", "use_beam_search")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream=true.",
                            "stream_options")

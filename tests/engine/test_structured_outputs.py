@@ -348,3 +348,58 @@ def test_needs_a_tokenizer_and_names_the_extra(monkeypatch):
     with pytest.raises(InvalidRequestError, match=r"hf-paged\[structured\]"):
         engine.add_request("a", [5, 6], SamplingParams(structured_outputs=S(regex="a+")))
     assert not engine.requests
+
+
+def _byte_token(tok, byte: int) -> int:
+    """The byte-level BPE token of one byte (GPT-2's printable stand-ins for bytes)."""
+    shown = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    if byte in shown:
+        return tok.convert_tokens_to_ids(chr(byte))
+    return tok.convert_tokens_to_ids(chr(256 + [b for b in range(256)
+                                                 if b not in shown].index(byte)))
+
+
+@pytest.mark.parametrize("constraint", [S(json={"type": "string", "maxLength": 1}),
+                                        S(regex="x.")])
+def test_no_surrogate_bytes_even_when_the_model_wants_them(constraint):
+    """xgrammar's character classes take ED A0-BF xx, the UTF-8 form of a UTF-16
+    surrogate, which is not UTF-8: its bytes decode to three replacement characters and the
+    text broke maxLength. Biased towards exactly those bytes, the completion takes a real
+    character instead (ED 80-9F xx)."""
+    model, tok = setup()
+    lead, second, third = (_byte_token(tok, b) for b in (0xED, 0xA7, 0xB9))
+    start = tok.convert_tokens_to_ids('"' if constraint.json else "x")
+    params = SamplingParams(temperature=0, max_tokens=10, structured_outputs=constraint,
+                            logit_bias={start: 50.0, lead: 100.0, second: 90.0, third: 80.0})
+    out = LLM(model, tok, block_size=4, num_blocks=64).generate(
+        [[5, 6, 7]], params, use_tqdm=False)[0].outputs[0]
+    assert lead in out.token_ids and out.finish_reason == "stop"  # (what the test is about)
+    assert "\ufffd" not in out.text, out.text
+    if constraint.json:
+        jsonschema.validate(json.loads(out.text), constraint.json)
+    else:
+        assert re.fullmatch("x.", out.text), out.text
+
+
+def test_the_surrogate_rule_follows_rollback():
+    """The rule holds right after a token ending in ED, also after `allows` looked ahead,
+    and no longer once the matcher stepped back over it (a rejected draft)."""
+    from hf_paged.engine.structured import Grammars
+
+    _, tok = setup()
+    grammars = Grammars(tok, VOCAB, {EOS})
+    spec = S(regex="(.)+")
+    matcher = grammars.matcher(grammars.compile(spec), spec)
+    lead, second = _byte_token(tok, 0xED), _byte_token(tok, 0xA7)
+
+    def may(token):
+        bits = torch.zeros(1, matcher.words, dtype=torch.int32)
+        matcher.fill(bits, 0)
+        return bool((bits[0, token // 32] >> (token % 32)) & 1)
+
+    other = _byte_token(tok, 0xEA)  # (a lead that A7 may follow)
+    assert matcher.accept(_byte_token(tok, ord("a"))) and matcher.accept(lead)
+    assert not may(second) and may(_byte_token(tok, 0x9D))
+    assert matcher.allows([_byte_token(tok, 0x9D)]) == 1 and not may(second)
+    matcher.rollback(1)
+    assert matcher.accept(other) and may(second)
