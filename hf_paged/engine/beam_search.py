@@ -8,9 +8,9 @@ ending in EOS is complete, the others compete, and the `beam_width` best by
 `cum_logprob / length ** length_penalty` go on. After `max_tokens` steps (or once no beam
 goes on) the best `beam_width` of the complete and the live ones are returned, best first.
 
-As in vLLM, a sequence's `tokens` and `text` hold the prompt and the generated tokens, the
-length in the score counts both (less a final EOS), and a beam the engine cannot extend
-(the model's context is full) is dropped.
+As in vLLM, a sequence's `tokens` and `text` hold the prompt and the generated tokens, and
+the length in the score counts both (less a final EOS). A beam that fills the model's
+context is complete ("length"; vLLM drops it, and can return no sequence at all).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 
-from ..errors import InvalidRequestError
+from ..errors import HFPagedError, InvalidRequestError
 from ..outputs import Logprob
 from ..sampling_params import SamplingParams
 from .adapters import LoRARequest
@@ -103,10 +103,18 @@ def beam_search(llm, prompts, params: BeamSearchParams, lora_request=None,
                                            engine.scheduler.max_model_len)[1],
                                 lora_request=lora)]
             for p, lora in zip(prompts, loras)]
+    context = engine.scheduler.max_model_len
+    for group in live:
+        if len(group[0].tokens) > context:
+            raise InvalidRequestError(f"a prompt of {len(group[0].tokens)} tokens exceeds the "
+                                      f"model's context of {context} tokens.", "prompt")
     salts = [p.get("cache_salt") if isinstance(p, Mapping) else None for p in prompts]
     done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
     score = _scorer(eos, params.length_penalty)
     for _ in range(params.max_tokens):
+        for i, group in enumerate(live):  # (full to the model's context: complete)
+            done[i] += [beam for beam in group if len(beam.tokens) >= context]
+            live[i] = [beam for beam in group if len(beam.tokens) < context]
         beams = [(beam, salt) for group, salt in zip(live, salts) for beam in group]
         if not beams:
             break
@@ -118,10 +126,9 @@ def beam_search(llm, prompts, params: BeamSearchParams, lora_request=None,
         for i, group in enumerate(live):
             grown = []
             for beam, out in zip(group, outputs):
-                completion = out.outputs[0]
-                if not completion.logprobs:  # (it could not run: the context is full)
-                    continue
-                offered = completion.logprobs[0]
+                if out.error is not None:
+                    raise HFPagedError(f"beam search: a beam's request failed: {out.error}")
+                offered = out.outputs[0].logprobs[0]
                 for token, value in offered.items():
                     child = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [offered],
                                                beam.lora_request,

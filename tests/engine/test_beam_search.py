@@ -14,14 +14,18 @@ from hf_paged import LLM, BeamSearchParams, InvalidRequestError, LoRARequest
 from conftest import EOS, make_model, make_tokenizer
 
 
-def stock_beam_search(model, prompt, params: BeamSearchParams, eos: set[int]):
-    """The search written out on stock full forwards: [(tokens, cum_logprob)], best first."""
+def stock_beam_search(model, prompt, params: BeamSearchParams, eos: set[int],
+                      context: int = 10**9):
+    """The search written out on stock full forwards: [(tokens, cum_logprob)], best first
+    (a beam of `context` tokens is complete)."""
     def score(beam):
         tokens, cum = beam
         return cum / (len(tokens) - (tokens[-1] in eos)) ** params.length_penalty
 
     live, done = [(list(prompt), 0.0)], []
     for _ in range(params.max_tokens):
+        done += [beam for beam in live if len(beam[0]) >= context]
+        live = [beam for beam in live if len(beam[0]) < context]
         if not live:
             break
         grown = []
@@ -69,6 +73,23 @@ def test_beam_search_equals_the_search_on_stock_forwards(eos_prone, width, lengt
             assert seq.text == llm.get_tokenizer().decode(seq.tokens)  # (as vLLM: all of it)
             stopped += seq.finish_reason == "stop"
     assert stopped or ignore_eos or width == 1  # (the test is also about completed beams)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_beam_that_fills_the_context_is_complete():
+    """vLLM drops such a beam, and returned no sequence when all did."""
+    model = make_model("llama_gqa", max_position_embeddings=12)
+    llm = LLM(model, make_tokenizer(), block_size=4, num_blocks=60)
+    params = BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True)
+    prompts = [list(range(3, 11)), list(range(20, 32))]  # (8 tokens, and already full)
+    outs = llm.beam_search(prompts, params)
+    for prompt, out in zip(prompts, outs):
+        ref = stock_beam_search(model, prompt, params, set(), context=12)
+        assert [s.tokens for s in out.sequences] == [t for t, _ in ref]
+        assert all(len(s.tokens) == 12 and s.finish_reason == "length" for s in out.sequences)
+    assert len(outs[0].sequences) == 3 and outs[1].sequences[0].tokens == prompts[1]
+    with pytest.raises(InvalidRequestError, match="13 tokens exceeds the model's context"):
+        llm.beam_search([prompts[0], list(range(20, 33))], params)
     assert not llm.engine.has_unfinished_requests()
 
 
