@@ -21,6 +21,7 @@ GREEDY_BELOW = 1e-5
 REPETITION_PENALTY_RANGE = (1e-4, 1e4)
 SEED_RANGE = (-2**63, 2**64 - 1)  # what torch.Generator.manual_seed takes
 FLOAT32_MAX = 3.4028234663852886e38
+MAX_LOGPROBS = 20  # log-probabilities a request may ask for per token (vLLM's default cap)
 
 
 class RequestOutputKind(str, enum.Enum):
@@ -204,8 +205,8 @@ class SamplingParams:
                "an integer in [-2**63, 2**64 - 1]", none=True)
         _check(self.min_tokens, "min_tokens", int, lambda v: v >= 0, "an integer >= 0")
         for name in ("logprobs", "prompt_logprobs"):
-            _check(getattr(self, name), name, int, lambda v: 0 <= v <= 20,
-                   "an integer in [0, 20]", none=True)
+            _check(getattr(self, name), name, int, lambda v: 0 <= v <= MAX_LOGPROBS,
+                   f"an integer in [0, {MAX_LOGPROBS}]", none=True)
         _check(self.timeout, "timeout", float, lambda v: v > 0, "a number of seconds > 0",
                none=True)
         if isinstance(self.structured_outputs, dict):

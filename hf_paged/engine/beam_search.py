@@ -22,11 +22,9 @@ from numbers import Integral, Real
 
 from ..errors import HFPagedError, InvalidRequestError
 from ..outputs import Logprob
-from ..sampling_params import SamplingParams
+from ..sampling_params import MAX_LOGPROBS, SamplingParams
 from .adapters import LoRARequest
 from .request import prompt_ids, prompt_list
-
-MAX_CANDIDATES = 20  # log-probabilities a request may ask for (SamplingParams.logprobs)
 
 
 @dataclass
@@ -46,7 +44,7 @@ class BeamSearchParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self):
-        for name, low, high in (("beam_width", 1, MAX_CANDIDATES // 2),
+        for name, low, high in (("beam_width", 1, MAX_LOGPROBS // 2),
                                 ("max_tokens", 1, None)):
             value = getattr(self, name)
             if (not isinstance(value, Integral) or isinstance(value, bool) or value < low

@@ -214,8 +214,9 @@ class EngineRequest:
             hits = [(at, s) for at, s in ((out.text.find(s, max(0, before - len(s) + 1)), s)
                                           for s in params.stop) if at >= 0]
             if hits:
-                # the earliest; of two at one place, the first listed (as vLLM)
-                at, out.stop_reason = min(hits, key=lambda hit: hit[0])
+                # The one that ends first, of those ending together the first listed: what
+                # vLLM finds when the text comes a character at a time, however it comes.
+                at, out.stop_reason = min(hits, key=lambda hit: hit[0] + len(hit[1]))
                 # cut before the stop string, or after it
                 out.text = out.text[:at + (len(out.stop_reason)
                                            if params.include_stop_str_in_output else 0)]

@@ -13,11 +13,12 @@ that keeps it):
 - `multipleOf` other than an integer's integer step;
 - a number's bounds or a string's length or pattern in a schema without that `type`;
 - a string's length beside a `pattern` or `format`;
-- `required` names that `properties` does not list.
+- `required` names that `properties` does not list;
+- `type` beside an `enum` or `const` value of another type (the value is served).
 
-It also serves two kinds of invalid schema as if they were valid: an empty `anyOf` /
-`oneOf` / `allOf` (which no value matches) ends at once, and a negative `maxLength` is read
-as no bound. Those are refused as invalid.
+It also serves invalid schemas as if they were valid: an empty `anyOf` / `oneOf` / `allOf`
+(which no value matches) ends at once, `"type": []` takes any value, and a negative
+`maxLength` is read as no bound. Those are refused as invalid.
 
 `oneOf` is enforced as `anyOf` (a value matching two of its schemas passes). Annotations
 and keywords JSON Schema does not define are ignored, as the specification says.
@@ -70,10 +71,23 @@ def _node(schema, where: str) -> str | None:
     return reason
 
 
+def _is_a(value, kind) -> bool:
+    """Whether a JSON value is of JSON Schema type `kind`."""
+    if kind == "integer":
+        return (isinstance(value, int) and not isinstance(value, bool)) or (
+            isinstance(value, float) and value.is_integer())
+    python = {"string": str, "number": (int, float), "boolean": bool, "null": type(None),
+              "object": dict, "array": list}.get(kind)
+    return python is not None and isinstance(value, python) and not (
+        kind == "number" and isinstance(value, bool))
+
+
 def _invalid(schema: dict) -> str | None:
     for key in ("anyOf", "oneOf", "allOf"):
         if schema.get(key) == []:
             return f"{key!r} must list at least one schema, got []"
+    if schema.get("type") == []:
+        return "'type' must name at least one type, got []"
     for key in _COUNTS:
         value = schema.get(key)
         if key in schema and (isinstance(value, bool) or not isinstance(value, int)
@@ -99,6 +113,11 @@ def _own(schema: dict) -> str | None:
             return f"{key!r} beside {beside} in one schema is not enforced (nest them)"
     types = schema.get("type")
     types = set(types) if isinstance(types, list) else {types}
+    values = schema["enum"] if isinstance(schema.get("enum"), list) else (
+        [schema["const"]] if "const" in schema else None)
+    if values is not None and "type" in schema and not all(
+            any(_is_a(value, kind) for kind in types) for value in values):
+        return "'type' beside an 'enum' or 'const' value of another type is not enforced"
     step = schema.get("multipleOf")
     if step is not None and (types != {"integer"} or isinstance(step, bool)
                              or not isinstance(step, int)):

@@ -90,7 +90,7 @@ class Grammars:
         # characters, which JSON parsers refuse (bit set: the token may come).
         words = -(-vocab_size // 32) * 32
         valid, safe, second = (numpy.ones(words, dtype=bool) for _ in range(3))
-        self._ends_in_lead = numpy.zeros(vocab_size, dtype=bool)
+        self._ends_in_lead = numpy.full(vocab_size, -1, dtype=numpy.int8)  # -1: no text
         special = set(info.special_token_ids)
         for token, piece in enumerate(info.decoded_vocab[:vocab_size]):
             if token in special or not piece:
@@ -102,6 +102,8 @@ class Grammars:
         self._valid, self._json_safe, self._after_lead = (
             torch.from_numpy(numpy.packbits(m, bitorder="little").view("<i4"))
             for m in (valid, safe, second))
+        if valid.all():  # (a vocabulary trained on text: nothing to mask every step)
+            self._valid = None
         self._compiled: OrderedDict[tuple[str, str], object] = OrderedDict()  # LRU
         self._pending: dict[tuple[str, str], Future] = {}  # constraints being compiled
         self._lock = threading.Lock()  # (never held while compiling)
@@ -204,8 +206,8 @@ class Matcher:
         if not self._m.accept_token(token):
             return False
         if self._ends_in_lead is not None:
-            self._in_lead.append(bool(self._ends_in_lead[token]) if token < len(
-                self._ends_in_lead) else self._in_lead[-1])
+            ends = self._ends_in_lead[token] if token < len(self._ends_in_lead) else -1
+            self._in_lead.append(self._in_lead[-1] if ends < 0 else bool(ends))
         return True
 
     @property

@@ -192,6 +192,8 @@ def test_constraints_compile_once_and_bad_ones_are_refused():
       "properties": {"a": {"$ref": "#/$defs/i", "minimum": 5}}}, "'$ref' beside ['minimum']"),
     ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
       "dependentRequired": {"a": ["b"]}}, "dependentRequired"),
+    ({"enum": [1, "x"], "type": "string"}, "'type' beside an 'enum' or 'const'"),
+    ({"type": "string", "const": 5}, "'type' beside an 'enum' or 'const'"),
 ])
 def test_a_schema_rule_the_grammar_engine_would_not_enforce_is_refused(schema, rule):
     """xgrammar compiles these without a word and its outputs then break them (a list with
@@ -210,6 +212,7 @@ def test_a_schema_rule_the_grammar_engine_would_not_enforce_is_refused(schema, r
     ({"anyOf": []}, "'anyOf' must list at least one schema"),
     ({"type": "array", "items": {"oneOf": []}, "minItems": 1}, "'oneOf' must list"),
     ({"allOf": []}, "'allOf' must list"),
+    ({"type": "object", "properties": {"a": {"type": []}}}, "'type' must name at least one"),
     ({"type": "string", "maxLength": -1}, "'maxLength' must be a non-negative integer"),
     ({"type": ["string", "null"], "minLength": 1.5}, "'minLength' must be a non-negative"),
     ({"type": "object", "maxProperties": True}, "'maxProperties' must be a non-negative"),

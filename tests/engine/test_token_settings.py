@@ -296,14 +296,20 @@ def test_stop_strings_and_stop_tokens_kept_in_the_text_when_asked(llm):
         out, got = texts(llm, prompt, params)
         assert out.finish_reason == "stop" and out.stop_reason == stop
         assert got == ((cut + stop) if include else cut,) * 3
-    # two stop strings at one place, completed by one token: the first listed wins (as vLLM)
+    # Stop strings completed by one token: the one that ends first wins, of two ending
+    # together the first listed (what vLLM finds when the text comes a character at a time).
     word = words[3]
     assert len(word) > 1
     for stops in ([word, word[:-1]], [word[:-1], word]):
         params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=stops,
                                 include_stop_str_in_output=True)
         out, got = texts(llm, prompt, params)
-        assert out.stop_reason == stops[0] and got == (cut + stops[0],) * 3
+        assert out.stop_reason == word[:-1] and got == (cut + word[:-1],) * 3
+    for stops in ([word, word[1:]], [word[1:], word]):
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=stops,
+                                include_stop_str_in_output=True)
+        out, got = texts(llm, prompt, params)
+        assert out.stop_reason == stops[0] and got == (cut + word,) * 3
     # a stop token's text (as an EOS's) is left out unless asked for
     target = free.token_ids[4]
     first = free.token_ids.index(target)
