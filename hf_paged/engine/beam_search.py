@@ -31,8 +31,9 @@ from .request import prompt_ids, prompt_list
 class BeamSearchParams:
     """beam_width: beams kept (at most 10: each asks for 2 * beam_width candidates).
     max_tokens: tokens generated at most. ignore_eos: EOS does not complete a beam.
-    temperature: of the one token each step samples (its log-probabilities, and so the
-    search, do not depend on it). length_penalty: the score divides the cumulative
+    temperature: of the one token each step samples, which joins the candidates (as in
+    vLLM: with temperature > 0 a sampled EOS may complete a beam that wins; the candidates'
+    log-probabilities do not depend on it). length_penalty: the score divides the cumulative
     log-probability by the length to this power (> 1 favours longer sequences).
     include_stop_str_in_output: kept for vLLM's signature (the text is the whole decode)."""
 
@@ -84,15 +85,32 @@ class BeamSearchOutput:
 
 
 def beam_search(llm, prompts, params: BeamSearchParams, lora_request=None,
-                use_tqdm: bool = False) -> list[BeamSearchOutput]:
-    """`LLM.beam_search` (see the module's docstring)."""
+                use_tqdm: bool = False, concurrency_limit: int | None = None
+                ) -> list[BeamSearchOutput]:
+    """`LLM.beam_search` (see the module's docstring). concurrency_limit: search this many
+    prompts at a time (all at once if None)."""
     if not isinstance(params, BeamSearchParams):
         raise TypeError(f"params must be BeamSearchParams; got {type(params).__name__}.")
     prompts = prompt_list(prompts)
-    loras = lora_request if isinstance(lora_request, (list, tuple)) else \
+    loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else \
         [lora_request] * len(prompts)
     if len(loras) != len(prompts):
         raise ValueError(f"{len(loras)} LoRA requests for {len(prompts)} prompts.")
+    if not all(lora is None or isinstance(lora, LoRARequest) for lora in loras):
+        raise TypeError("lora_request must be a LoRARequest, a list of them (None for the "
+                        f"base model) or None; got {lora_request!r:.100}.")
+    if concurrency_limit is not None:
+        if not isinstance(concurrency_limit, Integral) or concurrency_limit < 1:
+            raise ValueError(f"concurrency_limit must be a positive integer or None; got "
+                             f"{concurrency_limit!r}.")
+        return [out for at in range(0, len(prompts), concurrency_limit)
+                for out in _search(llm, prompts[at:at + concurrency_limit], params,
+                                   loras[at:at + concurrency_limit], use_tqdm)]
+    return _search(llm, prompts, params, loras, use_tqdm)
+
+
+def _search(llm, prompts: list, params: BeamSearchParams, loras: list,
+            use_tqdm: bool) -> list[BeamSearchOutput]:
     engine = llm.engine
     eos = frozenset() if params.ignore_eos else frozenset(engine.eos_ids)
     step = SamplingParams(max_tokens=1, logprobs=2 * params.beam_width, ignore_eos=True,
@@ -103,12 +121,15 @@ def beam_search(llm, prompts, params: BeamSearchParams, lora_request=None,
             for p, lora in zip(prompts, loras)]
     context = engine.scheduler.max_model_len
     for group in live:
+        if not group[0].tokens:
+            raise InvalidRequestError("a prompt is empty.", "prompt")
         if len(group[0].tokens) > context:
             raise InvalidRequestError(f"a prompt of {len(group[0].tokens)} tokens exceeds the "
                                       f"model's context of {context} tokens.", "prompt")
     salts = [p.get("cache_salt") if isinstance(p, Mapping) else None for p in prompts]
     done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
-    score = _scorer(eos, params.length_penalty)
+    score = _scorer(frozenset(engine.eos_ids), params.length_penalty)  # (ignore_eos or not,
+    bar = _progress(params.max_tokens, use_tqdm)  # as vLLM)
     for _ in range(params.max_tokens):
         for i, group in enumerate(live):  # (full to the model's context: complete)
             done[i] += [beam for beam in group if len(beam.tokens) >= context]
@@ -116,10 +137,9 @@ def beam_search(llm, prompts, params: BeamSearchParams, lora_request=None,
         beams = [(beam, salt) for group, salt in zip(live, salts) for beam in group]
         if not beams:
             break
-        asked = [{"prompt_token_ids": b.tokens} | ({"cache_salt": salt} if salt else {})
-                 for b, salt in beams]
-        outputs = iter(llm.generate(asked, step,
-                                    use_tqdm=use_tqdm,
+        asked = [{"prompt_token_ids": b.tokens} | (
+            {} if salt is None else {"cache_salt": salt}) for b, salt in beams]
+        outputs = iter(llm.generate(asked, step, use_tqdm=False,
                                     lora_request=[b.lora_request for b, _ in beams]))
         for i, group in enumerate(live):
             grown = []
@@ -133,6 +153,8 @@ def beam_search(llm, prompts, params: BeamSearchParams, lora_request=None,
                                                beam.cum_logprob + float(value))
                     (done[i] if token in eos else grown).append(child)
             live[i] = sorted(grown, key=score, reverse=True)[:params.beam_width]
+        bar.update(1)
+    bar.close()
     tokenizer = llm.tokenizer
     results = []
     for finished, group in zip(done, live):
@@ -143,6 +165,12 @@ def beam_search(llm, prompts, params: BeamSearchParams, lora_request=None,
                 beam.text = tokenizer.decode(beam.tokens)
         results.append(BeamSearchOutput(best))
     return results
+
+
+def _progress(steps: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=steps, desc="Beam search", unit="token", disable=not enabled)
 
 
 def _scorer(eos: frozenset[int], length_penalty: float):

@@ -206,10 +206,11 @@ class LLM:
 
     def beam_search(self, prompts, params: BeamSearchParams,
                     lora_request: LoRARequest | list[LoRARequest | None] | None = None,
-                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+                    use_tqdm: bool = False, concurrency_limit: int | None = None
+                    ) -> list[BeamSearchOutput]:
         """vLLM's offline beam search (`hf_paged.engine.beam_search`): for each prompt (as
         `generate` takes them), the best `params.beam_width` sequences, best first."""
-        return beam_search(self, prompts, params, lora_request, use_tqdm)
+        return beam_search(self, prompts, params, lora_request, use_tqdm, concurrency_limit)
 
     def _loaded(self, requests: list[LoRARequest | None]) -> list[str | None]:
         """The adapter names of vLLM's `lora_request`s, each loaded first if it is not."""

@@ -17,10 +17,11 @@ from conftest import EOS, make_model, make_tokenizer
 def stock_beam_search(model, prompt, params: BeamSearchParams, eos: set[int],
                       context: int = 10**9):
     """The search written out on stock full forwards: [(tokens, cum_logprob)], best first
-    (a beam of `context` tokens is complete)."""
+    (a beam of `context` tokens is complete). The length in a score leaves out a final EOS
+    also when EOS does not complete a beam (as vLLM's)."""
     def score(beam):
         tokens, cum = beam
-        return cum / (len(tokens) - (tokens[-1] in eos)) ** params.length_penalty
+        return cum / (len(tokens) - (tokens[-1] == EOS)) ** params.length_penalty
 
     live, done = [(list(prompt), 0.0)], []
     for _ in range(params.max_tokens):
@@ -119,6 +120,24 @@ def test_one_prompt_text_or_ids_and_adapters_per_prompt(tmp_path):
     assert [s.tokens for s in outs[1].sequences] == [t for t, _ in ref_b] != \
         [t for t, _ in ref_base]
     assert outs[1].sequences[0].lora_request is lora and not outs[0].sequences[0].lora_request
+
+
+def test_prompts_in_turns_and_bad_arguments():
+    """concurrency_limit searches that many prompts at a time (the same results); an empty
+    prompt or a lora_request of another type is refused before any step."""
+    llm = LLM(make_model("llama_gqa"), make_tokenizer(), block_size=4, num_blocks=100)
+    params = BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True)
+    prompts = [[3, 4, 5], [6, 7], [8, 9, 10, 11]]
+    whole = [[s.tokens for s in out.sequences] for out in llm.beam_search(prompts, params)]
+    turns = llm.beam_search(prompts, params, concurrency_limit=2)
+    assert [[s.tokens for s in out.sequences] for out in turns] == whole
+    with pytest.raises(InvalidRequestError, match="empty"):
+        llm.beam_search([[3, 4], []], params)
+    with pytest.raises(TypeError, match="lora_request must be a LoRARequest"):
+        llm.beam_search(prompts, params, lora_request="x")
+    with pytest.raises(ValueError, match="concurrency_limit"):
+        llm.beam_search(prompts, params, concurrency_limit=0)
+    assert not llm.engine.has_unfinished_requests()
 
 
 @pytest.mark.parametrize("fields, name", [
