@@ -44,6 +44,7 @@ def _xgrammar():
 
 # The UTF-8 form of a UTF-16 surrogate (U+D800..DFFF), which is not UTF-8.
 _SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
+_SURROGATE_TEXT = re.compile(r"[\ud800-\udfff]|\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 # Where xgrammar's messages say they come from: "[12:00:00] /project/cpp/x.cc:94: ".
 _SOURCE = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
@@ -167,6 +168,14 @@ class Grammars:
 
     def _compile(self, spec: StructuredOutputsParams):
         c = self._compiler
+        given = [spec.regex, spec.grammar, spec.choice,
+                 None if spec.json is None else json.loads(spec.json) if isinstance(
+                     spec.json, str) else spec.json]
+        if _names_surrogates(given):
+            raise ValueError("it names UTF-16 surrogates (U+D800 to U+DFFF), which are not "
+                             "characters: no UTF-8 text holds one (xgrammar would emit "
+                             "invalid bytes). Write a character above U+FFFF as itself, not "
+                             "as a surrogate pair")
         if spec.json is not None:
             schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
             reason = refusal(json.loads(schema))
@@ -187,6 +196,22 @@ class Grammars:
         return Matcher(_xgrammar().GrammarMatcher(compiled), self.vocab_size,
                        self._json_safe if json_text else self._valid,
                        (self._ends_in_lead, self._after_lead))
+
+
+def _names_surrogates(value) -> bool:
+    """Whether a string in `value` (nested lists and dicts, keys too) holds a surrogate, or
+    a regular expression's escape of one (`\\ud800`, the JavaScript spelling of a pair)."""
+    todo = [value]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, str):
+            if _SURROGATE_TEXT.search(item):
+                return True
+        elif isinstance(item, dict):
+            todo += list(item) + list(item.values())
+        elif isinstance(item, (list, tuple)):
+            todo += item
+    return False
 
 
 class Matcher:

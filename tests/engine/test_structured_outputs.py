@@ -406,3 +406,23 @@ def test_the_surrogate_rule_follows_rollback():
     assert matcher.allows([_byte_token(tok, 0x9D)]) == 1 and not may(second)
     matcher.rollback(1)
     assert matcher.accept(other) and may(second)
+
+
+@pytest.mark.parametrize("constraint", [
+    S(regex=r"x|[\ud800-\udfff]"), S(regex=r"([\ud800-\udbff][\udc00-\udfff]|x)"),
+    S(json={"type": "string", "pattern": r"^(x|[\ud800-\udfff])$"}),
+    S(json='{"enum": ["\\ud800"]}'), S(grammar='root ::= "x" | [\\ud800-\\udfff]')])
+def test_a_constraint_naming_surrogates_is_refused(constraint):
+    """Surrogates are no characters: xgrammar matched them as invalid bytes, and with those
+    masked, a model taking their first byte had no token left."""
+    model, tok = setup()
+    engine = LLMEngine(model, tok, block_size=4, num_blocks=64)
+    with pytest.raises(InvalidRequestError, match="names UTF-16 surrogates"):
+        engine.add_request("bad", [5, 6], SamplingParams(structured_outputs=constraint))
+    assert not engine.requests
+    # a character above U+FFFF written as itself (in JSON text too, as a pair) is served
+    for schema in ({"enum": ["\U0001F600", "a"]}, '{"enum": ["\\ud83d\\ude00", "a"]}'):
+        out = LLM(model, tok, block_size=4, num_blocks=64).generate(
+            [[5, 6]], SamplingParams(temperature=0, max_tokens=12,
+                                     structured_outputs=S(json=schema)), use_tqdm=False)
+        assert out[0].outputs[0].text in ('"\U0001F600"', '"a"')
