@@ -3,6 +3,7 @@ device side of a step), the sampler and output processing, and the `LLM` / `Asyn
 front ends."""
 
 from ..errors import IsolationError, RequestRejectedError  # noqa: F401  (0.2's hf_paged.engine names)
+from .beam_search import BeamSearchParams
 from .engine import BASE, EngineStats, LLMEngine, engine_options, step_budget
 from .options import engine_generator
 from .request import truncated as truncate_prompt

@@ -34,7 +34,9 @@ from typing import AsyncIterator
 import torch
 
 from .adapters import LoRARequest, load_requested
+from .beam_search import BeamSearchParams, beam_search_async
 from .engine import LLMEngine
+from .request import prompt_ids
 from .stream import RequestStream
 from ..distributed import tensor_parallel as tp
 from ..errors import EngineDeadError, InvalidRequestError, describe
@@ -208,6 +210,17 @@ class AsyncLLM:
                 yield out
         finally:
             stream.abort()
+
+    async def beam_search(self, prompt, request_id: str, params: BeamSearchParams,
+                          adapter: str | None = None, cache_salt: str | None = None,
+                          run=None) -> AsyncIterator[RequestOutput]:
+        """vLLM's engine-client beam search: yields one finished RequestOutput, a completion
+        per beam, best first (`hf_paged.engine.beam_search`). Its steps run as requests
+        `{request_id}-{step}-{beam}`, or through `run(prompts, sampling_params)`."""
+        _, ids = prompt_ids(prompt, SamplingParams(), self.tokenizer, self.vocab_size,
+                            self.max_model_len)
+        yield await beam_search_async(self, ids, request_id, params, adapter, cache_salt,
+                                      run)
 
     def abort(self, request_id: str | list[str]) -> "_Posted":
         """Ends the request (or each of a list) at the next step boundary; its stream gets

@@ -15,13 +15,14 @@ context is complete ("length"; vLLM drops it, and can return no sequence at all)
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 
 from ..errors import HFPagedError, InvalidRequestError
-from ..outputs import Logprob
+from ..outputs import CompletionOutput, Logprob, RequestOutput
 from ..sampling_params import MAX_LOGPROBS, SamplingParams
 from .adapters import LoRARequest
 from .request import prompt_ids, prompt_list
@@ -109,39 +110,46 @@ def beam_search(llm, prompts, params: BeamSearchParams, lora_request=None,
     return _search(llm, prompts, params, loras, use_tqdm)
 
 
-def _search(llm, prompts: list, params: BeamSearchParams, loras: list,
-            use_tqdm: bool) -> list[BeamSearchOutput]:
-    engine = llm.engine
-    eos = frozenset() if params.ignore_eos else frozenset(engine.eos_ids)
-    step = SamplingParams(max_tokens=1, logprobs=2 * params.beam_width, ignore_eos=True,
-                          temperature=params.temperature, detokenize=False)
-    live = [[BeamSearchSequence(prompt_ids(p, step, engine.tokenizer, engine.vocab_size,
-                                           engine.scheduler.max_model_len)[1],
-                                lora_request=lora)]
-            for p, lora in zip(prompts, loras)]
-    context = engine.scheduler.max_model_len
-    for group in live:
-        if not group[0].tokens:
-            raise InvalidRequestError("a prompt is empty.", "prompt")
-        if len(group[0].tokens) > context:
-            raise InvalidRequestError(f"a prompt of {len(group[0].tokens)} tokens exceeds the "
-                                      f"model's context of {context} tokens.", "prompt")
-    salts = [p.get("cache_salt") if isinstance(p, Mapping) else None for p in prompts]
-    done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
-    score = _scorer(frozenset(engine.eos_ids), params.length_penalty)  # (ignore_eos or not,
-    bar = _progress(params.max_tokens, use_tqdm)  # as vLLM)
-    for _ in range(params.max_tokens):
-        for i, group in enumerate(live):  # (full to the model's context: complete)
-            done[i] += [beam for beam in group if len(beam.tokens) >= context]
-            live[i] = [beam for beam in group if len(beam.tokens) < context]
-        beams = [(beam, salt) for group, salt in zip(live, salts) for beam in group]
-        if not beams:
-            break
-        asked = [{"prompt_token_ids": b.tokens} | (
-            {} if salt is None else {"cache_salt": salt}) for b, salt in beams]
-        outputs = iter(llm.generate(asked, step, use_tqdm=False,
-                                    lora_request=[b.lora_request for b, _ in beams]))
-        for i, group in enumerate(live):
+class _Search:
+    """The beams of several prompts, extended one step at a time by whoever runs the
+    steps' requests (`LLM.generate`, or `AsyncLLM` streams)."""
+
+    def __init__(self, prompts: list[list[int]], owners: list, salts: list,
+                 params: BeamSearchParams, eos_ids, context: int):
+        """prompts: token ids; owners: each prompt's adapter (carried on its beams)."""
+        for prompt in prompts:
+            if not prompt:
+                raise InvalidRequestError("a prompt is empty.", "prompt")
+            if len(prompt) > context:
+                raise InvalidRequestError(f"a prompt of {len(prompt)} tokens exceeds the "
+                                          f"model's context of {context} tokens.", "prompt")
+        self.params, self.context, self.salts = params, context, salts
+        self.eos = frozenset() if params.ignore_eos else frozenset(eos_ids)
+        self.score = _scorer(frozenset(eos_ids), params.length_penalty)  # (ignore_eos or
+        self.live = [[BeamSearchSequence(list(p), lora_request=o)]  # not, as vLLM)
+                     for p, o in zip(prompts, owners)]
+        self.done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
+        self.steps = 0
+        self.step = SamplingParams(max_tokens=1, logprobs=2 * params.beam_width,
+                                   ignore_eos=True, temperature=params.temperature,
+                                   detokenize=False)
+
+    def steps_left(self) -> bool:
+        self.steps += 1
+        return self.steps <= self.params.max_tokens
+
+    def pending(self) -> list[tuple[BeamSearchSequence, str | None]]:
+        """The live beams, prompt by prompt, each with its prompt's cache salt (a beam that
+        fills the model's context is complete)."""
+        for i, group in enumerate(self.live):
+            self.done[i] += [beam for beam in group if len(beam.tokens) >= self.context]
+            self.live[i] = [beam for beam in group if len(beam.tokens) < self.context]
+        return [(beam, salt) for group, salt in zip(self.live, self.salts) for beam in group]
+
+    def extend(self, outputs: list) -> None:
+        """outputs: the RequestOutput of each beam `pending` gave, in its order."""
+        outputs = iter(outputs)
+        for i, group in enumerate(self.live):
             grown = []
             for beam, out in zip(group, outputs):
                 if out.error is not None:
@@ -151,20 +159,83 @@ def _search(llm, prompts: list, params: BeamSearchParams, loras: list,
                     child = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [offered],
                                                beam.lora_request,
                                                beam.cum_logprob + float(value))
-                    (done[i] if token in eos else grown).append(child)
-            live[i] = sorted(grown, key=score, reverse=True)[:params.beam_width]
+                    (self.done[i] if token in self.eos else grown).append(child)
+            self.live[i] = sorted(grown, key=self.score, reverse=True)[:self.params.beam_width]
+
+    def best(self) -> list[list[BeamSearchSequence]]:
+        """Per prompt, the best `beam_width` of the complete and live beams, best first."""
+        results = []
+        for finished, group in zip(self.done, self.live):
+            best = sorted(finished + group, key=self.score, reverse=True)
+            for beam in best[:self.params.beam_width]:
+                beam.finish_reason = "stop" if beam.tokens[-1] in self.eos else "length"
+            results.append(best[:self.params.beam_width])
+        return results
+
+
+def _search(llm, prompts: list, params: BeamSearchParams, loras: list,
+            use_tqdm: bool) -> list[BeamSearchOutput]:
+    engine = llm.engine
+    context = engine.scheduler.max_model_len
+    ids = [prompt_ids(p, SamplingParams(), engine.tokenizer, engine.vocab_size, context)[1]
+           for p in prompts]
+    salts = [p.get("cache_salt") if isinstance(p, Mapping) else None for p in prompts]
+    search = _Search(ids, loras, salts, params, engine.eos_ids, context)
+    bar = _progress(params.max_tokens, use_tqdm)
+    for _ in range(params.max_tokens):
+        beams = search.pending()
+        if not beams:
+            break
+        asked = [{"prompt_token_ids": b.tokens} | (
+            {} if salt is None else {"cache_salt": salt}) for b, salt in beams]
+        search.extend(llm.generate(asked, search.step, use_tqdm=False,
+                                   lora_request=[b.lora_request for b, _ in beams]))
         bar.update(1)
     bar.close()
-    tokenizer = llm.tokenizer
-    results = []
-    for finished, group in zip(done, live):
-        best = sorted(finished + group, key=score, reverse=True)[:params.beam_width]
-        for beam in best:
-            beam.finish_reason = "stop" if beam.tokens[-1] in eos else "length"
-            if tokenizer is not None:
-                beam.text = tokenizer.decode(beam.tokens)
-        results.append(BeamSearchOutput(best))
-    return results
+    results = search.best()
+    if llm.tokenizer is not None:
+        for beam in (beam for best in results for beam in best):
+            beam.text = llm.tokenizer.decode(beam.tokens)
+    return [BeamSearchOutput(best) for best in results]
+
+
+async def beam_search_async(llm, prompt: list[int], request_id: str,
+                            params: BeamSearchParams, adapter: str | None = None,
+                            cache_salt: str | None = None, run=None) -> RequestOutput:
+    """`AsyncLLM.beam_search`: the search of one prompt as one finished RequestOutput, as
+    vLLM's engine client gives it (one completion per beam, best first: generated tokens,
+    text without a final EOS, cumulative log-probability, the candidates' logprobs).
+    run(prompts, sampling_params): awaits the finished RequestOutputs of a step's requests
+    (the server's admits them as any; by default `llm.generate`)."""
+    async def generate(prompts, step_params):
+        return await asyncio.gather(*[
+            _final(llm.generate({"prompt_token_ids": p}, step_params, f"{request_id}-{search.steps}-{j}",
+                                adapter=adapter, cache_salt=cache_salt))
+            for j, p in enumerate(prompts)])
+
+    search = _Search([prompt], [adapter], [cache_salt], params, llm.engine.eos_ids,
+                     llm.max_model_len)
+    while search.steps_left():
+        beams = search.pending()
+        if not beams:
+            break
+        search.extend(await (run or generate)([b.tokens for b, _ in beams], search.step))
+    outputs = []
+    for i, beam in enumerate(search.best()[0]):
+        tokens = beam.tokens[len(prompt):]
+        shown = tokens[:-1] if beam.finish_reason == "stop" else tokens
+        text = "" if llm.tokenizer is None else llm.tokenizer.decode(shown,
+                                                                     skip_special_tokens=True)
+        outputs.append(CompletionOutput(i, text, tokens, beam.finish_reason, None,
+                                        beam.logprobs, beam.cum_logprob))
+    return RequestOutput(request_id, None, list(prompt), outputs, finished=True)
+
+
+async def _final(outputs):
+    out = None
+    async for out in outputs:
+        pass
+    return out
 
 
 def _progress(steps: int, enabled: bool):

@@ -121,7 +121,8 @@ class _Sampling(UnicodeBody):
     priority: int = 0
     cache_salt: str | None = Field(None, min_length=1)  # vLLM's: a prefix-cache namespace
     timeout: float | None = Field(None, gt=0)  # seconds until the request ends ("timeout")
-    use_beam_search: bool = False  # vLLM's: refused here (LLM.beam_search runs it offline)
+    use_beam_search: bool = False  # vLLM's: n beams (serving/beam.py), with length_penalty
+    length_penalty: float = Field(1.0, allow_inf_nan=False)
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's StructuredOutputsParams fields
     guided_json: Union[dict[str, Any], str, None] = None
@@ -194,9 +195,6 @@ class _Sampling(UnicodeBody):
                         constraint: StructuredOutputsParams | None = None) -> SamplingParams:
         """constraint: the structured output, when not the request's own (forced tools)."""
         bias = self.token_biases()
-        if self.use_beam_search:  # (rather than served as sampling)
-            raise APIError(400, "use_beam_search is not supported by this server; run beam "
-                           "search with hf_paged.LLM.beam_search.", "use_beam_search")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream=true.",
                            "stream_options")

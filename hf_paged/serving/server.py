@@ -35,14 +35,13 @@ from ..engine.llm import render_chat
 from ..engine import BASE, truncate_prompt
 from ..errors import InvalidRequestError, RequestRejectedError, describe
 from ..sampling_params import StructuredOutputsParams
+from .beam import beam_response
 from .bodies import body_of, document, parse, validation_error
 from .extras import EXTRA_BODIES, add_routes
 from .guard import RequestGuard, ServerLimits
 from .metrics import ServerMetrics
-from .protocol import (
-    APIError, ChatCompletionRequest, ChatTemplateOptions, CompletionRequest, chat_response,
-    completion_response, new_id,
-)
+from .protocol import (APIError, ChatCompletionRequest, ChatTemplateOptions,
+                       CompletionRequest, chat_response, completion_response, new_id)
 from .sse import EventStream, chat_events, completion_events
 from .tools import PARSERS, auto_parser, template_messages
 from .workers import Workers
@@ -395,6 +394,8 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
         prompts = [server.truncated(p, body.truncate_prompt_tokens) for p in whole]
         echo = [await server.prompt_text(r if len(w) == len(p) else p, p)  # (as it is run)
                 for r, w, p in zip(raw, whole, prompts)] if body.echo else None
+        if body.use_beam_search:
+            return await beam_response(server, request, body, prompts, adapter, "prompt")
         tenant = request.state.tenant
         streams = server.start(prompts, params, adapter, body.priority, tenant,
                                body.cache_salt, "prompt")
@@ -428,6 +429,8 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
                                       StructuredOutputsParams(json=forced))
         await server.compile_constraint(params, body.constraint_field if forced is None
                                         else "tools")  # (a function's parameters)
+        if body.use_beam_search:
+            return await beam_response(server, request, body, [prompt], adapter, "messages")
         tenant = request.state.tenant
         streams = server.start([prompt], params, adapter, body.priority, tenant,
                                body.cache_salt, "messages")

@@ -138,7 +138,6 @@ def test_streamed_json_adds_up(served):
     ({"structured_outputs": {"jsn": {}}}, "structured_outputs"),
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
     ({"guided_grammar": "root ::= undefined_rule"}, "guided_grammar"),
-    ({"use_beam_search": True, "n": 2}, "use_beam_search"),  # (not served as sampling)
 ])
 def test_bad_constraints_are_400s(served, body, param):
     r = served.http.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES,

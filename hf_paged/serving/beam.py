@@ -1,0 +1,92 @@
+"""vLLM's `use_beam_search` on `/v1/completions` and `/v1/chat/completions`: `n` beams of
+`AsyncLLM.beam_search` (`length_penalty`, `ignore_eos`, `max_tokens`), answered whole, the
+beams best first as the choices. Each step's requests are admitted, salted by tenant,
+counted and aborted when the client leaves, as any request's. A sampling setting the search
+would ignore is a 400 naming it rather than dropped."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi.responses import Response
+
+from ..engine import BeamSearchParams
+from ..errors import APIError, InvalidRequestError
+from .protocol import chat_response, completion_response, new_id
+
+# Settings of a sampled request that beam search does not apply.
+IGNORED = ("stop", "stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words", "top_p",
+           "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+           "min_tokens", "seed", "prompt_logprobs", "response_format", "structured_outputs",
+           "guided_json", "guided_regex", "guided_choice", "guided_grammar", "tools",
+           "include_stop_str_in_output", "echo", "suffix")
+
+
+class _Gone(Exception):
+    """The client left: the search ends."""
+
+
+def beam_params(body, max_tokens: int) -> BeamSearchParams:
+    """The request's BeamSearchParams; APIError 400 naming a field it cannot honour."""
+    if body.stream:
+        raise APIError(400, "use_beam_search answers whole: set stream to false.", "stream")
+    fields = type(body).model_fields
+    given = [name for name in IGNORED if name in fields
+             and getattr(body, name) not in (fields[name].default, None, [])]
+    if given:
+        raise APIError(400, f"use_beam_search does not apply {given}; leave them out.",
+                       given[0])
+    try:
+        return BeamSearchParams(beam_width=body.n, max_tokens=max_tokens,
+                                ignore_eos=body.ignore_eos,
+                                temperature=body.temperature or 0.0,
+                                length_penalty=body.length_penalty)
+    except InvalidRequestError as err:
+        param = {"beam_width": "n"}.get(err.param, err.param)
+        raise APIError(400, f"use_beam_search: {err}", param) from err
+
+
+async def beam_results(server, request, body, prompts: list[list[int]], adapter,
+                       params: BeamSearchParams, field: str):
+    """One finished RequestOutput per prompt (its beams as completions), or None if the
+    client left first."""
+    server.check_count(len(prompts), body.n)
+    tenant = request.state.tenant
+
+    async def run(step_prompts, step_params):
+        streams = server.start(step_prompts, step_params, adapter, body.priority, tenant,
+                               body.cache_salt, field)
+        results = await server.collect(streams, request)
+        if results is None:
+            raise _Gone
+        return results
+
+    async def one(prompt):
+        async for out in server.llm.beam_search(prompt, new_id("beam"), params, adapter,
+                                                run=run):
+            return out
+
+    try:
+        return await asyncio.gather(*[one(p) for p in prompts])
+    except _Gone:
+        return None
+
+
+async def beam_response(server, request, body, prompts: list[list[int]], adapter,
+                        field: str):
+    """The whole answer of a completions (`field` "prompt") or chat ("messages") request
+    with use_beam_search."""
+    chat = field == "messages"
+    max_tokens = (body.max_completion_tokens or body.max_tokens
+                  or server.default_max_tokens(len(prompts[0]))) if chat else \
+        body.engine_max_tokens
+    params = beam_params(body, max_tokens)
+    results = await beam_results(server, request, body, prompts, adapter, params, field)
+    if results is None:
+        return Response(status_code=499)  # the client is gone; nobody reads this
+    if chat:
+        return await server.respond(chat_response, new_id("chatcmpl"), body.model, results[0],
+                                    server.pieces, body.logprob_count() or 0, None,
+                                    server.llm.tokenizer)
+    return await server.respond(completion_response, new_id("cmpl"), body.model, results,
+                                body, server.pieces)
