@@ -90,8 +90,6 @@ def beam_search(llm, prompts, params: BeamSearchParams, lora_request=None,
                 ) -> list[BeamSearchOutput]:
     """`LLM.beam_search` (see the module's docstring). concurrency_limit: search this many
     prompts at a time (all at once if None)."""
-    if not isinstance(params, BeamSearchParams):
-        raise TypeError(f"params must be BeamSearchParams; got {type(params).__name__}.")
     prompts = prompt_list(prompts)
     loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else \
         [lora_request] * len(prompts)
@@ -117,6 +115,8 @@ class _Search:
     def __init__(self, prompts: list[list[int]], owners: list, salts: list,
                  params: BeamSearchParams, eos_ids, context: int):
         """prompts: token ids; owners: each prompt's adapter (carried on its beams)."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be BeamSearchParams; got {type(params).__name__}.")
         for prompt in prompts:
             if not prompt:
                 raise InvalidRequestError("a prompt is empty.", "prompt")
@@ -182,7 +182,7 @@ def _search(llm, prompts: list, params: BeamSearchParams, loras: list,
     salts = [p.get("cache_salt") if isinstance(p, Mapping) else None for p in prompts]
     search = _Search(ids, loras, salts, params, engine.eos_ids, context)
     bar = _progress(params.max_tokens, use_tqdm)
-    for _ in range(params.max_tokens):
+    while search.steps_left():
         beams = search.pending()
         if not beams:
             break
@@ -209,8 +209,9 @@ async def beam_search_async(llm, prompt: list[int], request_id: str,
     (the server's admits them as any; by default `llm.generate`)."""
     async def generate(prompts, step_params):
         return await asyncio.gather(*[
-            _final(llm.generate({"prompt_token_ids": p}, step_params, f"{request_id}-{search.steps}-{j}",
-                                adapter=adapter, cache_salt=cache_salt))
+            _final(llm.generate({"prompt_token_ids": p}, step_params,
+                                f"{request_id}-{search.steps}-{j}", adapter=adapter,
+                                cache_salt=cache_salt))
             for j, p in enumerate(prompts)])
 
     search = _Search([prompt], [adapter], [cache_salt], params, llm.engine.eos_ids,

@@ -152,3 +152,34 @@ def test_bad_beam_search_params_are_named(fields, name):
     with pytest.raises(InvalidRequestError, match=f"BeamSearchParams.{name}") as err:
         BeamSearchParams(**fields)
     assert err.value.param == name
+
+
+def test_async_llm_beam_search_yields_the_beams_as_completions(eos_prone):
+    """vLLM's engine-client form: one finished RequestOutput, a completion per beam, best
+    first, with the generated tokens and their text without a final EOS."""
+    import asyncio
+
+    from hf_paged import AsyncLLM
+
+    params = BeamSearchParams(beam_width=3, max_tokens=6)
+    prompt = PROMPTS[0]
+    ref = stock_beam_search(eos_prone, prompt, params, {EOS})
+    tok = make_tokenizer()
+    llm = AsyncLLM(eos_prone, tok, block_size=4, num_blocks=120)
+
+    async def search():
+        return [out async for out in llm.beam_search(prompt, "b", params)]
+
+    try:
+        [out] = asyncio.run(search())
+    finally:
+        llm.shutdown()
+    assert out.finished and out.prompt_token_ids == prompt
+    assert [c.token_ids for c in out.outputs] == [t[len(prompt):] for t, _ in ref]
+    for c, (tokens, cum) in zip(out.outputs, ref):
+        assert c.cumulative_logprob == pytest.approx(cum, abs=1e-4)
+        ended = tokens[-1] == EOS
+        assert c.finish_reason == ("stop" if ended else "length")
+        assert c.text == tok.decode(c.token_ids[:-1] if ended else c.token_ids,
+                                    skip_special_tokens=True)
+    assert any(c.finish_reason == "stop" for c in out.outputs)  # (the test is about EOS too)
