@@ -30,6 +30,9 @@ def beam_params(body, max_tokens: int) -> BeamSearchParams:
     """The request's BeamSearchParams; APIError 400 naming a field it cannot honour."""
     if body.stream:
         raise APIError(400, "use_beam_search answers whole: set stream to false.", "stream")
+    if body.max_tokens == 0:
+        raise APIError(400, "use_beam_search generates: max_tokens must be at least 1.",
+                       "max_tokens")
     fields = type(body).model_fields
     given = [name for name in IGNORED if name in fields
              and getattr(body, name) not in (fields[name].default, None, [])]
@@ -84,6 +87,11 @@ async def beam_response(server, request, body, prompts: list[list[int]], adapter
     results = await beam_results(server, request, body, prompts, adapter, params, field)
     if results is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
+    count = body.logprob_count() if chat else body.logprobs  # (None: not asked for)
+    for out in (out for result in results for out in result.outputs):
+        out.logprobs = None if count is None else [  # (the chosen token and the best k)
+            {t: v for t, v in step.items() if t == token or v.rank <= count}
+            for token, step in zip(out.token_ids, out.logprobs)]
     if chat:
         return await server.respond(chat_response, new_id("chatcmpl"), body.model, results[0],
                                     server.pieces, body.logprob_count() or 0, None,

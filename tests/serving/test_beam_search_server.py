@@ -73,9 +73,28 @@ def test_chat_beams_are_the_choices(served):
                    for t, _ in ref]
 
 
+def test_beam_logprobs_only_when_asked_and_as_many_as_asked(served):
+    base = {"model": "tiny", "max_tokens": 3, "n": 4, "use_beam_search": True,
+            "ignore_eos": True}
+    r = served.http.post("/v1/completions", json={**base, "prompt": [5, 6]}).json()
+    assert all(c["logprobs"] is None for c in r["choices"])
+    r = served.http.post("/v1/completions", json={**base, "prompt": [5, 6], "logprobs": 1})
+    for choice in r.json()["choices"]:
+        tops = choice["logprobs"]["top_logprobs"]
+        assert len(tops) == 3 and all(1 <= len(top) <= 2 for top in tops)
+    messages = [{"role": "user", "content": "w5"}]
+    r = served.http.post("/v1/chat/completions", json={**base, "messages": messages}).json()
+    assert all(c["logprobs"] is None for c in r["choices"])
+    r = served.http.post("/v1/chat/completions", json={
+        **base, "messages": messages, "logprobs": True, "top_logprobs": 2}).json()
+    for choice in r["choices"]:
+        assert all(len(entry["top_logprobs"]) == 2 for entry in choice["logprobs"]["content"])
+
+
 @pytest.mark.parametrize("extra, param", [
     ({"stream": True}, "stream"), ({"stop": ["w9"]}, "stop"), ({"top_p": 0.5}, "top_p"),
-    ({"n": 11}, "n"), ({"seed": 3}, "seed"), ({"length_penalty": "x"}, "length_penalty")])
+    ({"n": 11}, "n"), ({"seed": 3}, "seed"), ({"length_penalty": "x"}, "length_penalty"),
+    ({"max_tokens": 0}, "max_tokens")])
 def test_what_beam_search_would_ignore_is_a_400(served, extra, param):
     r = served.http.post("/v1/completions", json={
         "model": "tiny", "prompt": [3, 4], "max_tokens": 3, "n": 2, "use_beam_search": True,
