@@ -188,27 +188,28 @@ class SamplingParams:
                                       f"{ids!r:.200}.", "stop_token_ids")
         self.stop_token_ids = [int(t) for t in ids]
         self._check_token_settings()
-        _check(self.n, "n", int, lambda v: v >= 1, "an integer >= 1")
-        _check(self.max_tokens, "max_tokens", int, lambda v: v >= 1, "an integer >= 1", none=True)
-        _check(self.temperature, "temperature", float, lambda v: v >= 0, "a number >= 0", none=True)
-        _check(self.top_p, "top_p", float, lambda v: 0 < v <= 1, "a number in (0, 1]", none=True)
-        _check(self.top_k, "top_k", int, lambda v: v >= -1, "an integer >= -1 (0 or -1: off)",
-               none=True)
-        _check(self.min_p, "min_p", float, lambda v: 0 <= v <= 1, "a number in [0, 1]", none=True)
+        check = check_setting
+        check(self.n, "n", int, lambda v: v >= 1, "an integer >= 1")
+        check(self.max_tokens, "max_tokens", int, lambda v: v >= 1, "an integer >= 1", none=True)
+        check(self.temperature, "temperature", float, lambda v: v >= 0, "a number >= 0",
+              none=True)
+        check(self.top_p, "top_p", float, lambda v: 0 < v <= 1, "a number in (0, 1]", none=True)
+        check(self.top_k, "top_k", int, lambda v: v >= -1, "an integer >= -1 (0 or -1: off)",
+              none=True)
+        check(self.min_p, "min_p", float, lambda v: 0 <= v <= 1, "a number in [0, 1]", none=True)
         low, high = REPETITION_PENALTY_RANGE
-        _check(self.repetition_penalty, "repetition_penalty", float, lambda v: low <= v <= high,
-               f"a number in [{low}, {high}]", none=True)
+        check(self.repetition_penalty, "repetition_penalty", float, lambda v: low <= v <= high,
+              f"a number in [{low}, {high}]", none=True)
         for name in ("presence_penalty", "frequency_penalty"):
-            _check(getattr(self, name), name, float, lambda v: -2 <= v <= 2,
-                   "a number in [-2, 2]")
-        _check(self.seed, "seed", int, lambda v: SEED_RANGE[0] <= v <= SEED_RANGE[1],
-               "an integer in [-2**63, 2**64 - 1]", none=True)
-        _check(self.min_tokens, "min_tokens", int, lambda v: v >= 0, "an integer >= 0")
+            check(getattr(self, name), name, float, lambda v: -2 <= v <= 2, "a number in [-2, 2]")
+        check(self.seed, "seed", int, lambda v: SEED_RANGE[0] <= v <= SEED_RANGE[1],
+              "an integer in [-2**63, 2**64 - 1]", none=True)
+        check(self.min_tokens, "min_tokens", int, lambda v: v >= 0, "an integer >= 0")
         for name in ("logprobs", "prompt_logprobs"):
-            _check(getattr(self, name), name, int, lambda v: 0 <= v <= MAX_LOGPROBS,
-                   f"an integer in [0, {MAX_LOGPROBS}]", none=True)
-        _check(self.timeout, "timeout", float, lambda v: v > 0, "a number of seconds > 0",
-               none=True)
+            check(getattr(self, name), name, int, lambda v: 0 <= v <= MAX_LOGPROBS,
+                  f"an integer in [0, {MAX_LOGPROBS}]", none=True)
+        check(self.timeout, "timeout", float, lambda v: v > 0, "a number of seconds > 0",
+              none=True)
         if isinstance(self.structured_outputs, dict):
             unknown = set(self.structured_outputs) - {f.name for f in fields(
                 StructuredOutputsParams)}
@@ -260,9 +261,9 @@ class SamplingParams:
                                           "(strings with more than whitespace); got "
                                           f"{self.bad_words!r:.200}.", "bad_words")
             self.bad_words = list(self.bad_words) or None
-        _check(self.truncate_prompt_tokens, "truncate_prompt_tokens", int,
-               lambda v: v >= 1 or v == -1, "an integer >= 1, or -1 (the model's context)",
-               none=True)
+        check_setting(self.truncate_prompt_tokens, "truncate_prompt_tokens", int,
+                      lambda v: v >= 1 or v == -1,
+                      "an integer >= 1, or -1 (the model's context)", none=True)
         kind = self.output_kind
         if _is_int(kind) and 0 <= kind < len(RequestOutputKind):  # (vLLM's IntEnum values)
             kind = list(RequestOutputKind)[kind]
@@ -328,14 +329,15 @@ def _is_number(value) -> bool:
             and math.isfinite(value) and abs(value) <= FLOAT32_MAX)
 
 
-def _check(value, name, kind, ok, allowed, none=False):
+def check_setting(value, name, kind, ok, allowed, none=False, owner="SamplingParams"):
+    """InvalidRequestError naming `owner.name` unless `value` is a finite `kind` (int, or
+    float taking ints too) that `ok` accepts (or None, when `none`)."""
     if value is None and none:
         return
     numeric = (int, float) if kind is float else (int,)
     if (isinstance(value, bool) or not isinstance(value, numeric)
             or (isinstance(value, float) and not math.isfinite(value)) or not ok(value)):
-        raise InvalidRequestError(f"SamplingParams.{name} must be {allowed}; got {value!r}.",
-                                  name)
+        raise InvalidRequestError(f"{owner}.{name} must be {allowed}; got {value!r}.", name)
 
 
 def generation_defaults(generation_config) -> dict[str, Any]:

@@ -16,14 +16,13 @@ context is complete ("length"; vLLM drops it, and can return no sequence at all)
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from numbers import Integral, Real
+from numbers import Integral
 
 from ..errors import HFPagedError, InvalidRequestError
 from ..outputs import CompletionOutput, Logprob, RequestOutput
-from ..sampling_params import MAX_LOGPROBS, SamplingParams
+from ..sampling_params import MAX_LOGPROBS, SamplingParams, check_setting
 from .adapters import LoRARequest
 from .request import prompt_ids, prompt_list
 
@@ -46,21 +45,14 @@ class BeamSearchParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self):
-        for name, low, high in (("beam_width", 1, MAX_LOGPROBS // 2),
-                                ("max_tokens", 1, None)):
-            value = getattr(self, name)
-            if (not isinstance(value, Integral) or isinstance(value, bool) or value < low
-                    or (high is not None and value > high)):
-                allowed = f"an integer in [{low}, {high}]" if high else f"an integer >= {low}"
-                raise InvalidRequestError(f"BeamSearchParams.{name} must be {allowed}; got "
-                                          f"{value!r}.", name)
-        for name, ok, allowed in (("temperature", lambda v: v >= 0, "a number >= 0"),
-                                  ("length_penalty", lambda v: True, "a finite number")):
-            value = getattr(self, name)
-            if (not isinstance(value, Real) or isinstance(value, bool)
-                    or not math.isfinite(value) or not ok(value)):
-                raise InvalidRequestError(f"BeamSearchParams.{name} must be {allowed}; got "
-                                          f"{value!r}.", name)
+        widest = MAX_LOGPROBS // 2
+        for name, kind, ok, allowed in (
+                ("beam_width", int, lambda v: 1 <= v <= widest, f"an integer in [1, {widest}]"),
+                ("max_tokens", int, lambda v: v >= 1, "an integer >= 1"),
+                ("temperature", float, lambda v: v >= 0, "a number >= 0"),
+                ("length_penalty", float, lambda v: True, "a finite number")):
+            check_setting(getattr(self, name), name, kind, ok, allowed,
+                          owner="BeamSearchParams")
 
 
 @dataclass

@@ -194,8 +194,8 @@ class Grammars:
     def matcher(self, compiled, spec: StructuredOutputsParams) -> "Matcher":
         json_text = spec.json is not None or spec.json_object
         return Matcher(_xgrammar().GrammarMatcher(compiled), self.vocab_size,
-                       self._json_safe if json_text else self._valid,
-                       (self._ends_in_lead, self._after_lead))
+                       self._json_safe if json_text else self._valid, self._ends_in_lead,
+                       self._after_lead)
 
 
 def _names_surrogates(value) -> bool:
@@ -217,22 +217,22 @@ def _names_surrogates(value) -> bool:
 class Matcher:
     """One completion's place in its constraint."""
 
-    def __init__(self, matcher, vocab: int, allowed: torch.Tensor | None = None,
-                 lead=None):
+    def __init__(self, matcher, vocab: int, allowed: torch.Tensor | None,
+                 ends_in_lead: numpy.ndarray, after_lead: torch.Tensor):
         self._m, self._allowed = matcher, allowed  # [words] int32: tokens it may ever take
         self.vocab, self.words = vocab, -(-vocab // 32)  # its tokens, and bitmask words
-        # (per token: whether it ends in the lead byte ED; [words] int32: the tokens that
-        # may follow one)
-        self._ends_in_lead, self._after_lead = lead if lead is not None else (None, None)
+        # [vocab] int8: whether a token ends in the lead byte ED (-1: it has no text);
+        # [words] int32: the tokens that may follow one
+        self._ends_in_lead, self._after_lead = ends_in_lead, after_lead
         self._in_lead = [False]  # per accepted token: whether the text then ends in ED
 
     def accept(self, token: int) -> bool:
-        """Advances past `token`; False if the constraint does not allow it there."""
+        """Advances past `token`; False if the constraint does not allow it there (a token
+        past the grammars' vocabulary never is)."""
         if not self._m.accept_token(token):
             return False
-        if self._ends_in_lead is not None:
-            ends = self._ends_in_lead[token] if token < len(self._ends_in_lead) else -1
-            self._in_lead.append(self._in_lead[-1] if ends < 0 else bool(ends))
+        ends = self._ends_in_lead[token]
+        self._in_lead.append(self._in_lead[-1] if ends < 0 else bool(ends))
         return True
 
     @property

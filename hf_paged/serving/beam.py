@@ -12,7 +12,8 @@ from fastapi.responses import Response
 
 from ..engine import BeamSearchParams
 from ..errors import APIError, InvalidRequestError
-from .protocol import chat_response, completion_response, new_id
+from ..sampling_params import SamplingParams
+from .protocol import ChatCompletionRequest, chat_response, completion_response, new_id
 
 # Settings of a sampled request that beam search does not apply.
 IGNORED = ("stop", "stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words", "top_p",
@@ -76,25 +77,23 @@ async def beam_results(server, request, body, prompts: list[list[int]], adapter,
 
 
 async def beam_response(server, request, body, prompts: list[list[int]], adapter,
-                        field: str):
-    """The whole answer of a completions (`field` "prompt") or chat ("messages") request
-    with use_beam_search."""
-    chat = field == "messages"
-    max_tokens = (body.max_completion_tokens or body.max_tokens
-                  or server.default_max_tokens(len(prompts[0]))) if chat else \
-        body.engine_max_tokens
-    params = beam_params(body, max_tokens)
-    results = await beam_results(server, request, body, prompts, adapter, params, field)
+                        sampled: SamplingParams):
+    """The whole answer of a completions or chat request with use_beam_search. sampled:
+    the request's settings as the handler resolved them for sampling (max_tokens, the
+    number of top logprobs)."""
+    chat = isinstance(body, ChatCompletionRequest)
+    params = beam_params(body, sampled.max_tokens)
+    results = await beam_results(server, request, body, prompts, adapter, params,
+                                 "messages" if chat else "prompt")
     if results is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
-    count = body.logprob_count() if chat else body.logprobs  # (None: not asked for)
+    count = sampled.logprobs  # (None: not asked for)
     for out in (out for result in results for out in result.outputs):
         out.logprobs = None if count is None else [  # (the chosen token and the best k)
             {t: v for t, v in step.items() if t == token or v.rank <= count}
             for token, step in zip(out.token_ids, out.logprobs)]
     if chat:
         return await server.respond(chat_response, new_id("chatcmpl"), body.model, results[0],
-                                    server.pieces, body.logprob_count() or 0, None,
-                                    server.llm.tokenizer)
+                                    server.pieces, count or 0, None, server.llm.tokenizer)
     return await server.respond(completion_response, new_id("cmpl"), body.model, results,
                                 body, server.pieces)

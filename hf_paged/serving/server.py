@@ -395,7 +395,7 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
         echo = [await server.prompt_text(r if len(w) == len(p) else p, p)  # (as it is run)
                 for r, w, p in zip(raw, whole, prompts)] if body.echo else None
         if body.use_beam_search:
-            return await beam_response(server, request, body, prompts, adapter, "prompt")
+            return await beam_response(server, request, body, prompts, adapter, params)
         tenant = request.state.tenant
         streams = server.start(prompts, params, adapter, body.priority, tenant,
                                body.cache_salt, "prompt")
@@ -430,7 +430,7 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
         await server.compile_constraint(params, body.constraint_field if forced is None
                                         else "tools")  # (a function's parameters)
         if body.use_beam_search:
-            return await beam_response(server, request, body, [prompt], adapter, "messages")
+            return await beam_response(server, request, body, [prompt], adapter, params)
         tenant = request.state.tenant
         streams = server.start([prompt], params, adapter, body.priority, tenant,
                                body.cache_salt, "messages")
