@@ -16,8 +16,10 @@ token's own bytes.
 
 from __future__ import annotations
 
+import copy
 import re
 import weakref
+from collections.abc import Container
 
 _REPLACEMENT = "\ufffd"
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte fallback
@@ -111,7 +113,8 @@ class IncrementalText:
 
 class TokenPieces:
     """Display strings and bytes of single tokens: alone (cached per id), or as the text a
-    token adds after the ones before it (`after`)."""
+    token adds after the ones before it (`after`), in a text that leaves special tokens out
+    (the default) or keeps them (`reading`)."""
 
     CONTEXT = 4  # tokens before a token that its text is decoded after
 
@@ -121,8 +124,27 @@ class TokenPieces:
         traits = _traits(tokenizer) if tokenizer is not None else None
         self._byte_level = traits is not None and traits.byte_level
         self._special = traits.special if traits is not None else frozenset()
+        self._skipped = self._special  # special tokens the text leaves out
+        self._left_out: Container[int] | None = None  # or: positions it leaves out
         # A byte-level BPE token's own text is already the text it adds (its space is in it).
         self._alone = traits is None or (traits.byte_level and not traits.cleanup)
+
+    def reading(self, skip_special_tokens: bool = True,
+                left_out: Container[int] | None = None) -> TokenPieces:
+        """These pieces (one cache) for a text decoded with `skip_special_tokens`, or one
+        that leaves out exactly the tokens at positions `left_out` (a text prompt's: the
+        special tokens its tokenizer added, which the text as written does not hold)."""
+        view = copy.copy(self)
+        view._skipped = self._special if skip_special_tokens else frozenset()
+        view._left_out = left_out
+        return view
+
+    def shown(self, at: int, token: int) -> bool:
+        """Whether the text holds token `token` at position `at` (a token it leaves out
+        keeps its name in log-probabilities and adds nothing to the text)."""
+        if self._left_out is not None:
+            return at not in self._left_out
+        return token not in self._skipped
 
     def after(self, ids: list[int], asked: list[tuple[int, list[int]]]
               ) -> list[list[tuple[str, bytes]]]:
@@ -130,18 +152,19 @@ class TokenPieces:
         at `position` of `ids`, i.e. the text it adds to the ids before it, as the decoded
         text has it (two batched decodes in all). Decoded alone, a SentencePiece word's
         token loses its leading space and a word-level one its separator, so the tokens of a
-        text would not add up to it. Special tokens (a decode that skips them leaves them
-        out of the context) and parts of a character keep their own pieces; so does a
+        text would not add up to it. Tokens the text leaves out (`shown`: they are left out
+        of the context too) and parts of a character keep their own pieces; so does a
         text's first token."""
         if self._alone:
             return [[self._piece(t) for t in tokens] for _, tokens in asked]
-        special, out, bases, windows, where = self._special, [], [], [], []
+        out, bases, windows, where = [], [], [], []
         for at, tokens in asked:
             out.append([self._piece(t) for t in tokens])
-            context = ids[max(at - 2 * self.CONTEXT, 0):at]
-            base = [t for t in context if t not in special][-self.CONTEXT:]
+            start = max(at - 2 * self.CONTEXT, 0)
+            base = [t for j, t in enumerate(ids[start:at], start)
+                    if self.shown(j, t)][-self.CONTEXT:]
             todo = [i for i, t in enumerate(tokens)
-                    if t not in special and not out[-1][i][0].startswith("bytes:")]
+                    if self.shown(at, t) and not out[-1][i][0].startswith("bytes:")]
             if base and todo:
                 bases.append(base)
                 for i in todo:

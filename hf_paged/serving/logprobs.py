@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import codecs
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from ..engine.detokenizer import TokenPieces
 from ..outputs import CompletionOutput, RequestOutput
@@ -38,7 +39,11 @@ class TextOffsets:
         self.at = start
         self._bytes = codecs.getincrementaldecoder("utf-8")("replace")
 
-    def next(self, token: int, piece: str, pieces: TokenPieces) -> int:
+    def next(self, token: int, piece: str, pieces: TokenPieces, shown: bool = True) -> int:
+        """Where a token named `piece` starts; one the text leaves out (not `shown`) adds
+        nothing, nor ends a character that bytes before it began."""
+        if not shown:
+            return self.at
         if piece.startswith("bytes:"):
             at = self.at
             self.at += len(self._bytes.decode(bytes(pieces.bytes(token))))
@@ -64,11 +69,11 @@ def token_logprobs(token_ids: list[int], entries: list, pieces: TokenPieces,
         for token, entry in zip(token_ids, entries)]
     named = pieces.after(ids, [(first + j, [token] + [t for t, _ in others])
                                for j, (token, others) in enumerate(zip(token_ids, ranked))])
-    for token, entry, others, names in zip(token_ids, entries, ranked, named):
+    for j, (token, entry, others, names) in enumerate(zip(token_ids, entries, ranked, named)):
         names = [text for text, _ in names]
         piece = names[0]
         tokens.append(piece)
-        offsets.append(at.next(token, piece, pieces))
+        offsets.append(at.next(token, piece, pieces, pieces.shown(first + j, token)))
         if entry is None:
             token_lps.append(None)
             tops.append(None)
@@ -82,15 +87,34 @@ def token_logprobs(token_ids: list[int], entries: list, pieces: TokenPieces,
             "text_offset": offsets}
 
 
-def echoed(result: RequestOutput, prompt_text: str, pieces: TokenPieces,
+@dataclass(frozen=True)
+class Echo:
+    """A prompt as `echo` returns it: its text, and the positions of its tokens that text
+    leaves out (a text prompt's special tokens its tokenizer added); None: the text is its
+    ids decoded, special tokens and all."""
+    text: str
+    left_out: frozenset[int] | None = None
+
+
+def echo_of(tokenizer, prompt: str | list[int], ids: list[int]) -> Echo:
+    """A prompt as `echo` returns it: as given (without the special tokens its tokenizer
+    added), or its token ids `ids` decoded."""
+    if isinstance(prompt, str):
+        added = tokenizer(prompt, return_special_tokens_mask=True)["special_tokens_mask"]
+        return Echo(prompt, frozenset(i for i, bit in enumerate(added) if bit))
+    return Echo("" if tokenizer is None else tokenizer.decode(ids))
+
+
+def echoed(result: RequestOutput, echo: Echo, pieces: TokenPieces,
            logprobs: int | None) -> tuple[str, dict | None]:
-    """The prompt as `echo` returns it: its text, and (if asked: the request's `logprobs`)
-    its tokens' logprobs, with that many of the most likely beside each (the engine may
-    keep more, for the request's own `prompt_logprobs`)."""
+    """The prompt's text, and (if asked: the request's `logprobs`) its tokens' logprobs,
+    with that many of the most likely beside each (the engine may keep more, for the
+    request's own `prompt_logprobs`)."""
     if logprobs is None:
-        return prompt_text, None
+        return echo.text, None
     entries = result.prompt_logprobs or [None] * len(result.prompt_token_ids)
-    return prompt_text, token_logprobs(result.prompt_token_ids, entries, pieces, 0, logprobs)
+    pieces = pieces.reading(skip_special_tokens=False, left_out=echo.left_out)
+    return echo.text, token_logprobs(result.prompt_token_ids, entries, pieces, 0, logprobs)
 
 
 def ranked_prompt_logprobs(result: RequestOutput, count: int, pieces: TokenPieces) -> list:

@@ -19,7 +19,7 @@ from ..errors import APIError, InvalidRequestError
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams, StructuredOutputsParams
 from .bodies import shown
-from .logprobs import (chat_logprobs, completion_logprobs, echoed, joined_logprobs,
+from .logprobs import (Echo, chat_logprobs, completion_logprobs, echoed, joined_logprobs,
                        ranked_prompt_logprobs, scored_only)
 from .tools import ToolMode, check_tools, forced_schema
 
@@ -383,7 +383,7 @@ def error_body(message: str) -> dict:
 
 def completion_response(request_id: str, model: str, results: list[RequestOutput],
                         body: "CompletionRequest", pieces: TokenPieces,
-                        echo_texts: list[str] | None = None) -> dict:
+                        echo_texts: list[Echo] | None = None) -> dict:
     """echo_texts: per prompt, its text as echoed (with `echo`)."""
     choices, prompt_tokens, completion_tokens, cached = [], 0, 0, 0
     errors = []
@@ -402,7 +402,8 @@ def completion_response(request_id: str, model: str, results: list[RequestOutput
             if scoring:
                 text, out = "", scored_only(out)
             if out.logprobs is not None:
-                lps = completion_logprobs(out, 0, pieces, len(head))
+                lps = completion_logprobs(out, 0, pieces.reading(body.skip_special_tokens),
+                                          len(head))
             completion_tokens += len(out.token_ids)
             choices.append({
                 "index": i * body.n + out.index, "text": head + text,

@@ -39,6 +39,7 @@ from .beam import beam_response
 from .bodies import body_of, document, parse, validation_error
 from .extras import EXTRA_BODIES, add_routes
 from .guard import RequestGuard, ServerLimits
+from .logprobs import Echo, echo_of
 from .metrics import ServerMetrics
 from .protocol import (APIError, ChatCompletionRequest, ChatTemplateOptions,
                        CompletionRequest, chat_response, completion_response, new_id)
@@ -128,12 +129,8 @@ class _Server:
             return (await self.off_loop(self.need_tokenizer(param), prompt))["input_ids"]
         return list(prompt)
 
-    async def prompt_text(self, prompt, ids: list[int]) -> str:
-        """A prompt's text as `echo` returns it: as given, or its token ids decoded."""
-        if isinstance(prompt, str):
-            return prompt
-        tokenizer = self.llm.tokenizer
-        return "" if tokenizer is None else await self.off_loop(tokenizer.decode, ids)
+    async def prompt_text(self, prompt, ids: list[int]) -> Echo:
+        return await self.off_loop(echo_of, self.llm.tokenizer, prompt, ids)
 
     async def chat_tokens(self, messages: list, options: ChatTemplateOptions,
                           add_special_tokens: bool = False, tools: list | None = None
@@ -441,8 +438,8 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
         results = await server.collect(streams, request)
         if results is None:
             return Response(status_code=499)
-        return await server.respond(chat_response, rid, body.model, results[0], server.pieces,
-                                    top or 0, tools, server.llm.tokenizer, body.echoed(),
+        return await server.respond(chat_response, rid, body.model, results[0],
+                                    server.pieces.reading(body.skip_special_tokens), top or 0, tools, server.llm.tokenizer, body.echoed(),
                                     body.prompt_logprobs)
 
     document(app, [CompletionRequest, ChatCompletionRequest, *EXTRA_BODIES])

@@ -102,11 +102,12 @@ async def _merged(streams: list[RequestStream]):
 
 
 async def completion_events(server, body, rid, streams, echo=None):
-    """echo: per prompt, its text, sent (with its logprobs) before a choice's first text."""
+    """echo: per prompt, its Echo, sent (with its logprobs) before a choice's first text."""
     created, n = int(time.time()), body.n
     deltas = _Deltas()
     scoring = body.max_tokens == 0  # the prompt alone: the sampled token is dropped
     offsets: dict[int, TextOffsets] = {}  # per choice, its tokens' text offsets so far
+    pieces = server.pieces.reading(body.skip_special_tokens)
     prompt_tokens = completion_tokens = cached = 0
     errors = []
     async with contextlib.aclosing(_merged(streams)) as merged:
@@ -133,8 +134,8 @@ async def completion_events(server, body, rid, streams, echo=None):
                 lps = None
                 if c.logprobs is not None:  # text offsets go on from the last chunk's
                     at = offsets.setdefault(index, TextOffsets(
-                        len(echo[i]) if echo is not None else 0))
-                    lps = completion_logprobs(c, start, server.pieces, at)
+                        len(echo[i].text) if echo is not None else 0))
+                    lps = completion_logprobs(c, start, pieces, at)
                 choice = {"index": index, "text": head + text, "finish_reason": c.finish_reason,
                           "stop_reason": c.stop_reason, "logprobs": joined_logprobs(head_lps, lps)}
                 yield _sse({"id": rid, "object": "text_completion", "created": created,
@@ -164,7 +165,8 @@ def _tool_choice(server, tools, c, sent: list, top: int) -> dict:
         delta["content"] = rest
     if calls:
         delta["tool_calls"] = [call.as_openai(i) for i, call in enumerate(calls)]
-    logprobs = None if c.logprobs is None else chat_logprobs(c, sent[0], server.pieces, top)
+    logprobs = None if c.logprobs is None else chat_logprobs(
+        c, sent[0], server.pieces.reading(tools.skip_special_tokens), top)
     sent[:] = [len(c.token_ids), len(c.text), True]
     return {"index": c.index, "delta": delta, "logprobs": logprobs,
             "finish_reason": tools.finish_reason(c, calls),
@@ -180,6 +182,7 @@ async def chat_events(server, body, rid, stream, top, tools=None):
     deltas = _Deltas(len(marker(tools.parser)) - 1 if tools is not None else 0,
                      tools is not None)
     held: set[int] = set()  # choices whose answer may be a tool call
+    pieces = server.pieces.reading(body.skip_special_tokens)
     last: RequestOutput | None = None
     error = None
     try:
@@ -205,7 +208,7 @@ async def chat_events(server, body, rid, stream, top, tools=None):
                 choice = {"index": c.index, "delta": {"content": text},
                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                           "logprobs": None if c.logprobs is None
-                          else chat_logprobs(c, start, server.pieces, top)}
+                          else chat_logprobs(c, start, pieces, top)}
                 yield _sse(dict(head, choices=[choice]))
     except Exception as err:  # noqa: BLE001 (reported in the stream)
         error = describe(err)

@@ -264,6 +264,88 @@ def test_text_offsets_count_characters_split_over_tokens():
     assert offsets == [0, 1, 1 + len(pieces.text(ids[0]))]  # it stands for one "\ufffd"
 
 
+@pytest.mark.parametrize("kind", ["word-level", "sentencepiece", "byte-level"])
+def test_special_tokens_add_to_logprob_offsets_only_what_the_text_shows(kind):
+    """A special token the text leaves out (skip_special_tokens) was still counted into every
+    later `text_offset`, and a token after a special one kept in the text lost its
+    separator. Now a left-out token keeps its name and adds nothing, and a kept one is named
+    by the text it adds: the shown tokens add up to the text either way."""
+    import random
+
+    from hf_paged.engine.detokenizer import TokenPieces
+    from hf_paged.serving.logprobs import token_logprobs
+    from conftest import (BOS, EOS, PAD, make_byte_fallback_tokenizer, make_byte_tokenizer,
+                          make_tokenizer)
+
+    tok = {"word-level": make_tokenizer, "sentencepiece": make_byte_fallback_tokenizer,
+           "byte-level": make_byte_tokenizer}[kind]()
+    words = tok("the quick fox a b c" if kind != "word-level" else "w5 w9 w14 w3")["input_ids"]
+    if kind == "sentencepiece":  # (its words come as byte tokens: it has no merges)
+        words += tok.convert_tokens_to_ids(["▁the", "▁quick", "▁fox", "b", "c"])
+    rng = random.Random(0)
+    for case in range(40):
+        ids = [rng.choice(words + [PAD, EOS, BOS]) for _ in range(rng.randint(1, 12))]
+        for skip in (True, False):
+            pieces = TokenPieces(tok).reading(skip)
+            lps = token_logprobs(ids, [None] * len(ids), pieces, 0)
+            text = tok.decode(ids, skip_special_tokens=skip)
+            shown = [t for j, (t, i) in enumerate(zip(lps["tokens"], ids)) if pieces.shown(j, i)]
+            assert "".join(shown) == text, (ids, skip, lps["tokens"], text)
+            at = 0  # a left-out token starts where the next shown one does
+            for j, (offset, t, i) in enumerate(zip(lps["text_offset"], lps["tokens"], ids)):
+                assert offset == at, (ids, skip, j)
+                if pieces.shown(j, i):
+                    assert text[at:at + len(t)] == t, (ids, skip, j)
+                    at += len(t)
+            assert set(lps["tokens"]) >= {tok.decode([i]) for i in ids if i in (PAD, EOS, BOS)
+                                          and skip}
+
+
+def test_echo_offsets_leave_out_the_special_tokens_a_text_prompt_gained():
+    """A text prompt's tokenizer adds BOS, which the echoed text (the prompt as written)
+    does not hold: it pushed every later `text_offset` past its token. A token-id prompt's
+    echo is its ids decoded, BOS and all, and the token after BOS carries the space the
+    text has there."""
+    from tokenizers import processors
+
+    from conftest import BOS, make_byte_fallback_tokenizer
+
+    tok = make_byte_fallback_tokenizer()
+    tok._tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", BOS)])
+    model = make_model("llama_gqa", vocab_size=len(tok))
+    words = tok("the quick fox")["input_ids"]
+    assert words[0] == BOS
+    with ServerThread(build_app(model, tok, served_model_name="sp", block_size=4,
+                                num_blocks=64)) as server, \
+            httpx.Client(base_url=server.url, timeout=60) as http:
+        for prompt in ("the quick fox the", words + words[1:], [BOS, *words[1:], BOS]):
+            for stream in (False, True):
+                body = dict(model="sp", prompt=prompt, max_tokens=3, temperature=0, logprobs=1,
+                            echo=True, allowed_token_ids=words[1:], stream=stream)
+                if not stream:
+                    choice = http.post("/v1/completions", json=body).json()["choices"][0]
+                    lps, text = choice["logprobs"], choice["text"]
+                else:
+                    with http.stream("POST", "/v1/completions", json=body) as r:
+                        chunks = [json.loads(line[6:])["choices"][0] for line in r.iter_lines()
+                                  if line.startswith("data: {")]
+                    text = "".join(c["text"] for c in chunks)
+                    lps = {key: sum((c["logprobs"][key] for c in chunks if c["logprobs"]), [])
+                           for key in ("tokens", "text_offset")}
+                    assert lps == {key: whole[key] for key in lps}
+                whole = lps
+                at_offsets = [text[at:at + len(t)] for at, t in zip(lps["text_offset"],
+                                                                     lps["tokens"])]
+                shown = [t for t, got in zip(lps["tokens"], at_offsets) if t == got]
+                assert "".join(shown) == text, (prompt, lps["tokens"], text)
+                if isinstance(prompt, str):  # only the added BOS is left out
+                    assert lps["tokens"][0] == "<s>" and len(shown) == len(lps["tokens"]) - 1
+                    assert lps["text_offset"][:2] == [0, 0]
+                else:
+                    assert shown == lps["tokens"]
+
+
 def test_chat_template_options_shape_the_prompt(served):
     """vLLM's add_generation_prompt, continue_final_message and chat_template_kwargs reach
     the template (chat and /tokenize alike); fields the server cannot honour are 400s."""
