@@ -49,7 +49,7 @@ from ..hf.architectures import (
 from ..hf.attention import ATTENTION_NAME, KWARG
 from ..hf.probe import route_reason
 from ..hf.register import register, unregister
-from ..hf.rope import recomputes_at_switch
+from ..hf.rope import dropped_at_switch
 from ..hf.switch import paged_attention, release_paged_attention, use_paged_attention
 from ..kv.placement import group_layers
 from ..kv.pool import kept_pool
@@ -268,9 +268,12 @@ def _paged_forward(original):
             kwargs.pop(names[0])
             kwargs.update(kwargs.pop("kwargs", {}))
             args = ()
+        inputs = args[0] if args else kwargs.get("input_ids")  # input_ids comes first
+        if inputs is None:
+            inputs = kwargs.get("inputs_embeds")
         cache = kwargs.get("past_key_values")
-        if cache is None and kwargs.get("use_cache") is not False and recomputes_at_switch(self):
-            cache = kwargs["past_key_values"] = _recomputed()
+        if cache is None and kwargs.get("use_cache") is not False:
+            cache = kwargs["past_key_values"] = _recomputed(self, inputs)
         if not isinstance(cache, PagedCache):
             return original(self, *args, **kwargs)
         if cache.in_forward:  # the head's wrapper started this forward
@@ -287,9 +290,6 @@ def _paged_forward(original):
         reason = autocast_reason(self)
         if reason is not None:
             raise HFPagedError(f"A PagedCache cannot serve this forward: {reason}.")
-        inputs = args[0] if args else kwargs.get("input_ids")  # input_ids comes first
-        if inputs is None:
-            inputs = kwargs.get("inputs_embeds")
         rows, q_len = inputs.shape[:2]
         kwargs[KWARG] = cache.begin_forward(rows, q_len, kwargs.get("attention_mask"), plan)
         try:
@@ -300,11 +300,12 @@ def _paged_forward(original):
     return forward
 
 
-def _recomputed():
-    """Where generate dropped the cache to compute anew (Phi-3's LongRoPE switch), inside a
-    paged call: its PagedCache emptied (the pool kept), for the forward to fill again."""
+def _recomputed(model, inputs):
+    """Where generate dropped the cache to compute the sequence (`inputs`) anew (Phi-3's
+    LongRoPE switch), inside a paged call: its PagedCache emptied (the pool kept), for the
+    forward to fill again. None for any other forward without a cache."""
     call = _call.get()
-    if call is None or not call.caches:
+    if call is None or not call.caches or not dropped_at_switch(model, inputs, call.caches[-1]):
         return None
     call.caches[-1].recompute()
     return call.caches[-1]

@@ -278,12 +278,13 @@ def test_crop_on_long_sliding_window_cache():
     assert cache.memory_stats().tokens_stored == seen - 1
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "gpt_oss", "qwen2"])
+@pytest.mark.parametrize("kind", ["gemma2", "gpt_oss", "qwen2", "phi3", "phimoe"])
 def test_guidance_with_a_negative_prompt_on_eager_attention_models(kind):
     """Classifier-free guidance runs the model on the negative prompt with a cache of its own
     inside a paged generate. Where a layer's softcap or sinks need the model's eager attention,
     a prompt of several tokens must still attend causally (SDPA's mask function hands eager
-    attention None for a causal square)."""
+    attention None for a causal square). Phi-3's forwards without a cache took the call's
+    PagedCache (as at its LongRoPE switch), which broke the next step."""
     from zoo import make_arch
 
     model = make_arch(kind)
