@@ -44,23 +44,24 @@ def logprob_entries(ids: list[int], values: list[float], token: int, value: floa
 
 @dataclass
 class CompletionOutput:
-    """One of a request's `n` completions.
+    """One of a request's `n` completions (its fields in vLLM's order).
 
-    token_ids:     generated tokens (an EOS or stop token that ended it included)
-    text:          their text (empty without a tokenizer); a stop string is cut off
-    finish_reason: None while running, else "stop", "length", "abort" or "error"
-    stop_reason:   the stop string or token id that ended it, if any
-    logprobs:      per generated token, {token id: log-probability (a `Logprob`)} of the
-                   `logprobs` most likely tokens and the sampled one, when asked for
+    token_ids:          generated tokens (an EOS or stop token that ended it included)
+    text:               their text (empty without a tokenizer); a stop string is cut off
+    cumulative_logprob: the sum of the generated tokens' log-probabilities, when asked for
+    logprobs:           per generated token, {token id: log-probability (a `Logprob`)} of
+                        the `logprobs` most likely tokens and the sampled one, when asked for
+    finish_reason:      None while running, else "stop", "length", "abort" or "error"
+    stop_reason:        the stop string or token id that ended it, if any
     """
 
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    logprobs: list[dict[int, float]] | None = None
-    cumulative_logprob: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -102,9 +103,9 @@ class RequestOutput:
         for c in later.outputs:
             mine = joined.get(c.index)
             joined[c.index] = c if mine is None else CompletionOutput(
-                c.index, mine.text + c.text, mine.token_ids + c.token_ids, c.finish_reason,
-                c.stop_reason, None if c.logprobs is None else (mine.logprobs or []) + c.logprobs,
-                c.cumulative_logprob)
+                c.index, mine.text + c.text, mine.token_ids + c.token_ids, c.cumulative_logprob,
+                None if c.logprobs is None else (mine.logprobs or []) + c.logprobs,
+                c.finish_reason, c.stop_reason)
         prompt_logprobs = later.prompt_logprobs if self.prompt_logprobs is None \
             else self.prompt_logprobs
         return replace(later, outputs=[joined[i] for i in sorted(joined)],

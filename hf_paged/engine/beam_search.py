@@ -219,8 +219,8 @@ async def beam_search_async(llm, prompt: list[int], request_id: str,
         shown = tokens[:-1] if beam.finish_reason == "stop" else tokens
         text = "" if llm.tokenizer is None else llm.tokenizer.decode(shown,
                                                                      skip_special_tokens=True)
-        outputs.append(CompletionOutput(i, text, tokens, beam.finish_reason, None,
-                                        beam.logprobs, beam.cum_logprob))
+        outputs.append(CompletionOutput(i, text, tokens, beam.cum_logprob, beam.logprobs,
+                                        beam.finish_reason))
     return RequestOutput(request_id, None, list(prompt), outputs, finished=True)
 
 

@@ -290,9 +290,9 @@ class EngineRequest:
                     continue  # nothing new: left out
                 self.sent[out.index] = (len(out.token_ids), len(text), out.finished)
             completions.append(CompletionOutput(  # field by field: replace() is slow
-                out.index, text[chars:], out.token_ids[tokens:], out.finish_reason,
-                out.stop_reason, None if out.logprobs is None else out.logprobs[tokens:],
-                out.cumulative_logprob))
+                out.index, text[chars:], out.token_ids[tokens:], out.cumulative_logprob,
+                None if out.logprobs is None else out.logprobs[tokens:], out.finish_reason,
+                out.stop_reason))
         prompt_logprobs = None  # (a delta stream's come with its first output)
         if self.prompt_logprobs is not None and (first or not delta):
             prompt_logprobs = list(self.prompt_logprobs)

@@ -227,6 +227,20 @@ def test_logprobs_read_as_vllms_logprob_objects(llm):
     assert bare.outputs[0].logprobs[0][bare.outputs[0].token_ids[0]].decoded_token is None
 
 
+def test_completion_output_fields_come_in_vllms_order():
+    """Code that builds a vLLM CompletionOutput positionally (mocks, adapters of results)
+    filled other fields: ours had finish_reason where vLLM has cumulative_logprob."""
+    from dataclasses import fields
+
+    from hf_paged import CompletionOutput
+
+    assert [f.name for f in fields(CompletionOutput)] == [
+        "index", "text", "token_ids", "cumulative_logprob", "logprobs", "finish_reason",
+        "stop_reason"]
+    out = CompletionOutput(0, "hi", [5], -1.5, None, "stop", None)
+    assert (out.cumulative_logprob, out.finish_reason, out.finished) == (-1.5, "stop", True)
+
+
 def test_default_params_and_prefix_cache_reset(tmp_path):
     model = long_model("llama_gqa")
     model.generation_config.temperature = 0.7
