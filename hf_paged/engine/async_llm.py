@@ -204,6 +204,8 @@ class AsyncLLM:
             if lora_request.lora_name not in self.adapters:  # (else no wait for a step)
                 await self.add_lora(lora_request)
             adapter = lora_request.lora_name
+        if request_id is not None:
+            await self._released(request_id)
         stream = self.add(prompt, sampling_params, request_id, priority, adapter, cache_salt)
         try:
             async for out in stream:
@@ -227,8 +229,24 @@ class AsyncLLM:
         a last output with finish_reason "abort". Safe from any thread. What it returns
         may be awaited, as vLLM's `await llm.abort(id)` does: the abort is posted already."""
         for one in [request_id] if isinstance(request_id, str) else list(request_id):
-            self._post("abort", (one, None))
+            stream = self._streams.get(one)
+            if stream is not None:
+                stream.abort()  # (marked: `generate` may take its id over)
+            else:
+                self._post("abort", (one, None))
         return _Posted()
+
+    async def _released(self, request_id: str) -> None:
+        """Waits until an aborted request of `request_id` has ended (the next step boundary
+        ends it): vLLM frees an aborted id at once, so a caller may reuse it right away."""
+        for _ in range(4):  # a loop left by `break` has its generator closed (aborting its
+            old = self._streams.get(request_id)  # request) two turns of the event loop later
+            if old is None or old._aborted:
+                break
+            await asyncio.sleep(0)
+        while (old := self._streams.get(request_id)) is not None and old._aborted \
+                and self.is_alive:
+            await asyncio.sleep(0.002)
 
     def abort_all(self, message: str) -> None:
         """Ends every request now in the engine with finish_reason "error" and `message`

@@ -341,6 +341,37 @@ def test_async_llm_speaks_vllms_names():
     asyncio.run(main())
 
 
+def test_an_aborted_request_id_can_be_used_again_at_once():
+    """vLLM frees an aborted request's id at once. Here the id stayed taken until the next
+    step boundary ended the request, so a `generate` of the same id right after leaving the
+    loop (or `await llm.abort(id)`) raised "already in use"; it now waits for that boundary.
+    The new request gets its own outputs, the old stream its "abort"."""
+    import asyncio
+
+    async def main():
+        llm = hf_paged.AsyncLLM(long_model("llama_gqa"), block_size=4, num_blocks=60)
+        params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+        try:
+            alone = [out async for out in llm.generate([5, 6, 7], params, "solo")][-1]
+            for way in ("leave the loop", "abort", "abort a list"):
+                async for _ in llm.generate([5, 6, 7], params, "x"):
+                    break  # (leaving aborts "x")
+                old = llm.add([8, 9], params, "y") if way != "leave the loop" else None
+                if old is not None:
+                    await llm.abort("y" if way == "abort" else ["y"])
+                for rid in ("x", "y") if old is not None else ("x",):
+                    again = [out async for out in llm.generate([5, 6, 7], params, rid)][-1]
+                    assert again.request_id == rid
+                    assert again.outputs[0].token_ids == alone.outputs[0].token_ids
+                if old is not None:
+                    assert [out async for out in old][-1].outputs[0].finish_reason == "abort"
+            assert llm.stats().running == 0
+        finally:
+            llm.shutdown()
+
+    asyncio.run(main())
+
+
 def _served(seed: int):
     """A Llama test model, an LLM that has served two prompts on it, the prompts, their
     greedy params and the free blocks after them."""
