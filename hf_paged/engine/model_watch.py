@@ -28,9 +28,12 @@ class ModelWatch:
 
     def __init__(self, model, base):
         self.base = base
-        # Dropout the model would apply if put back in training mode.
-        self.dropout = next((m for m in model.modules()
-                             if isinstance(m, torch.nn.Dropout) and m.p > 0), None)
+        # Randomness the model would draw if put back in training mode: (a module whose
+        # `training` says, what): a dropout module, or one its forward applies from the
+        # config (Falcon's `hidden_dropout` through `dropout_add`, an MoE router's jitter).
+        self.dropout = next(((m, f"dropout (p={m.p})") for m in model.modules()
+                             if isinstance(m, torch.nn.Dropout) and m.p > 0), None) \
+            or _config_randomness(model)
         # One parameter: a model cast or moved after this would write keys and values of
         # another dtype, or on another device, into the pool.
         self.watched = next((p for p in base.parameters() if p.is_floating_point()), None)
@@ -50,10 +53,10 @@ class ModelWatch:
                 f"the model is now {p.dtype} on {p.device}, but this engine was built for "
                 f"{self.built_for[0]} on {self.built_for[1]}: its KV pool holds that. Build a "
                 "new LLM (or LLMEngine) on the model as it is now, or cast or move it back.")
-        if self.dropout is not None and self.dropout.training:
+        if self.dropout is not None and self.dropout[0].training:
             raise ModelChangedError(
-                f"the model is in training mode (model.train()) and has dropout (p="
-                f"{self.dropout.p}): its tokens would be random. Call model.eval() first.")
+                f"the model is in training mode (model.train()) and has {self.dropout[1]}: "
+                "its tokens would be random. Call model.eval() first.")
 
     def changed(self, model) -> tuple[bool, bool]:
         """(whether the model's weights or adapters changed since the last look (or since
@@ -135,3 +138,15 @@ def adapters_state(layers: list) -> tuple | None:
             [(len(layer.merged_adapters), tuple(layer.scaling.values())
               if isinstance(getattr(layer, "scaling", None), dict) else None)
              for layer in layers])
+
+
+def _config_randomness(model) -> tuple | None:
+    """(model, what) for a config setting the forward draws random numbers with in training
+    mode outside attention (the paged attention applies no dropout), or None."""
+    config = model.config.get_text_config(decoder=True)
+    for name, value in sorted(vars(config).items()):
+        random = ("dropout" in name or "pdrop" in name) and "att" not in name \
+            or name == "router_jitter_noise"
+        if random and isinstance(value, float) and value > 0:
+            return model, f"{name}={value}"
+    return None

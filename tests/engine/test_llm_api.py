@@ -509,25 +509,33 @@ def test_embeddings_resized_after_the_engine_is_built_set_the_prompts_vocabulary
     assert llm.engine.vocab_size == vocab - 10 and not llm.engine.has_unfinished_requests()
 
 
-def test_a_model_put_back_in_training_mode_with_dropout_is_a_named_error():
+@pytest.mark.parametrize("kind,setting,named", [
+    ("phi", dict(resid_pdrop=0.1), r"dropout \(p=0.1\)"),
+    # Falcon drops its hidden states through a function, with no Dropout module to see
+    ("falcon", dict(hidden_dropout=0.3), "hidden_dropout=0.3"),
+    ("mixtral", dict(router_jitter_noise=0.2), "router_jitter_noise=0.2")])
+def test_a_model_put_back_in_training_mode_with_dropout_is_a_named_error(kind, setting, named):
     """The engine runs a model in eval mode: one put back in training mode whose dropout
-    would drop activations (random tokens) gets ModelChangedError before its step runs;
-    without dropout to apply, training mode changes nothing and the engine serves it."""
+    (or router jitter) would draw random numbers (random tokens) gets ModelChangedError
+    before its step runs; without any to apply, training mode changes nothing and the
+    engine serves it."""
+    from conftest import make_model
     from zoo import make_arch
 
-    model = make_arch("phi", resid_pdrop=0.1)
+    model = make_model("falcon_new", **setting) if kind == "falcon" else make_arch(kind, **setting)
     llm = LLM(model, block_size=4, num_blocks=64)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
     expected = [stock_greedy(model, p, 6) for p in prompts]
     model.train()
-    with pytest.raises(hf_paged.ModelChangedError, match=r"training mode .*\(p=0.1\)"):
+    with pytest.raises(hf_paged.ModelChangedError, match=f"training mode .*{named}"):
         llm.generate(prompts, params, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
     model.eval()
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
-    plain = make_arch("phi")  # (no dropout: training mode is eval mode's arithmetic)
+    plain = make_model("falcon_new") if kind == "falcon" else make_arch(kind)  # (none to
+    # apply: training mode is eval mode's arithmetic)
     plain_llm = LLM(plain, block_size=4, num_blocks=64)
     expected = [stock_greedy(plain, p, 6) for p in prompts]
     plain.train()
