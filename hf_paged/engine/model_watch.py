@@ -142,11 +142,12 @@ def adapters_state(layers: list) -> tuple | None:
 
 def _config_randomness(model) -> tuple | None:
     """(model, what) for a config setting the forward draws random numbers with in training
-    mode outside attention (the paged attention applies no dropout), or None."""
+    mode outside attention (the paged attention applies no dropout) and outside the heads
+    of other tasks (`classifier_dropout`, `summary_first_dropout`), or None."""
     config = model.config.get_text_config(decoder=True)
     for name, value in sorted(vars(config).items()):
-        random = ("dropout" in name or "pdrop" in name) and "att" not in name \
-            or name == "router_jitter_noise"
+        random = ("dropout" in name or "pdrop" in name or "jitter" in name) \
+            and not any(part in name for part in ("att", "classifier", "summary"))
         if random and isinstance(value, float) and value > 0:
             return model, f"{name}={value}"
     return None
