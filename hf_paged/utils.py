@@ -13,7 +13,18 @@ import contextlib
 import importlib
 import importlib.abc
 import importlib.util
+import os
 import sys
+
+
+def user_stacklevel() -> int:
+    """warnings.warn stacklevel of the first caller outside hf_paged, transformers and torch."""
+    skip = tuple(os.path.dirname(sys.modules[name].__file__) + os.sep
+                 for name in ("hf_paged", "transformers", "torch"))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def cdiv(a: int, b: int) -> int:

@@ -17,11 +17,11 @@ The forward of every served model class (and of its decoder stack) is wrapped to
 generate or `prepare_model` sees it): on a `PagedCache` it has the cache plan the forward
 from the forward's own 2D mask (or a packed plan) and passes the forward's `PagedForward`
 down to the attention as the `paged_kv` keyword. Falcon computes attention inline, so
-`FalconAttention.forward` is wrapped (see `hf/falcon.py`). With PEFT loaded,
-`PeftModel.get_prompt` is wrapped on first use, so that prefix tuning's virtual tokens go
-into the paged cache. `disable()` undoes all of it
-and leaves a warning for `cache_implementation="paged"`, which Transformers would then
-route to its own continuous batching.
+`FalconAttention.forward` is wrapped (see `hf/falcon.py`). `PeftModel.get_prompt` is wrapped
+on first use (prefix tuning's virtual tokens go into the paged cache), and so is the
+`prepare_inputs_for_generation` of a model whose generate drops its cache at the LongRoPE
+switch (Phi-3: its PagedCache is computed anew). `disable()` undoes all of it and leaves a
+warning for `cache_implementation="paged"`, which Transformers would route elsewhere.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
-import os
 import sys
 import threading
 import types
@@ -49,10 +48,11 @@ from ..hf.architectures import (
 from ..hf.attention import ATTENTION_NAME, KWARG
 from ..hf.probe import route_reason
 from ..hf.register import register, unregister
-from ..hf.rope import dropped_at_switch
+from ..hf.rope import recomputes_at_switch
 from ..hf.switch import paged_attention, release_paged_attention, use_paged_attention
 from ..kv.placement import group_layers
 from ..kv.pool import kept_pool
+from ..utils import user_stacklevel
 from . import prefill as paged_prefill
 from .cache import PagedCache
 from .eligibility import autocast_reason, runs_plain_forward, stock_reason
@@ -76,19 +76,9 @@ _patch_lock = threading.Lock()
 _originals: dict[tuple[type, str], object] = {}
 
 
-def _user_stacklevel() -> int:
-    """warnings.warn stacklevel of the first caller outside hf_paged, transformers and torch."""
-    skip = tuple(os.path.dirname(sys.modules[name].__file__) + os.sep
-                 for name in ("hf_paged", "transformers", "torch"))
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(skip):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
 def _warn_stock(model, why: str) -> None:
     warnings.warn(f"hf-paged: {why}; {type(model).__name__} runs this call with Transformers' "
-                  "default cache instead.", UserWarning, stacklevel=_user_stacklevel())
+                  "default cache instead.", UserWarning, stacklevel=user_stacklevel())
 
 
 def _warn_unsupported(model, reason: str) -> None:
@@ -181,7 +171,7 @@ def _prepare_cache_for_generation(original):
                     f"{generation_config.cache_config!r} has no effect without "
                     "cache_implementation='paged' (this call runs on "
                     f"{generation_config.cache_implementation or 'the default cache'!s}).",
-                    UserWarning, stacklevel=_user_stacklevel())
+                    UserWarning, stacklevel=user_stacklevel())
             return stock()
         reason = unsupported_reason(self)
         if reason is None:
@@ -268,12 +258,7 @@ def _paged_forward(original):
             kwargs.pop(names[0])
             kwargs.update(kwargs.pop("kwargs", {}))
             args = ()
-        inputs = args[0] if args else kwargs.get("input_ids")  # input_ids comes first
-        if inputs is None:
-            inputs = kwargs.get("inputs_embeds")
         cache = kwargs.get("past_key_values")
-        if cache is None and kwargs.get("use_cache") is not False:
-            cache = kwargs["past_key_values"] = _recomputed(self, inputs)
         if not isinstance(cache, PagedCache):
             return original(self, *args, **kwargs)
         if cache.in_forward:  # the head's wrapper started this forward
@@ -290,6 +275,9 @@ def _paged_forward(original):
         reason = autocast_reason(self)
         if reason is not None:
             raise HFPagedError(f"A PagedCache cannot serve this forward: {reason}.")
+        inputs = args[0] if args else kwargs.get("input_ids")  # input_ids comes first
+        if inputs is None:
+            inputs = kwargs.get("inputs_embeds")
         rows, q_len = inputs.shape[:2]
         kwargs[KWARG] = cache.begin_forward(rows, q_len, kwargs.get("attention_mask"), plan)
         try:
@@ -300,15 +288,23 @@ def _paged_forward(original):
     return forward
 
 
-def _recomputed(model, inputs):
-    """Where generate dropped the cache to compute the sequence (`inputs`) anew (Phi-3's
-    LongRoPE switch), inside a paged call: its PagedCache emptied (the pool kept), for the
-    forward to fill again. None for any other forward without a cache."""
-    call = _call.get()
-    if call is None or not call.caches or not dropped_at_switch(model, inputs, call.caches[-1]):
-        return None
-    call.caches[-1].recompute()
-    return call.caches[-1]
+def _refilled_at_switch(original):
+    """Phi-3's `prepare_inputs_for_generation` drops the cache to compute a sequence anew
+    once it grows past the LongRoPE switch: a PagedCache dropped there is emptied (its pool
+    kept) and given to that forward to fill again. (Other forwards without a cache, such as
+    classifier-free guidance's, are not generate's steps and keep none.)"""
+
+    @functools.wraps(original)
+    def prepare(self, input_ids, *args, **kwargs):
+        inputs = original(self, input_ids, *args, **kwargs)
+        cache = args[0] if args else kwargs.get("past_key_values")
+        if isinstance(cache, PagedCache) and inputs.get("past_key_values") is None \
+                and inputs.get("use_cache") is not False:
+            cache.recompute()
+            inputs["past_key_values"] = cache
+        return inputs
+
+    return prepare
 
 
 def _is_paged_cache_config(cache_config) -> bool:
@@ -340,17 +336,20 @@ def _peft_get_prompt(original):
     return get_prompt
 
 
+def _wrap_once(owner: type, name: str, wrap) -> None:
+    """Puts wrap(original) in place of `owner.name`, once (`disable` puts it back)."""
+    if (owner, name) not in _originals:
+        with _patch_lock:
+            if (owner, name) not in _originals:
+                _originals[owner, name] = original = owner.__dict__[name]
+                setattr(owner, name, wrap(original))
+
+
 def _wrap_peft() -> None:
     """Wraps `PeftModel.get_prompt` once PEFT is loaded (a PEFT model exists only then)."""
-    peft_model = sys.modules.get("peft.peft_model")
-    key = (getattr(peft_model, "PeftModel", None), "get_prompt")
-    if key[0] is None or key in _originals or not _originals:
-        return
-    with _patch_lock:
-        if key not in _originals:
-            original = key[0].__dict__["get_prompt"]
-            _originals[key] = original
-            key[0].get_prompt = _peft_get_prompt(original)
+    owner = getattr(sys.modules.get("peft.peft_model"), "PeftModel", None)
+    if owner is not None and _originals:
+        _wrap_once(owner, "get_prompt", _peft_get_prompt)
 
 
 def _paged_requested(model, kwargs) -> bool:
@@ -370,7 +369,7 @@ def _disabled_notice(original):
                 "hf-paged is disabled (hf_paged.disable()): cache_implementation='paged' now runs "
                 "Transformers' own continuous batching or cache, not hf-paged. Call "
                 "hf_paged.enable() to use the paged cache.",
-                UserWarning, stacklevel=_user_stacklevel())
+                UserWarning, stacklevel=user_stacklevel())
         return original(self, *args, **kwargs)
 
     generate._hf_paged_notice = original
@@ -388,18 +387,19 @@ _WRAPPERS = {
 
 def _wrap_forwards(model) -> None:
     """Wraps the forward of `model`'s class and of its decoder stack's (`model.model`), once
-    per class, so that a PagedCache passed to them is prepared (see `_paged_forward`)."""
+    per class, so that a PagedCache passed to them is prepared (see `_paged_forward`), and
+    the step preparation of a class whose generate drops its cache at the LongRoPE switch."""
     if not _originals:  # disabled
         return
+    if recomputes_at_switch(model):
+        _wrap_once(next(c for c in type(model).__mro__
+                        if "prepare_inputs_for_generation" in c.__dict__),
+                   "prepare_inputs_for_generation", _refilled_at_switch)
     for module in (model, getattr(model, "base_model", model)):
         owner = forward_owner(module)
         if owner is None:
             continue
-        if (owner, "forward") not in _originals:
-            with _patch_lock:
-                if (owner, "forward") not in _originals:
-                    _originals[owner, "forward"] = original = owner.__dict__["forward"]
-                    owner.forward = _paged_forward(original)
+        _wrap_once(owner, "forward", _paged_forward)
         # accelerate's hooks (device_map, offload) call the forward the module had when they
         # were attached, bound to it: one bound before the class was wrapped ran unwrapped.
         hooked = module.__dict__.get("_old_forward")

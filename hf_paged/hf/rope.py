@@ -43,15 +43,6 @@ def recomputes_at_switch(model) -> bool:
     return getattr(model.config, "model_type", None) in RECOMPUTED_AT_SWITCH
 
 
-def dropped_at_switch(model, inputs, cache) -> bool:
-    """Whether generate dropped `model`'s `cache` to compute the whole sequence, `inputs`
-    ([batch, tokens, ...]), anew: its rule (Phi-3's `prepare_inputs_for_generation`), so
-    that other forwards without a cache (classifier-free guidance's) are told apart."""
-    limit = getattr(model.config, "original_max_position_embeddings", None)
-    return (recomputes_at_switch(model) and limit is not None and inputs is not None
-            and inputs.shape[1] > limit >= cache.get_seq_length())
-
-
 class TokenRope:
     """A served model's length-dependent rotary embeddings (none: nothing to do), switched
     to per-token frequencies: what the engine's forwards, prefix cache and scheduler need."""

@@ -226,7 +226,7 @@ def test_per_layer_type_length_dependent_frequencies_are_refused_by_name():
 
 @pytest.mark.parametrize("name,mode", [
     (name, mode) for name in ("phi3_longrope", "phimoe_longrope")
-    for mode in ("greedy", "beams", "sampled", "prompt_lookup", "guidance")
+    for mode in ("greedy", "beams", "sampled", "prompt_lookup", "guidance", "long_negative")
     # (stock's sliding-window DynamicCache cannot roll back a prompt lookup's drafts)
     if (name, mode) != ("phimoe_longrope", "prompt_lookup")])
 def test_phi3_generate_stays_paged_past_the_switch(name, mode):
@@ -234,7 +234,8 @@ def test_phi3_generate_stays_paged_past_the_switch(name, mode):
     they grow past the switch (and for a prompt past it): the paged generate empties and
     refills its PagedCache there, with stock's tokens, rather than going on with a
     DynamicCache. Only there: classifier-free guidance's forwards without a cache were
-    handed the call's PagedCache too, emptying it (the next step's mask then did not fit)."""
+    handed the call's PagedCache too, emptying it (the next step's mask then did not fit),
+    and so was its first one on a negative prompt past the switch."""
     model = model_of(name)
     rng = random.Random(1)
     ids = torch.tensor([[rng.randrange(3, VOCAB) for _ in range(20)] for _ in range(3)])
@@ -251,6 +252,9 @@ def test_phi3_generate_stays_paged_past_the_switch(name, mode):
         kwargs["prompt_lookup_num_tokens"] = 3
     elif mode == "guidance":
         kwargs["guidance_scale"] = 1.5
+    elif mode == "long_negative":
+        ids, kwargs["attention_mask"] = ids[:1], None
+        kwargs.update(guidance_scale=1.5, negative_prompt_ids=torch.arange(3, 33)[None])
     outs = []
     for implementation in (None, "paged"):
         torch.manual_seed(0)
