@@ -20,7 +20,7 @@ IGNORED = ("stop", "stop_token_ids", "logit_bias", "allowed_token_ids", "bad_wor
            "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
            "min_tokens", "seed", "prompt_logprobs", "response_format", "structured_outputs",
            "guided_json", "guided_regex", "guided_choice", "guided_grammar", "tools",
-           "include_stop_str_in_output", "echo", "suffix")
+           "include_stop_str_in_output", "echo", "suffix", "skip_special_tokens")
 
 
 class _Gone(Exception):

@@ -90,10 +90,21 @@ def token_logprobs(token_ids: list[int], entries: list, pieces: TokenPieces,
 @dataclass(frozen=True)
 class Echo:
     """A prompt as `echo` returns it: its text, and the positions of its tokens that text
-    leaves out (a text prompt's special tokens its tokenizer added); None: the text is its
-    ids decoded, special tokens and all."""
+    leaves out (a text prompt's special tokens its tokenizer added; none where the text is
+    its ids decoded, special tokens and all)."""
     text: str
-    left_out: frozenset[int] | None = None
+    left_out: frozenset[int] = frozenset()
+
+
+def completion_pieces(pieces: TokenPieces, out: CompletionOutput, skip_special_tokens: bool,
+                      keep_stop: bool = False) -> TokenPieces:
+    """`pieces` read as a completion's text holds its tokens: special ones left out with
+    `skip_special_tokens`, and the stop token or EOS that ended it, whose text the text
+    never holds (unless `keep_stop`: include_stop_str_in_output)."""
+    ended = out.finish_reason == "stop" and not isinstance(out.stop_reason, str) \
+        and not keep_stop and out.token_ids
+    return pieces.reading(skip_special_tokens,
+                          frozenset({len(out.token_ids) - 1}) if ended else ())
 
 
 def echo_of(tokenizer, prompt: str | list[int], ids: list[int]) -> Echo:

@@ -19,8 +19,8 @@ from ..errors import APIError, InvalidRequestError
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams, StructuredOutputsParams
 from .bodies import shown
-from .logprobs import (Echo, chat_logprobs, completion_logprobs, echoed, joined_logprobs,
-                       ranked_prompt_logprobs, scored_only)
+from .logprobs import (Echo, chat_logprobs, completion_logprobs, completion_pieces, echoed,
+                       joined_logprobs, ranked_prompt_logprobs, scored_only)
 from .tools import ToolMode, check_tools, forced_schema
 
 
@@ -402,8 +402,9 @@ def completion_response(request_id: str, model: str, results: list[RequestOutput
             if scoring:
                 text, out = "", scored_only(out)
             if out.logprobs is not None:
-                lps = completion_logprobs(out, 0, pieces.reading(body.skip_special_tokens),
-                                          len(head))
+                lps = completion_logprobs(out, 0, completion_pieces(
+                    pieces, out, body.skip_special_tokens, body.include_stop_str_in_output),
+                    len(head))
             completion_tokens += len(out.token_ids)
             choices.append({
                 "index": i * body.n + out.index, "text": head + text,

@@ -19,8 +19,8 @@ from fastapi.responses import StreamingResponse
 from ..engine.async_llm import RequestStream
 from ..errors import describe
 from ..outputs import RequestOutput
-from .logprobs import (TextOffsets, chat_logprobs, completion_logprobs, echoed,
-                       joined_logprobs, scored_only)
+from .logprobs import (TextOffsets, chat_logprobs, completion_logprobs, completion_pieces,
+                       echoed, joined_logprobs, scored_only)
 from .protocol import error_body, usage
 from .tools import marker
 
@@ -107,7 +107,6 @@ async def completion_events(server, body, rid, streams, echo=None):
     deltas = _Deltas()
     scoring = body.max_tokens == 0  # the prompt alone: the sampled token is dropped
     offsets: dict[int, TextOffsets] = {}  # per choice, its tokens' text offsets so far
-    pieces = server.pieces.reading(body.skip_special_tokens)
     prompt_tokens = completion_tokens = cached = 0
     errors = []
     async with contextlib.aclosing(_merged(streams)) as merged:
@@ -135,7 +134,9 @@ async def completion_events(server, body, rid, streams, echo=None):
                 if c.logprobs is not None:  # text offsets go on from the last chunk's
                     at = offsets.setdefault(index, TextOffsets(
                         len(echo[i].text) if echo is not None else 0))
-                    lps = completion_logprobs(c, start, pieces, at)
+                    lps = completion_logprobs(c, start, completion_pieces(
+                        server.pieces, c, body.skip_special_tokens,
+                        body.include_stop_str_in_output), at)
                 choice = {"index": index, "text": head + text, "finish_reason": c.finish_reason,
                           "stop_reason": c.stop_reason, "logprobs": joined_logprobs(head_lps, lps)}
                 yield _sse({"id": rid, "object": "text_completion", "created": created,

@@ -94,7 +94,9 @@ def test_beam_logprobs_only_when_asked_and_as_many_as_asked(served):
 @pytest.mark.parametrize("extra, param", [
     ({"stream": True}, "stream"), ({"stop": ["w9"]}, "stop"), ({"top_p": 0.5}, "top_p"),
     ({"n": 11}, "n"), ({"seed": 3}, "seed"), ({"length_penalty": "x"}, "length_penalty"),
-    ({"max_tokens": 0}, "max_tokens")])
+    ({"max_tokens": 0}, "max_tokens"),
+    # (its text would skip them anyway, and its logprobs name them as shown)
+    ({"skip_special_tokens": False}, "skip_special_tokens")])
 def test_what_beam_search_would_ignore_is_a_400(served, extra, param):
     r = served.http.post("/v1/completions", json={
         "model": "tiny", "prompt": [3, 4], "max_tokens": 3, "n": 2, "use_beam_search": True,

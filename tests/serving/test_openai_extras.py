@@ -301,6 +301,32 @@ def test_special_tokens_add_to_logprob_offsets_only_what_the_text_shows(kind):
                                           and skip}
 
 
+@pytest.mark.parametrize("skip", [True, False])
+def test_the_stop_token_that_ended_a_completion_adds_nothing_to_its_text(skip):
+    """A completion's text never holds the EOS or stop token that ended it (unless
+    include_stop_str_in_output), yet its logprob token and offset counted it: with
+    skip_special_tokens false (EOS is shown there) or a stop token that is a word, the
+    tokens did not add up to the text."""
+    from hf_paged import CompletionOutput
+    from hf_paged.engine.detokenizer import TokenPieces
+    from hf_paged.serving.logprobs import completion_logprobs, completion_pieces
+    from conftest import EOS, make_tokenizer
+
+    tok, pieces = make_tokenizer(), TokenPieces(make_tokenizer())
+    for ids, reason in (([5, 9, 14, EOS], None), ([5, 9, 14], 14), ([EOS], None)):
+        for keep in (False, True):
+            text = tok.decode(ids if keep else ids[:-1], skip_special_tokens=skip)
+            out = CompletionOutput(0, text, ids, logprobs=[{t: -1.0} for t in ids],
+                                   finish_reason="stop", stop_reason=reason)
+            read = completion_pieces(pieces, out, skip, keep)
+            lps = completion_logprobs(out, 0, read, 0)
+            shown = [t for j, (t, i) in enumerate(zip(lps["tokens"], ids)) if read.shown(j, i)]
+            assert "".join(shown) == text, (ids, keep, lps["tokens"], text)
+            assert all(text[at:at + len(t)] == t for at, t, j, i in zip(
+                lps["text_offset"], lps["tokens"], range(len(ids)), ids) if read.shown(j, i))
+            assert lps["text_offset"][-1] == len(text) or read.shown(len(ids) - 1, ids[-1])
+
+
 def test_echo_offsets_leave_out_the_special_tokens_a_text_prompt_gained():
     """A text prompt's tokenizer adds BOS, which the echoed text (the prompt as written)
     does not hold: it pushed every later `text_offset` past its token. A token-id prompt's
