@@ -13,6 +13,7 @@ path the forward takes makes captured decode graphs stale too.
 from __future__ import annotations
 
 import torch
+from transformers import PretrainedConfig
 
 from ..errors import ModelChangedError
 from ..hf.switch import attention_configs
@@ -142,12 +143,18 @@ def adapters_state(layers: list) -> tuple | None:
 
 def _config_randomness(model) -> tuple | None:
     """(model, what) for a config setting the forward draws random numbers with in training
-    mode outside attention (the paged attention applies no dropout) and outside the heads
-    of other tasks (`classifier_dropout`, `summary_first_dropout`), or None."""
-    config = model.config.get_text_config(decoder=True)
-    for name, value in sorted(vars(config).items()):
-        random = ("dropout" in name or "pdrop" in name or "jitter" in name) \
-            and not any(part in name for part in ("att", "classifier", "summary"))
-        if random and isinstance(value, float) and value > 0:
-            return model, f"{name}={value}"
+    mode (dropout, layer drop, router jitter; nested settings such as DBRX's `ffn_config`
+    included), outside attention (the paged attention applies no dropout) and outside the
+    heads of other tasks (`classifier_dropout`, `summary_first_dropout`), or None."""
+    todo = [("", model.config.get_text_config(decoder=True))]
+    while todo:
+        prefix, config = todo.pop()
+        items = config.items() if isinstance(config, dict) else vars(config).items()
+        for name, value in sorted((str(k), v) for k, v in items):
+            if isinstance(value, (dict, PretrainedConfig)):
+                todo.append((f"{prefix}{name}.", value))
+            elif any(part in name for part in ("dropout", "pdrop", "jitter", "layerdrop")) \
+                    and not any(part in name for part in ("att", "classifier", "summary")) \
+                    and isinstance(value, float) and value > 0:
+                return model, f"{prefix}{name}={value}"
     return None

@@ -10,6 +10,7 @@ import pickle
 import numpy as np
 import pytest
 import torch
+import transformers
 
 import hf_paged
 from hf_paged import LLM, InvalidRequestError, LLMEngine, SamplingParams
@@ -513,7 +514,10 @@ def test_embeddings_resized_after_the_engine_is_built_set_the_prompts_vocabulary
     ("phi", dict(resid_pdrop=0.1), r"dropout \(p=0.1\)"),
     # Falcon drops its hidden states through a function, with no Dropout module to see
     ("falcon", dict(hidden_dropout=0.3), "hidden_dropout=0.3"),
-    ("mixtral", dict(router_jitter_noise=0.2), "router_jitter_noise=0.2")])
+    ("mixtral", dict(router_jitter_noise=0.2), "router_jitter_noise=0.2"),
+    ("dbrx", dict(ffn_config=dict(ffn_hidden_size=96, moe_num_experts=4, moe_top_k=2,
+                                  moe_jitter_eps=0.5)), r"ffn_config.moe_jitter_eps=0.5"),
+    ("opt", dict(layerdrop=0.5), "layerdrop=0.5")])
 def test_a_model_put_back_in_training_mode_with_dropout_is_a_named_error(kind, setting, named):
     """The engine runs a model in eval mode: one put back in training mode whose dropout
     (or router jitter) would draw random numbers (random tokens) gets ModelChangedError
@@ -522,7 +526,18 @@ def test_a_model_put_back_in_training_mode_with_dropout_is_a_named_error(kind, s
     from conftest import make_model
     from zoo import make_arch
 
-    model = make_model("falcon_new", **setting) if kind == "falcon" else make_arch(kind, **setting)
+    def build(**setting):
+        if kind == "falcon":
+            return make_model("falcon_new", **setting)
+        if kind == "opt":  # (layers skipped at random in training)
+            torch.manual_seed(0)
+            return transformers.OPTForCausalLM(transformers.OPTConfig(
+                vocab_size=96, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                num_attention_heads=4, dropout=0.0, attention_dropout=0.0,
+                max_position_embeddings=128, word_embed_proj_dim=32, **setting)).eval()
+        return make_arch(kind, **setting)
+
+    model = build(**setting)
     llm = LLM(model, block_size=4, num_blocks=64)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
@@ -534,8 +549,7 @@ def test_a_model_put_back_in_training_mode_with_dropout_is_a_named_error(kind, s
     model.eval()
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
-    plain = make_model("falcon_new") if kind == "falcon" else make_arch(kind)  # (none to
-    # apply: training mode is eval mode's arithmetic)
+    plain = build()  # (none to apply: training mode is eval mode's arithmetic)
     plain_llm = LLM(plain, block_size=4, num_blocks=64)
     expected = [stock_greedy(plain, p, 6) for p in prompts]
     plain.train()
