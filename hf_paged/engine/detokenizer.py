@@ -125,16 +125,16 @@ class TokenPieces:
         self._byte_level = traits is not None and traits.byte_level
         self._special = traits.special if traits is not None else frozenset()
         self._skipped = self._special  # special tokens the text leaves out
-        self._left_out: Container[int] = ()  # and positions it leaves out
+        self._left_out: Container[tuple[int, int]] = ()  # and (position, token)s it leaves out
         # A byte-level BPE token's own text is already the text it adds (its space is in it).
         self._alone = traits is None or (traits.byte_level and not traits.cleanup)
 
     def reading(self, skip_special_tokens: bool = True,
-                left_out: Container[int] = ()) -> TokenPieces:
+                left_out: Container[tuple[int, int]] = ()) -> TokenPieces:
         """These pieces (one cache) for a text decoded with `skip_special_tokens` that also
-        leaves out the tokens at positions `left_out` (a text prompt's special tokens its
-        tokenizer added, which the text as written does not hold; the stop token or EOS that
-        ended a completion)."""
+        leaves out the tokens `left_out`, as (position, token) (a text prompt's special tokens
+        its tokenizer added, which the text as written does not hold; the stop token or EOS
+        that ended a completion; other tokens in their place, as alternatives, are shown)."""
         view = copy.copy(self)
         view._skipped = self._special if skip_special_tokens else frozenset()
         view._left_out = left_out
@@ -143,7 +143,7 @@ class TokenPieces:
     def shown(self, at: int, token: int) -> bool:
         """Whether the text holds token `token` at position `at` (a token it leaves out
         keeps its name in log-probabilities and adds nothing to the text)."""
-        return token not in self._skipped and at not in self._left_out
+        return token not in self._skipped and (at, token) not in self._left_out
 
     def after(self, ids: list[int], asked: list[tuple[int, list[int]]]
               ) -> list[list[tuple[str, bytes]]]:

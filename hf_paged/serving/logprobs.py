@@ -89,11 +89,11 @@ def token_logprobs(token_ids: list[int], entries: list, pieces: TokenPieces,
 
 @dataclass(frozen=True)
 class Echo:
-    """A prompt as `echo` returns it: its text, and the positions of its tokens that text
+    """A prompt as `echo` returns it: its text, and the tokens (position, token) that text
     leaves out (a text prompt's special tokens its tokenizer added; none where the text is
     its ids decoded, special tokens and all)."""
     text: str
-    left_out: frozenset[int] = frozenset()
+    left_out: frozenset[tuple[int, int]] = frozenset()
 
 
 def completion_pieces(pieces: TokenPieces, out: CompletionOutput, skip_special_tokens: bool,
@@ -103,16 +103,18 @@ def completion_pieces(pieces: TokenPieces, out: CompletionOutput, skip_special_t
     never holds (unless `keep_stop`: include_stop_str_in_output)."""
     ended = out.finish_reason == "stop" and not isinstance(out.stop_reason, str) \
         and not keep_stop and out.token_ids
+    last = len(out.token_ids) - 1
     return pieces.reading(skip_special_tokens,
-                          frozenset({len(out.token_ids) - 1}) if ended else ())
+                          frozenset({(last, out.token_ids[last])}) if ended else ())
 
 
 def echo_of(tokenizer, prompt: str | list[int], ids: list[int]) -> Echo:
     """A prompt as `echo` returns it: as given (without the special tokens its tokenizer
     added), or its token ids `ids` decoded."""
     if isinstance(prompt, str):
-        added = tokenizer(prompt, return_special_tokens_mask=True)["special_tokens_mask"]
-        return Echo(prompt, frozenset(i for i, bit in enumerate(added) if bit))
+        encoded = tokenizer(prompt, return_special_tokens_mask=True)
+        return Echo(prompt, frozenset((i, t) for i, (t, bit) in enumerate(zip(
+            encoded["input_ids"], encoded["special_tokens_mask"])) if bit))
     return Echo("" if tokenizer is None else tokenizer.decode(ids))
 
 

@@ -306,7 +306,8 @@ def test_the_stop_token_that_ended_a_completion_adds_nothing_to_its_text(skip):
     """A completion's text never holds the EOS or stop token that ended it (unless
     include_stop_str_in_output), yet its logprob token and offset counted it: with
     skip_special_tokens false (EOS is shown there) or a stop token that is a word, the
-    tokens did not add up to the text."""
+    tokens did not add up to the text. The other candidates at its position are named as
+    anywhere else (with their separator)."""
     from hf_paged import CompletionOutput
     from hf_paged.engine.detokenizer import TokenPieces
     from hf_paged.serving.logprobs import completion_logprobs, completion_pieces
@@ -316,7 +317,7 @@ def test_the_stop_token_that_ended_a_completion_adds_nothing_to_its_text(skip):
     for ids, reason in (([5, 9, 14, EOS], None), ([5, 9, 14], 14), ([EOS], None)):
         for keep in (False, True):
             text = tok.decode(ids if keep else ids[:-1], skip_special_tokens=skip)
-            out = CompletionOutput(0, text, ids, logprobs=[{t: -1.0} for t in ids],
+            out = CompletionOutput(0, text, ids, logprobs=[{t: -1.0, 20: -2.0} for t in ids],
                                    finish_reason="stop", stop_reason=reason)
             read = completion_pieces(pieces, out, skip, keep)
             lps = completion_logprobs(out, 0, read, 0)
@@ -325,6 +326,8 @@ def test_the_stop_token_that_ended_a_completion_adds_nothing_to_its_text(skip):
             assert all(text[at:at + len(t)] == t for at, t, j, i in zip(
                 lps["text_offset"], lps["tokens"], range(len(ids)), ids) if read.shown(j, i))
             assert lps["text_offset"][-1] == len(text) or read.shown(len(ids) - 1, ids[-1])
+            if len(ids) > 1:  # the alternative w20 after a word: with its separator
+                assert " w20" in lps["top_logprobs"][-1], lps["top_logprobs"]
 
 
 def test_echo_offsets_leave_out_the_special_tokens_a_text_prompt_gained():
