@@ -32,7 +32,7 @@ class ModelWatch:
         # Randomness the model would draw if put back in training mode: (a module whose
         # `training` says, what): a dropout module, or one its forward applies from the
         # config (Falcon's `hidden_dropout` through `dropout_add`, an MoE router's jitter).
-        self.dropout = next(((m, f"dropout (p={m.p})") for m in model.modules()
+        self.randomness = next(((m, f"dropout (p={m.p})") for m in model.modules()
                              if isinstance(m, torch.nn.Dropout) and m.p > 0), None) \
             or _config_randomness(model)
         # One parameter: a model cast or moved after this would write keys and values of
@@ -54,9 +54,9 @@ class ModelWatch:
                 f"the model is now {p.dtype} on {p.device}, but this engine was built for "
                 f"{self.built_for[0]} on {self.built_for[1]}: its KV pool holds that. Build a "
                 "new LLM (or LLMEngine) on the model as it is now, or cast or move it back.")
-        if self.dropout is not None and self.dropout[0].training:
+        if self.randomness is not None and self.randomness[0].training:
             raise ModelChangedError(
-                f"the model is in training mode (model.train()) and has {self.dropout[1]}: "
+                f"the model is in training mode (model.train()) and has {self.randomness[1]}: "
                 "its tokens would be random. Call model.eval() first.")
 
     def changed(self, model) -> tuple[bool, bool]:

@@ -439,7 +439,8 @@ def build_app(model=None, tokenizer=None, *, llm: AsyncLLM | None = None,
         if results is None:
             return Response(status_code=499)
         return await server.respond(chat_response, rid, body.model, results[0],
-                                    server.pieces.reading(body.skip_special_tokens), top or 0, tools, server.llm.tokenizer, body.echoed(),
+                                    server.pieces.reading(body.skip_special_tokens), top or 0,
+                                    tools, server.llm.tokenizer, body.echoed(),
                                     body.prompt_logprobs)
 
     document(app, [CompletionRequest, ChatCompletionRequest, *EXTRA_BODIES])

@@ -156,7 +156,7 @@ async def completion_events(server, body, rid, streams, echo=None):
     yield "data: [DONE]\n\n"
 
 
-def _tool_choice(server, tools, c, sent: list, top: int) -> dict:
+def _tool_choice(server, pieces, tools, c, sent: list, top: int) -> dict:
     """The last chunk of a held answer: what is left of its content, then its calls, with
     the logprobs of the tokens held (as a response without streaming has them)."""
     content, calls = tools.answer(c, server.llm.tokenizer)
@@ -166,8 +166,7 @@ def _tool_choice(server, tools, c, sent: list, top: int) -> dict:
         delta["content"] = rest
     if calls:
         delta["tool_calls"] = [call.as_openai(i) for i, call in enumerate(calls)]
-    logprobs = None if c.logprobs is None else chat_logprobs(
-        c, sent[0], server.pieces.reading(tools.skip_special_tokens), top)
+    logprobs = None if c.logprobs is None else chat_logprobs(c, sent[0], pieces, top)
     sent[:] = [len(c.token_ids), len(c.text), True]
     return {"index": c.index, "delta": delta, "logprobs": logprobs,
             "finish_reason": tools.finish_reason(c, calls),
@@ -200,7 +199,7 @@ async def chat_events(server, body, rid, stream, top, tools=None):
                     if c.finished and not deltas.sent[c.index][2]:  # (once: with n > 1,
                         # later outputs still show a choice that has ended)
                         yield _sse(dict(head, choices=[_tool_choice(
-                            server, tools, c, deltas.sent[c.index], top)]))
+                            server, pieces, tools, c, deltas.sent[c.index], top)]))
                     continue
                 delta = deltas.next(c.index, c)
                 if delta is None:
